@@ -1,0 +1,16 @@
+# The README's first two commands. Both start with `setup`, so each works on a fresh machine.
+PYTHON ?= python3
+
+.PHONY: setup demo test
+
+# torch first: a plain `torch` requirement pulls a multi-GB CUDA build on a CPU machine, so install the
+# pinned CPU release where no torch is present, and keep whatever torch a GPU machine already has.
+setup:
+	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
+	$(PYTHON) -m pip install -q -e ".[test]"
+
+demo: setup
+	$(PYTHON) -m fvgraph generate --card tiny-wan --prompt "a red fox running through fresh snow" --output outputs/tiny-wan.gif
+
+test: setup
+	$(PYTHON) -m pytest -m "not gpu" -q

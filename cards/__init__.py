@@ -1,0 +1,25 @@
+"""Model cards, one file per model family; this registry is how the runtime selects a card by name."""
+
+from __future__ import annotations
+
+from fvgraph.card import ModelCard
+from fvgraph.cards.wan import CARDS as _WAN_CARDS
+
+DEFAULT_CARD = "tiny-wan"
+_REGISTRY: dict[str, ModelCard] = {card.card_id: card for card in _WAN_CARDS}
+
+
+class UnknownCardError(KeyError):
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def card_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_card(name: str) -> ModelCard:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownCardError(f"unknown card {name!r}; known cards: {', '.join(card_names())}") from None

@@ -1,0 +1,133 @@
+"""Wan 2.1 text-to-video cards: the released 1.3B and 14B models and the embedded `tiny-wan`.
+
+All three use diffusers' own classes (WanTransformer3DModel, AutoencoderKLWan, UMT5EncoderModel), so a
+user's diffusers checkpoint folder loads as it is. `tiny-wan` is the same architecture at a tiny
+config with deterministic seeded weights and an offline byte-level tokenizer: the whole pipeline runs
+on a CPU in seconds, which is what the tests and the README's first command use.
+"""
+
+from __future__ import annotations
+
+from fvgraph.card import (
+    ComponentSpec,
+    ModelCard,
+    ParitySpec,
+    RecipeSpec,
+    SamplerSpec,
+    ShapeRules,
+    Tolerance,
+)
+
+# diffusers' UniPCMultistepScheduler config shipped with the Wan 2.1 diffusers checkpoints (480p shift).
+WAN_UNIPC = SamplerSpec(
+    name="unipc",
+    config={
+        "num_train_timesteps": 1000,
+        "prediction_type": "flow_prediction",
+        "use_flow_sigmas": True,
+        "flow_shift": 3.0,
+        "solver_order": 2,
+        "solver_type": "bh2",
+        "lower_order_final": True,
+        "final_sigmas_type": "zero",
+    },
+)
+
+# Released transformer configs; perf/ builds randomly initialised models at these sizes.
+WAN_1_3B_TRANSFORMER = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 12,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 8960,
+    "num_layers": 30,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
+WAN_14B_TRANSFORMER = {**WAN_1_3B_TRANSFORMER, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
+
+PARITY = ParitySpec(
+    tolerances={
+        "fp32": {"component": Tolerance(atol=1e-5, rtol=1e-4), "loop": Tolerance(atol=1e-4, rtol=1e-3)},
+        "bf16": {"component": Tolerance(atol=2e-2, rtol=2e-2), "loop": Tolerance(atol=8e-2, rtol=5e-2)},
+        "fp8": {"component": Tolerance(atol=8e-2, rtol=8e-2), "loop": Tolerance(atol=2.5e-1, rtol=1.5e-1)},
+    }
+)
+
+
+def _components(dit: dict | None, vae: dict | None, te: dict | None, tok: dict | None, dit_dtype: str) -> dict:
+    return {
+        "transformer": ComponentSpec(
+            kind="dit", cls="diffusers.WanTransformer3DModel", subfolder="transformer", config=dit, dtype=dit_dtype
+        ),
+        "vae": ComponentSpec(kind="vae", cls="diffusers.AutoencoderKLWan", subfolder="vae", config=vae, dtype="fp32"),
+        "text_encoder": ComponentSpec(
+            kind="text_encoder",
+            cls="transformers.UMT5EncoderModel",
+            subfolder="text_encoder",
+            config=te,
+            dtype=dit_dtype,
+        ),
+        "tokenizer": ComponentSpec(kind="tokenizer", cls="transformers.AutoTokenizer", subfolder="tokenizer", config=tok),
+    }
+
+
+def _released(card_id: str) -> ModelCard:
+    return ModelCard(
+        card_id=card_id,
+        family="wan",
+        components=_components(None, None, None, None, "bf16"),
+        loops=("t2v",),
+        recipe=RecipeSpec(
+            method="base", assumes_loop="t2v", sampler=WAN_UNIPC, default_steps=50, allowed_steps=(1, 100),
+            precision="bf16", default_guidance_scale=5.0,
+        ),
+        parity=PARITY,
+        shapes=ShapeRules(text_len=512, text_dim=4096),
+    )  # fmt: skip
+
+
+WAN_2_1_T2V_1_3B = _released("wan2.1-t2v-1.3b")
+WAN_2_1_T2V_14B = _released("wan2.1-t2v-14b")
+
+TINY_TEXT_LEN = 32
+TINY_WAN = ModelCard(
+    card_id="tiny-wan",
+    family="wan",
+    components=_components(
+        dit={
+            **WAN_1_3B_TRANSFORMER,
+            "num_attention_heads": 2,
+            "attention_head_dim": 12,
+            "text_dim": 32,
+            "ffn_dim": 64,
+            "num_layers": 2,
+            "rope_max_seq_len": 64,
+        },
+        vae={"base_dim": 8, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1},
+        te={
+            "vocab_size": 259, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4,
+            "relative_attention_num_buckets": 8, "dropout_rate": 0.0,
+        },
+        tok={"model_max_length": TINY_TEXT_LEN},
+        dit_dtype="fp32",
+    ),
+    loops=("t2v",),
+    recipe=RecipeSpec(
+        method="base", assumes_loop="t2v", sampler=WAN_UNIPC, default_steps=8, allowed_steps=(1, 50),
+        precision="fp32", default_guidance_scale=5.0,
+    ),
+    parity=PARITY,
+    shapes=ShapeRules(
+        text_len=TINY_TEXT_LEN, text_dim=32, max_height=256, max_width=256, max_frames=33,
+        default_height=64, default_width=64, default_frames=9,
+    ),
+    seed=0,
+)  # fmt: skip
+
+CARDS = (TINY_WAN, WAN_2_1_T2V_1_3B, WAN_2_1_T2V_14B)

@@ -1,0 +1,14 @@
+"""fvgraph: a compiled runtime for video and image diffusion transformers.
+
+    import fvgraph
+    engine = fvgraph.Engine.from_card("tiny-wan")
+    results = engine.generate([fvgraph.Request(prompt="a red fox", num_inference_steps=8, seed=0)])
+"""
+
+from fvgraph.card import ModelCard
+from fvgraph.cards import card_names, get_card
+from fvgraph.engine import Engine
+from fvgraph.request import Request, RequestRejected, Result
+
+__all__ = ["Engine", "ModelCard", "Request", "RequestRejected", "Result", "card_names", "get_card"]
+__version__ = "0.1.0"

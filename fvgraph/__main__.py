@@ -1,0 +1,3 @@
+from fvgraph.cli import app
+
+app(prog_name="fvgraph")

@@ -1,0 +1,147 @@
+"""ModelCard: the typed, validated description of a servable model.
+
+A card owns what a model *is* (its components and where their weights come from), the loops it can
+run, the recipe that produced the weights (and so the sampler and step counts they assume), the
+parity tolerances its faster paths must meet, and its capabilities. Everything here is validated
+before a single weight loads; compile, graphs and caches are applied from outside.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ComponentSpec(_Spec):
+    """One component (DiT, VAE, text encoder, tokenizer) and how to obtain its weights."""
+
+    kind: Literal["dit", "vae", "text_encoder", "tokenizer"]
+    cls: str = Field(description="Import path of the class, e.g. 'diffusers.WanTransformer3DModel'.")
+    subfolder: str = Field(description="Folder of this component inside a diffusers checkpoint.")
+    config: dict[str, Any] | None = Field(
+        default=None, description="Constructor config for seeded weights; None = load from a checkpoint."
+    )
+    dtype: Precision = Field(default="fp32", description="Dtype the component runs in.")
+
+    @field_validator("cls")
+    @classmethod
+    def _importable_path(cls, value: str) -> str:
+        module, _, name = value.rpartition(".")
+        if not module or not name:
+            raise ValueError(f"cls={value!r} must be a dotted import path like 'diffusers.AutoencoderKLWan'")
+        return value
+
+    def resolve_class(self) -> type:
+        module, _, name = self.cls.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+class SamplerSpec(_Spec):
+    """The sampler the recipe assumes; `config` is the diffusers scheduler config it mirrors."""
+
+    name: Literal["unipc", "flow_euler"]
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+class RecipeSpec(_Spec):
+    """What produced the weights, and therefore what the weights assume at serve time."""
+
+    method: str = Field(description="'base' for a pretrained model, or the distillation/QAT method.")
+    assumes_loop: str = Field(description="The loop id these weights require.")
+    sampler: SamplerSpec
+    default_steps: int = Field(gt=0)
+    allowed_steps: tuple[int, int] = Field(description="Inclusive (min, max) num_inference_steps.")
+    precision: Precision = "bf16"
+    default_guidance_scale: float = 5.0
+
+    @model_validator(mode="after")
+    def _default_within_allowed(self) -> RecipeSpec:
+        lo, hi = self.allowed_steps
+        if not 1 <= lo <= hi:
+            raise ValueError(f"allowed_steps={self.allowed_steps} must satisfy 1 <= min <= max")
+        if not lo <= self.default_steps <= hi:
+            raise ValueError(f"default_steps={self.default_steps} is outside allowed_steps={self.allowed_steps}")
+        return self
+
+
+class Tolerance(_Spec):
+    """Elementwise tolerance: a tensor passes when |a - b| <= atol + rtol * |b| everywhere."""
+
+    atol: float = Field(ge=0)
+    rtol: float = Field(ge=0)
+
+
+class ParitySpec(_Spec):
+    """Declared tolerances per precision and level ('component': one step; 'loop': final latents)."""
+
+    tolerances: dict[Precision, dict[Literal["component", "loop"], Tolerance]]
+
+    def tolerance(self, precision: str, level: str = "loop") -> Tolerance:
+        try:
+            return self.tolerances[precision][level]
+        except KeyError:
+            raise KeyError(f"card declares no parity tolerance for precision={precision!r} level={level!r}") from None
+
+
+class Capabilities(_Spec):
+    text_to_video: bool = True
+    image_to_video: bool = False
+    cfg: bool = Field(default=True, description="Classifier-free guidance (two branches per step).")
+
+
+class ShapeRules(_Spec):
+    """Geometry the model can generate; requests outside it are rejected before any work."""
+
+    spatial_multiple: int = Field(default=16, description="height/width must be multiples of this.")
+    temporal_multiple: int = Field(default=4, description="num_frames must be k * this + 1.")
+    max_height: int = 1280
+    max_width: int = 1280
+    max_frames: int = 129
+    default_height: int = 480
+    default_width: int = 832
+    default_frames: int = 81
+    text_len: int = Field(description="Text sequence length the encoder pads to (Wan: 512).")
+    text_dim: int = Field(description="Width of the text encoder's hidden states.")
+
+
+class ModelCard(_Spec):
+    """A servable model: components, loops, recipe, parity and capabilities as one validated unit."""
+
+    card_id: str
+    family: str
+    components: dict[str, ComponentSpec]
+    loops: tuple[str, ...]
+    recipe: RecipeSpec
+    parity: ParitySpec
+    capabilities: Capabilities = Capabilities()
+    shapes: ShapeRules
+    seed: int | None = Field(
+        default=None, description="Seed for deterministic weights when the card embeds its own (no checkpoint)."
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelCard:
+        required = {"transformer", "vae", "text_encoder", "tokenizer"}
+        missing = required - set(self.components)
+        if missing:
+            raise ValueError(f"card {self.card_id!r}: components is missing {sorted(missing)}")
+        if self.recipe.assumes_loop not in self.loops:
+            raise ValueError(
+                f"card {self.card_id!r}: recipe.assumes_loop={self.recipe.assumes_loop!r} is not one of loops={self.loops}"
+            )
+        if self.recipe.precision not in self.parity.tolerances:
+            raise ValueError(f"card {self.card_id!r}: parity declares no tolerance for precision {self.recipe.precision!r}")
+        return self
+
+    @property
+    def embeds_weights(self) -> bool:
+        """True when every component can be built from the card alone (seeded weights)."""
+        return all(spec.config is not None for spec in self.components.values())

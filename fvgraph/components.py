@@ -1,0 +1,135 @@
+"""Component instances for a card: built from seeded weights or loaded from a diffusers folder.
+
+A checkpoint is a diffusers folder on local disk (model_index.json, one subfolder per component,
+safetensors shards with their index). Nothing here downloads: a missing folder or file is an error
+that names the path.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fvgraph.byte_tokenizer import build_byte_tokenizer
+from fvgraph.card import ComponentSpec, ModelCard
+from fvgraph.samplers import diffusers_scheduler
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is missing, incomplete or does not match the card."""
+
+
+@dataclass
+class Components:
+    """The loaded model: eval-mode modules on one device, plus the tokenizer."""
+
+    transformer: nn.Module
+    vae: nn.Module
+    text_encoder: nn.Module
+    tokenizer: object
+    device: torch.device
+
+    def save_pretrained(self, folder: str | Path, card: ModelCard, max_shard_size: str | None = None) -> Path:
+        """Write a diffusers-layout checkpoint (what users' folders look like) for this model."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        shard = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        self.transformer.save_pretrained(folder / "transformer", **shard)
+        self.vae.save_pretrained(folder / "vae")
+        self.text_encoder.save_pretrained(folder / "text_encoder", **shard)
+        self.tokenizer.save_pretrained(folder / "tokenizer")
+        index = {
+            "_class_name": "WanPipeline",
+            "transformer": ["diffusers", type(self.transformer).__name__],
+            "vae": ["diffusers", type(self.vae).__name__],
+            "text_encoder": ["transformers", type(self.text_encoder).__name__],
+            "tokenizer": ["transformers", "AutoTokenizer"],
+        }
+        scheduler = diffusers_scheduler(card.recipe.sampler)
+        scheduler.save_pretrained(folder / "scheduler")
+        index["scheduler"] = ["diffusers", type(scheduler).__name__]
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+        return folder
+
+
+def _build_seeded(name: str, spec: ComponentSpec, seed: int, card: ModelCard):
+    """Deterministic weights: each component draws from its own generator state seeded by card seed + name."""
+    if spec.kind == "tokenizer":
+        return build_byte_tokenizer(model_max_length=card.shapes.text_len)
+    cls = spec.resolve_class()
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
+        torch.manual_seed(seed + sum(name.encode()))
+        if cls.__module__.startswith("transformers"):
+            module = cls(cls.config_class(**spec.config))
+        else:
+            module = cls(**spec.config)
+    return _cast(module, DTYPES[spec.dtype])
+
+
+def _cast(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast like from_pretrained(torch_dtype=...): submodules a model keeps in fp32 stay fp32."""
+    if dtype == torch.float32:  # constructors already build fp32 weights
+        return module
+    nn.Module.to(module, dtype)  # plain cast; the fp32 exceptions are restored just below
+    keep = getattr(module, "_keep_in_fp32_modules", None) or []
+    if dtype != torch.float32 and keep:
+        for name, sub in module.named_modules():
+            if any(part in keep for part in name.split(".")):
+                sub.to(torch.float32)
+    return module
+
+
+def _load_from_folder(name: str, spec: ComponentSpec, folder: Path, dtype: torch.dtype):
+    path = folder / spec.subfolder
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {folder}: component {name!r} expects folder {path}, which does not exist")
+    if spec.kind == "tokenizer":
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(path)
+    cls = spec.resolve_class()
+    if cls.__module__.startswith("transformers"):
+        return cls.from_pretrained(path, dtype=dtype)
+    return cls.from_pretrained(path, torch_dtype=dtype)
+
+
+def _own_storage(module: nn.Module) -> None:
+    """Copy tensors out of the memory-mapped safetensors file into fresh, aligned allocations.
+
+    Mapped tensors sit at arbitrary byte offsets, and CPU BLAS picks other code paths for unaligned
+    operands: results then differ in the last bit from the same weights held in ordinary memory.
+    """
+    for tensor in (*module.parameters(), *module.buffers()):
+        tensor.data = tensor.data.clone()
+
+
+def load_components(card: ModelCard, checkpoint: str | Path | None, device: torch.device) -> Components:
+    """Build (card seed) or load (checkpoint folder) every component, cast and placed on `device`."""
+    folder = None
+    if checkpoint is not None:
+        folder = Path(checkpoint)
+        if not (folder / "model_index.json").is_file():
+            raise CheckpointError(f"checkpoint={str(folder)!r} is not a diffusers folder: model_index.json not found")
+    elif not card.embeds_weights:
+        raise CheckpointError(
+            f"card {card.card_id!r} has no embedded weights: pass checkpoint=<local diffusers folder>"
+        )
+    built = {}
+    with torch.device("cpu"):
+        for name, spec in card.components.items():
+            if folder is None:
+                module = _build_seeded(name, spec, card.seed or 0, card)
+            else:
+                module = _load_from_folder(name, spec, folder, DTYPES[spec.dtype])
+            if isinstance(module, nn.Module):
+                module = module.to(device).eval().requires_grad_(False)
+                if folder is not None and device.type == "cpu":
+                    _own_storage(module)
+            built[name] = module
+    return Components(device=device, **built)

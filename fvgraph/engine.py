@@ -1,0 +1,127 @@
+"""Engine: loads a card once and drives many requests' loops, interleaved step by step.
+
+    engine = Engine.from_card("tiny-wan")
+    results = engine.generate([Request(prompt="a red fox", seed=0), Request(prompt="snow", seed=1)])
+
+Each tick asks every running request's loop for its next WorkPlan and executes it. A request that is
+rejected (bad input for this card) or fails (an error in one of its steps) gets a Result saying so;
+the other requests carry on. The engine itself holds no per-request state: that is all in each
+request's loop state, which `start` / `step` / `finish` expose for saving and resuming.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from fvgraph.card import ModelCard
+from fvgraph.cards import get_card
+from fvgraph.components import load_components
+from fvgraph.executor import EagerExecutor, build_steps
+from fvgraph.loop import Done
+from fvgraph.request import Request, RequestRejected, Result
+from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, T2VState, TextToVideoLoop
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[T2VState, str], None]
+OPT_LEVELS = {0: "eager"}
+
+
+class Engine:
+    def __init__(self, card: ModelCard, loop: TextToVideoLoop, executor: EagerExecutor, opt_level: int):
+        self.card = card
+        self.loop = loop
+        self.executor = executor
+        self.opt_level = opt_level
+
+    @classmethod
+    def from_card(
+        cls,
+        card: str | ModelCard,
+        checkpoint: str | Path | None = None,
+        opt_level: int = 0,
+        device: str | torch.device | None = None,
+        cache_dir: str | Path | None = None,
+    ) -> Engine:
+        """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`)."""
+        card = get_card(card) if isinstance(card, str) else card
+        if opt_level not in OPT_LEVELS:
+            raise ValueError(
+                f"opt_level={opt_level} is not available; this build supports {sorted(OPT_LEVELS)} "
+                f"({', '.join(OPT_LEVELS.values())})"
+            )
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        components = load_components(card, checkpoint, device)
+        loop = TextToVideoLoop(card, components)
+        return cls(card, loop, EagerExecutor(build_steps(loop)), opt_level)
+
+    # -- one request at a time -------------------------------------------------------------------
+
+    def start(self, request: Request) -> T2VState:
+        """Check `request` against the card and build its loop state. Raises RequestRejected."""
+        return self.loop.init(request.resolve(self.card))
+
+    def resume(self, state: T2VState) -> T2VState:
+        """Adopt a state saved by another engine (same card); it continues where it stopped."""
+        self.loop.check_state(state)
+        device = self.loop.components.device
+        for name in ("latents", "prompt_embeds", "negative_prompt_embeds"):
+            value = getattr(state, name)
+            if value is not None:
+                setattr(state, name, value.to(device))
+        state.carry = [t.to(device) for t in state.carry]
+        return state
+
+    def step(self, state: T2VState, on_step: StepCallback | None = None) -> bool:
+        """Run the request's next step. Returns False once the loop is done."""
+        plan = self.loop.next(state)
+        if isinstance(plan, Done):
+            return False
+        began = time.perf_counter()
+        result = self.executor.run(plan)
+        phase = "denoise" if plan.kind in (DENOISE, DENOISE_CFG) else plan.kind
+        state.timings[phase] = state.timings.get(phase, 0.0) + time.perf_counter() - began
+        self.loop.advance(state, result)
+        if on_step is not None:
+            on_step(state, plan.kind)
+        return True
+
+    def finish(self, state: T2VState) -> Result:
+        while self.step(state):
+            pass
+        return self.loop.finalize(state)
+
+    # -- many requests, interleaved ----------------------------------------------------------------
+
+    def generate(self, requests: Sequence[Request], on_step: StepCallback | None = None) -> list[Result]:
+        """Run every request to completion, one step of each per tick; results in request order."""
+        began = time.perf_counter()
+        results: dict[str, Result] = {}
+        running: list[T2VState] = []
+        for request in requests:
+            try:
+                running.append(self.start(request))
+            except (RequestRejected, ValidationError) as err:
+                log.warning("request %s rejected: %s", request.request_id, err)
+                results[request.request_id] = Result(request.request_id, "rejected", seed=request.seed, error=str(err))
+        while running:
+            still_running = []
+            for state in running:
+                try:
+                    if self.step(state, on_step):
+                        still_running.append(state)
+                        continue
+                    result = self.loop.finalize(state)
+                except Exception as err:  # one request's failure must not take the others down
+                    log.exception("request %s failed at %s step %d", state.request_id, state.phase, state.step_index)
+                    result = Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err))
+                result.timings["total"] = time.perf_counter() - began
+                results[state.request_id] = result
+            running = still_running
+        return [results[r.request_id] for r in requests]

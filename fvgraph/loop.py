@@ -1,0 +1,81 @@
+"""The driven-loop contract: a loop describes its next step; the runtime decides when and with whom it runs.
+
+    state = loop.init(request)
+    while not isinstance(plan := loop.next(state), Done):
+        result = runtime.execute(plan)        # the only place kernels run: batched, compiled, graphed
+        loop.advance(state, result)
+    result = loop.finalize(state)
+
+`next()` is kernel-free: it reads the state and names the step kind, its shape signature and its input
+tensors. All per-request state lives in the loop's state object, which is serializable, so a request
+can stop between any two steps and resume elsewhere with the same result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+StepResult = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ShapeSignature:
+    """What must match for two plans to run as one batch: step kind and every input's shape past the
+    batch dim and dtype. Per-request scalars are [B] tensors, so they never split a signature."""
+
+    kind: str
+    inputs: tuple[tuple[str, tuple[int, ...], str], ...]
+
+    @classmethod
+    def of(cls, kind: str, inputs: dict[str, torch.Tensor]) -> ShapeSignature:
+        facts = tuple((name, tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for name, t in inputs.items())
+        return cls(kind, facts)
+
+
+@dataclass
+class WorkPlan:
+    """One step of one request: `inputs` are batch-1 tensors, keyed by the step function's arguments."""
+
+    request_id: str
+    kind: str
+    inputs: dict[str, torch.Tensor]
+    step_index: int = 0
+    signature: ShapeSignature = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.signature = ShapeSignature.of(self.kind, self.inputs)
+
+
+@dataclass(frozen=True)
+class Done:
+    """The loop has nothing left to run; `finalize()` builds the result."""
+
+
+class Loop(Protocol):
+    def init(self, request: Any) -> Any: ...
+
+    def next(self, state: Any) -> WorkPlan | Done: ...
+
+    def advance(self, state: Any, result: StepResult) -> Any: ...
+
+    def finalize(self, state: Any) -> Any: ...
+
+
+class SerializableState:
+    """Mixin for dataclass loop states: save/load as plain tensors and Python values (weights_only safe)."""
+
+    def save(self, path: str | Path) -> None:
+        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        torch.save({"type": type(self).__name__, "fields": payload}, path)
+
+    @classmethod
+    def load(cls, path: str | Path):
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+        if blob.get("type") != cls.__name__:
+            raise ValueError(f"{path}: holds a {blob.get('type')!r}, expected a {cls.__name__}")
+        return cls(**blob["fields"])

@@ -1,0 +1,156 @@
+"""Request and Result: what crosses the public API boundary.
+
+Argument names follow diffusers (prompt, negative_prompt, num_inference_steps, guidance_scale,
+height, width, num_frames, output_type). Rules that hold for any card are checked when a Request is
+built (pydantic ValidationError, naming the field); rules that depend on the card (step range the
+recipe allows, text width, maximum size) are checked by `resolve()`, which raises RequestRejected.
+Either way the engine is untouched and serves the next request.
+"""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from fvgraph.card import ModelCard
+
+
+class RequestRejected(ValueError):
+    """A request this card cannot serve; the message names the field, the value and the rule."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        super().__init__(f"{field_name}: {message}")
+
+
+def _check_embeds(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() == 3 and value.shape[0] == 1:
+        value = value[0]
+    if value.dim() != 2:
+        raise ValueError(f"{name} must have shape [seq_len, dim] or [1, seq_len, dim], got {list(value.shape)}")
+    if not value.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
+    if not torch.isfinite(value).all():
+        raise ValueError(f"{name} contains NaN or Inf values")
+    return value.detach()
+
+
+class Request(BaseModel):
+    """One text-to-video generation. Fields left None take the card's defaults in `resolve()`."""
+
+    model_config = ConfigDict(extra="forbid", arbitrary_types_allowed=True, validate_assignment=True)
+
+    prompt: str | None = None
+    negative_prompt: str | None = Field(default=None, description="Defaults to '' when guidance is on.")
+    prompt_embeds: torch.Tensor | None = Field(default=None, description="[seq_len, dim] or [1, seq_len, dim].")
+    negative_prompt_embeds: torch.Tensor | None = None
+    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0, description="<= 1 disables CFG, as diffusers.")
+    height: int | None = Field(default=None, gt=0)
+    width: int | None = Field(default=None, gt=0)
+    num_frames: int | None = Field(default=None, gt=0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    output_type: Literal["np", "latent"] = "np"
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    @field_validator("height", "width")
+    @classmethod
+    def _multiple_of_16(cls, value: int | None, info) -> int | None:
+        if value is not None and value % 16:
+            raise ValueError(f"{info.field_name}={value} must be a multiple of 16 (VAE x8, patch x2)")
+        return value
+
+    @field_validator("num_frames")
+    @classmethod
+    def _four_k_plus_one(cls, value: int | None) -> int | None:
+        if value is not None and value % 4 != 1:
+            raise ValueError(f"num_frames={value} must be 4k+1 (1, 5, 9, ...): the VAE packs 4 frames per latent")
+        return value
+
+    @field_validator("guidance_scale")
+    @classmethod
+    def _finite_guidance(cls, value: float | None) -> float | None:
+        if value is not None and not np.isfinite(value):
+            raise ValueError("guidance_scale must be a finite number")
+        return value
+
+    @field_validator("prompt_embeds", "negative_prompt_embeds")
+    @classmethod
+    def _valid_embeds(cls, value, info):
+        return _check_embeds(info.field_name, value)
+
+    @model_validator(mode="after")
+    def _has_text(self) -> Request:
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ValueError("one of prompt or prompt_embeds is required")
+        if self.prompt is not None and self.prompt_embeds is not None:
+            raise ValueError("pass prompt or prompt_embeds, not both")
+        if self.negative_prompt is not None and self.negative_prompt_embeds is not None:
+            raise ValueError("pass negative_prompt or negative_prompt_embeds, not both")
+        return self
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.guidance_scale is not None and self.guidance_scale > 1.0
+
+    def resolve(self, card: ModelCard) -> Request:
+        """A copy with every default filled from the card, checked against the card's rules."""
+        recipe, shapes = card.recipe, card.shapes
+        values = self.model_dump()
+        values["num_inference_steps"] = self.num_inference_steps or recipe.default_steps
+        values["guidance_scale"] = (
+            recipe.default_guidance_scale if self.guidance_scale is None else self.guidance_scale
+        )
+        values["height"] = self.height or shapes.default_height
+        values["width"] = self.width or shapes.default_width
+        values["num_frames"] = self.num_frames or shapes.default_frames
+        values["seed"] = secrets.randbelow(2**31) if self.seed is None else self.seed
+        lo, hi = recipe.allowed_steps
+        if not lo <= values["num_inference_steps"] <= hi:
+            raise RequestRejected(
+                "num_inference_steps",
+                f"{values['num_inference_steps']} is outside [{lo}, {hi}], the range card {card.card_id!r} "
+                f"allows (recipe {recipe.method!r}, sampler {recipe.sampler.name!r})",
+            )
+        for name, limit in (("height", shapes.max_height), ("width", shapes.max_width), ("num_frames", shapes.max_frames)):
+            if values[name] > limit:
+                raise RequestRejected(name, f"{values[name]} exceeds card {card.card_id!r}'s maximum of {limit}")
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
+            embeds = values[name]
+            if embeds is not None and (embeds.shape[1] != shapes.text_dim or embeds.shape[0] > shapes.text_len):
+                raise RequestRejected(
+                    name,
+                    f"shape {list(embeds.shape)} does not fit card {card.card_id!r}: expected "
+                    f"[seq_len <= {shapes.text_len}, {shapes.text_dim}]",
+                )
+        return Request.model_validate(values)
+
+
+Status = Literal["ok", "rejected", "failed", "cancelled"]
+
+
+@dataclass
+class Result:
+    """What a request produced. `frames` is uint8 [T, H, W, 3]; `latents` the final latents (CPU)."""
+
+    request_id: str
+    status: Status
+    seed: int | None = None
+    frames: np.ndarray | None = None
+    latents: torch.Tensor | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"

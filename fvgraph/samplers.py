@@ -1,0 +1,214 @@
+"""Samplers as pure tensor updates with host-planned coefficients.
+
+diffusers' schedulers keep their progress in the scheduler object (step index, model-output history),
+so one instance cannot serve interleaved requests, and their Python branches on the step index cannot
+live in one compiled graph. Here a sampler is split in two:
+
+- `plan(num_steps)` (host, once per request): the timesteps diffusers' own `set_timesteps` produces,
+  and one row of float coefficients per step. Every branch on the step index (warm-up order,
+  corrector on/off, the final step) is folded into these numbers.
+- `update(sample, model_output, carry, coeffs)` (inside the step): a fixed linear combination, the
+  same ops at every step, with per-request coefficients as batch-dim tensors. Requests at different
+  steps therefore share one graph, and the per-request history (`carry`) lives in the request's state.
+
+Flow-matching Euler:  x' = x + (sigma_next - sigma) * v.
+UniPC (bh1/bh2, predict_x0, flow sigmas), as diffusers' UniPCMultistepScheduler: with x0 = x - sigma*v,
+the corrector rebuilds the current sample from the previous one and the x0 history, then the predictor
+steps to the next sigma. Both are linear in (x, x_last, x0, history), so each reduces to a row of weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+from fvgraph.card import SamplerSpec
+
+
+@dataclass(frozen=True)
+class SamplerPlan:
+    """Per-request schedule: `timesteps[i]` feeds the denoiser at step i, `coeffs[i]` the update."""
+
+    timesteps: torch.Tensor  # [N], the dtype diffusers uses
+    coeffs: torch.Tensor  # [N, num_coeffs] float32
+
+
+class FlowEulerSampler:
+    """diffusers FlowMatchEulerDiscreteScheduler as (sigma, dt) per step; carries no history."""
+
+    history = 0
+
+    def __init__(self, config: dict):
+        self._scheduler = FlowMatchEulerDiscreteScheduler(**config)  # schedule only; never stepped
+
+    def plan(self, num_steps: int) -> SamplerPlan:
+        self._scheduler.set_timesteps(num_steps, device="cpu")
+        sigmas = self._scheduler.sigmas.to(torch.float32)
+        coeffs = torch.stack([sigmas[:-1], sigmas[1:] - sigmas[:-1]], dim=1)
+        return SamplerPlan(self._scheduler.timesteps.clone(), coeffs)
+
+    def initial_carry(self, sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    @staticmethod
+    def update(sample, model_output, carry, coeffs):
+        dt = _per_row(coeffs[:, 1], sample)
+        return sample + dt * model_output.to(sample.dtype), ()
+
+
+class UniPCSampler:
+    """diffusers UniPCMultistepScheduler (flow sigmas, predict_x0) with coefficients planned ahead.
+
+    Coefficient row layout for K = solver_order history slots of past x0 (h_0 newest):
+      [sigma, c_x, c_last, c_h[0..K), c_x0, p_x, p_x0, p_h[0..K)]
+    corrected = c_x*x + c_last*x_last + sum_k c_h[k]*h_k + c_x0*x0
+    next      = p_x*corrected + p_x0*x0 + sum_k p_h[k]*h_k
+    and the history shifts to (x0, h_0, ..., h_{K-2}).
+    """
+
+    def __init__(self, config: dict):
+        self._scheduler = UniPCMultistepScheduler(**config)
+        cfg = self._scheduler.config
+        if not (cfg.use_flow_sigmas and cfg.predict_x0 and cfg.prediction_type == "flow_prediction"):
+            raise ValueError(
+                "sampler 'unipc' supports use_flow_sigmas=True, predict_x0=True, prediction_type='flow_prediction' "
+                f"(got {cfg.use_flow_sigmas}, {cfg.predict_x0}, {cfg.prediction_type!r})"
+            )
+        if cfg.solver_type not in ("bh1", "bh2") or cfg.solver_p is not None or cfg.thresholding:
+            raise ValueError("sampler 'unipc' supports solver_type bh1/bh2 without solver_p or thresholding")
+        self.order = cfg.solver_order
+        self.history = self.order  # diffusers keeps solver_order past x0 predictions
+
+    def initial_carry(self, sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(x_last, h_0, ..., h_{K-1}); zeros weighted by zero coefficients until filled."""
+        return tuple(torch.zeros_like(sample) for _ in range(1 + self.history))
+
+    def plan(self, num_steps: int) -> SamplerPlan:
+        self._scheduler.set_timesteps(num_steps, device="cpu")
+        sigmas = self._scheduler.sigmas.to(torch.float32)
+        cfg = self._scheduler.config
+        rows, this_order, lower_order_nums = [], 0, 0
+        for i in range(num_steps):
+            corrector = None
+            if i > 0 and (i - 1) not in cfg.disable_corrector:
+                corrector = self._corrector(sigmas, i, this_order)
+            if cfg.lower_order_final:
+                this_order = min(cfg.solver_order, num_steps - i)
+            else:
+                this_order = cfg.solver_order
+            this_order = min(this_order, lower_order_nums + 1)
+            predictor = self._predictor(sigmas, i, this_order)
+            lower_order_nums = min(lower_order_nums + 1, cfg.solver_order)
+            rows.append(self._row(sigmas[i], corrector, predictor))
+        return SamplerPlan(self._scheduler.timesteps.clone(), torch.tensor(rows, dtype=torch.float32))
+
+    # -- coefficient planning (host, float32 scalars as diffusers computes them) -------------------
+
+    def _lambda(self, sigma: torch.Tensor) -> torch.Tensor:
+        alpha = 1 - sigma
+        return torch.log(alpha) - torch.log(sigma)
+
+    def _solver_terms(self, sigmas, t_idx: int, s0_idx: int, hist_idx: list[int], order: int):
+        """The shared UniPC algebra: sigma ratio, h*phi_1, B(h), the r_k and the rhos system."""
+        sigma_t, sigma_s0 = sigmas[t_idx], sigmas[s0_idx]
+        alpha_t = 1 - sigma_t
+        lambda_s0 = self._lambda(sigma_s0)
+        h = self._lambda(sigma_t) - lambda_s0
+        rks = [(self._lambda(sigmas[si]) - lambda_s0) / h for si in hist_idx[: order - 1]]
+        rks_t = torch.stack(rks + [torch.ones(())])
+        hh = -h
+        h_phi_1 = torch.expm1(hh)
+        h_phi_k = h_phi_1 / hh - 1
+        b_h = hh if self._scheduler.config.solver_type == "bh1" else torch.expm1(hh)
+        R, b, factorial_i = [], [], 1
+        for k in range(1, order + 1):
+            R.append(torch.pow(rks_t, k - 1))
+            b.append(h_phi_k * factorial_i / b_h)
+            factorial_i *= k + 1
+            h_phi_k = h_phi_k / hh - 1 / factorial_i
+        return sigma_t / sigma_s0, alpha_t, h_phi_1, b_h, rks, torch.stack(R), torch.stack(b)
+
+    def _corrector(self, sigmas, i: int, order: int) -> dict:
+        """UniC at step i: corrects x_i using x_{i-1} (x_last) and x0 history; `order` of step i-1."""
+        ratio, alpha_t, h_phi_1, b_h, rks, R, b = self._solver_terms(
+            sigmas, i, i - 1, [i - 1 - k for k in range(1, order)], order
+        )
+        rhos = torch.full((1,), 0.5) if order == 1 else torch.linalg.solve(R, b)
+        scale = alpha_t * b_h
+        # D1_k = (h_k - h_0) / r_k and D1_t = x0 - h_0, expanded into per-tensor weights.
+        h = [0.0] * self.history
+        h[0] = float(-alpha_t * h_phi_1 + scale * rhos[-1] + sum(scale * rhos[k] / rk for k, rk in enumerate(rks)))
+        for k, rk in enumerate(rks):
+            h[k + 1] = float(-scale * rhos[k] / rk)
+        return {"x": 0.0, "last": float(ratio), "h": h, "x0": float(-scale * rhos[-1])}
+
+    def _predictor(self, sigmas, i: int, order: int) -> dict:
+        """UniP from sigma_i to sigma_{i+1}; its history terms are x0_i (weight x0) and h_k = x0_{i-1-k}."""
+        if float(sigmas[i + 1]) == 0.0:  # final sigma: alpha=1, sigma=0, the update returns x0 exactly
+            return {"x": 0.0, "x0": 1.0, "h": [0.0] * self.history}
+        ratio, alpha_t, h_phi_1, b_h, rks, R, b = self._solver_terms(
+            sigmas, i + 1, i, [i - k for k in range(1, order)], order
+        )
+        if order == 1:
+            rhos = torch.zeros(0)
+        elif order == 2:
+            rhos = torch.full((1,), 0.5)
+        else:
+            rhos = torch.linalg.solve(R[:-1, :-1], b[:-1])
+        scale = alpha_t * b_h
+        x0 = float(-alpha_t * h_phi_1 + sum(scale * rhos[k] / rk for k, rk in enumerate(rks)))
+        h = [0.0] * self.history
+        for k, rk in enumerate(rks):
+            h[k] = float(-scale * rhos[k] / rk)
+        return {"x": float(ratio), "x0": x0, "h": h}
+
+    def _row(self, sigma, corrector: dict | None, predictor: dict) -> list[float]:
+        if corrector is None:  # no corrector: corrected = x
+            corrector = {"x": 1.0, "last": 0.0, "h": [0.0] * self.history, "x0": 0.0}
+        return [
+            float(sigma),
+            corrector["x"], corrector["last"], *corrector["h"], corrector["x0"],
+            predictor["x"], predictor["x0"], *predictor["h"],
+        ]  # fmt: skip
+
+    # -- the in-graph update ------------------------------------------------------------------------
+
+    def update(self, sample, model_output, carry, coeffs):
+        K = self.history
+        x_last, hist = carry[0], carry[1:]
+        col = lambda j: _per_row(coeffs[:, j], sample)  # noqa: E731
+        x0 = sample - col(0) * model_output.to(sample.dtype)
+        corrected = col(1) * sample + col(2) * x_last + col(3 + K) * x0
+        for k in range(K):
+            corrected = corrected + col(3 + k) * hist[k]
+        new_hist = (x0, *hist[:-1]) if K else ()
+        nxt = col(4 + K) * corrected + col(5 + K) * x0
+        for k in range(K):
+            nxt = nxt + col(6 + K + k) * hist[k]
+        return nxt, (corrected, *new_hist)
+
+
+def _per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A [B] coefficient broadcast over a [B, ...] tensor."""
+    return values.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
+
+
+def diffusers_scheduler(spec: SamplerSpec) -> FlowMatchEulerDiscreteScheduler | UniPCMultistepScheduler:
+    """The diffusers scheduler this sampler mirrors (the reference, and what checkpoints store)."""
+    cls = FlowMatchEulerDiscreteScheduler if spec.name == "flow_euler" else UniPCMultistepScheduler
+    return cls(**spec.config)
+
+
+def build_sampler(spec: SamplerSpec) -> FlowEulerSampler | UniPCSampler:
+    if spec.name == "flow_euler":
+        return FlowEulerSampler(spec.config)
+    return UniPCSampler(spec.config)
+
+
+def num_coeffs(sampler) -> int:
+    """Width of a coefficient row (used to validate saved states)."""
+    return 2 if isinstance(sampler, FlowEulerSampler) else 6 + 2 * sampler.history
+
+

@@ -1,0 +1,87 @@
+"""Step functions: each step kind of the text-to-video loop as a pure tensor function.
+
+A step is an nn.Module whose forward takes only tensors (per-request scalars as [B] tensors) and
+returns a dict of tensors: no `.item()`, no branch on data, so each traces with fullgraph=True and one
+compiled graph serves every request at every step. Which branches run (CFG or not) and which sampler
+updates the latents are fixed at construction, never decided per call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fvgraph.samplers import FlowEulerSampler, UniPCSampler
+
+
+class TextEncodeStep(nn.Module):
+    """Token ids -> encoder hidden states, zeroed past each sequence's length (as Wan's pipeline pads)."""
+
+    def __init__(self, text_encoder: nn.Module):
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        hidden = self.text_encoder(input_ids, attention_mask).last_hidden_state
+        keep = attention_mask.gt(0).unsqueeze(-1)
+        return {"embeds": torch.where(keep, hidden, torch.zeros_like(hidden))}
+
+
+class DenoiseStep(nn.Module):
+    """One whole denoise step: cond branch, uncond branch (when `cfg`), guidance combine, sampler update."""
+
+    def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler | UniPCSampler, cfg: bool):
+        super().__init__()
+        self.transformer = transformer
+        self.sampler = sampler
+        self.cfg = cfg
+        self.num_carry = 1 + sampler.history if isinstance(sampler, UniPCSampler) else 0
+
+    def forward(
+        self,
+        latents: torch.Tensor,  # [B, C, F, H, W] float32
+        timestep: torch.Tensor,  # [B]
+        prompt_embeds: torch.Tensor,  # [B, L, D]
+        coeffs: torch.Tensor,  # [B, num_coeffs] this step's sampler row
+        negative_prompt_embeds: torch.Tensor | None = None,  # [B, L, D] when cfg
+        guidance_scale: torch.Tensor | None = None,  # [B] when cfg
+        **carry: torch.Tensor,  # sampler history: carry_0 .. carry_{n-1}, each like latents
+    ) -> dict[str, torch.Tensor]:
+        # 1. the denoiser on the conditional branch
+        model_input = latents.to(prompt_embeds.dtype)
+        noise = self.transformer(
+            hidden_states=model_input, timestep=timestep, encoder_hidden_states=prompt_embeds, return_dict=False
+        )[0]
+        # 2. the unconditional branch and the guidance combine
+        if self.cfg:
+            noise_uncond = self.transformer(
+                hidden_states=model_input,
+                timestep=timestep,
+                encoder_hidden_states=negative_prompt_embeds,
+                return_dict=False,
+            )[0]
+            scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
+            noise = noise_uncond + scale * (noise - noise_uncond)
+        # 3. the sampler update, with this request's coefficients and history
+        history = tuple(carry[f"carry_{i}"] for i in range(self.num_carry))
+        new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
+        out = {"latents": new_latents}
+        out.update({f"carry_{i}": t for i, t in enumerate(new_history)})
+        return out
+
+
+class VaeDecodeStep(nn.Module):
+    """Normalized latents -> video in [0, 1], [B, 3, F, H, W] (diffusers' denormalize + decode + postprocess)."""
+
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.vae = vae
+        z_dim = vae.config.z_dim
+        self.register_buffer("latents_mean", torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1))
+        self.register_buffer("latents_inv_std", 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1))
+
+    def forward(self, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        dtype = self.latents_mean.dtype
+        z = latents.to(dtype) / self.latents_inv_std.to(dtype) + self.latents_mean
+        video = self.vae.decode(z, return_dict=False)[0]
+        return {"video": (video / 2 + 0.5).clamp(0, 1)}

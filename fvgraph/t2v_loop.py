@@ -1,0 +1,195 @@
+"""The text-to-video loop of Wan-class models: text_encode -> denoise x N -> vae_decode.
+
+Each phase is a step kind of its own (see steps.py). The loop is host-side bookkeeping only: it
+tokenizes, draws the initial noise, plans the sampler's coefficients once, hands out one WorkPlan at
+a time and folds each step's tensors back into the request's T2VState.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+from fvgraph.card import ModelCard
+from fvgraph.components import Components
+from fvgraph.loop import Done, SerializableState, StepResult, WorkPlan
+from fvgraph.request import Request, Result
+from fvgraph.samplers import build_sampler, num_coeffs
+
+TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
+
+
+@dataclass
+class T2VState(SerializableState):
+    """Everything one request needs between steps. Tensors live on CPU or the engine's device."""
+
+    request_id: str
+    card_id: str
+    seed: int
+    cfg: bool
+    guidance_scale: float
+    output_type: str
+    phase: str  # "encode" | "denoise" | "decode" | "done"
+    step_index: int
+    timesteps: torch.Tensor  # [N] as the diffusers scheduler emits them
+    coeffs: torch.Tensor  # [N, num_coeffs] sampler rows
+    latents: torch.Tensor  # [1, C, F, h, w] float32
+    carry: list[torch.Tensor]  # sampler history
+    input_ids: torch.Tensor | None = None  # [n_texts, L] texts still to encode: positive first
+    attention_mask: torch.Tensor | None = None
+    encode_slots: list[str] = field(default_factory=list)  # which embeds each encoded row becomes
+    prompt_embeds: torch.Tensor | None = None  # [1, L, D]
+    negative_prompt_embeds: torch.Tensor | None = None
+    video: torch.Tensor | None = None  # [1, 3, F, H, W] in [0, 1]
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step kind, kept across resume
+
+    @property
+    def num_steps(self) -> int:
+        return int(self.timesteps.shape[0])
+
+
+class TextToVideoLoop:
+    """init / next / advance / finalize for one card's t2v loop; holds no per-request state."""
+
+    loop_id = "t2v"
+
+    def __init__(self, card: ModelCard, components: Components):
+        self.card = card
+        self.components = components
+        self.sampler = build_sampler(card.recipe.sampler)
+        vae_cfg = components.vae.config
+        self.temporal_scale = 2 ** sum(vae_cfg.temperal_downsample)
+        self.spatial_scale = 2 ** len(vae_cfg.temperal_downsample)
+        self.latent_channels = components.transformer.config.in_channels
+        self.embed_dtype = next(components.transformer.parameters()).dtype
+
+    # -- init ------------------------------------------------------------------------------------
+
+    def init(self, request: Request) -> T2VState:
+        """`request` must already be resolved against this card (defaults filled, rules checked)."""
+        device = self.components.device
+        plan = self.sampler.plan(request.num_inference_steps)
+        latents = self._initial_noise(request).to(device)
+        state = T2VState(
+            request_id=request.request_id,
+            card_id=self.card.card_id,
+            seed=request.seed,
+            cfg=request.do_cfg,
+            guidance_scale=float(request.guidance_scale),
+            output_type=request.output_type,
+            phase="encode",
+            step_index=0,
+            timesteps=plan.timesteps,
+            coeffs=plan.coeffs,
+            latents=latents,
+            carry=list(self.sampler.initial_carry(latents)),
+            prompt_embeds=self._padded(request.prompt_embeds),
+            negative_prompt_embeds=self._padded(request.negative_prompt_embeds) if request.do_cfg else None,
+        )
+        texts = []
+        if state.prompt_embeds is None:
+            texts.append(("prompt_embeds", request.prompt))
+        if state.cfg and state.negative_prompt_embeds is None:
+            texts.append(("negative_prompt_embeds", request.negative_prompt or ""))
+        if texts:
+            tokens = self.components.tokenizer(
+                [prompt_clean(text) for _, text in texts],
+                padding="max_length",
+                max_length=self.card.shapes.text_len,
+                truncation=True,
+                add_special_tokens=True,
+                return_attention_mask=True,
+                return_tensors="pt",
+            )
+            state.input_ids, state.attention_mask = tokens.input_ids, tokens.attention_mask
+            state.encode_slots = [slot for slot, _ in texts]
+        else:
+            state.phase = "denoise"
+        return state
+
+    def _initial_noise(self, request: Request) -> torch.Tensor:
+        """Drawn on a CPU generator, so a seed gives the same noise on any device (as diffusers with a CPU generator)."""
+        shape = (
+            1,
+            self.latent_channels,
+            (request.num_frames - 1) // self.temporal_scale + 1,
+            request.height // self.spatial_scale,
+            request.width // self.spatial_scale,
+        )
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+    def _padded(self, embeds: torch.Tensor | None) -> torch.Tensor | None:
+        """[L, D] user embeddings -> [1, text_len, D], zero-padded as Wan's own encoder output is."""
+        if embeds is None:
+            return None
+        pad = self.card.shapes.text_len - embeds.shape[0]
+        embeds = torch.cat([embeds, embeds.new_zeros(pad, embeds.shape[1])]) if pad else embeds
+        return embeds.unsqueeze(0).to(self.components.device, self.embed_dtype)
+
+    # -- next / advance ----------------------------------------------------------------------------
+
+    def next(self, state: T2VState) -> WorkPlan | Done:
+        device = self.components.device
+        if state.phase == "encode":
+            inputs = {"input_ids": state.input_ids.to(device), "attention_mask": state.attention_mask.to(device)}
+            return WorkPlan(state.request_id, TEXT_ENCODE, inputs)
+        if state.phase == "denoise":
+            i = state.step_index
+            inputs = {
+                "latents": state.latents,
+                "timestep": state.timesteps[i : i + 1].to(device),
+                "prompt_embeds": state.prompt_embeds,
+                "coeffs": state.coeffs[i : i + 1].to(device),
+            }
+            if state.cfg:
+                inputs["negative_prompt_embeds"] = state.negative_prompt_embeds
+                inputs["guidance_scale"] = torch.tensor([state.guidance_scale], dtype=torch.float32, device=device)
+            inputs.update({f"carry_{k}": t for k, t in enumerate(state.carry)})
+            return WorkPlan(state.request_id, DENOISE_CFG if state.cfg else DENOISE, inputs, step_index=i)
+        if state.phase == "decode":
+            return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
+        return Done()
+
+    def advance(self, state: T2VState, result: StepResult) -> T2VState:
+        if state.phase == "encode":
+            embeds = result["embeds"].to(self.embed_dtype)
+            for row, slot in enumerate(state.encode_slots):
+                setattr(state, slot, embeds[row : row + 1])
+            state.input_ids = state.attention_mask = None
+            state.encode_slots = []
+            state.phase = "denoise"
+        elif state.phase == "denoise":
+            state.latents = result["latents"]
+            state.carry = [result[f"carry_{k}"] for k in range(len(state.carry))]
+            state.step_index += 1
+            if state.step_index == state.num_steps:
+                state.carry = []  # history is dead weight once the last step ran
+                state.phase = "decode" if state.output_type == "np" else "done"
+        elif state.phase == "decode":
+            state.video = result["video"]
+            state.phase = "done"
+        return state
+
+    def finalize(self, state: T2VState) -> Result:
+        frames = None
+        if state.video is not None:
+            video = state.video[0].permute(1, 2, 3, 0).float().cpu()  # [F, H, W, 3]
+            frames = (video * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+        return Result(
+            request_id=state.request_id,
+            status="ok",
+            seed=state.seed,
+            frames=frames,
+            latents=state.latents.cpu(),
+            timings=dict(state.timings),
+        )
+
+    def check_state(self, state: T2VState) -> None:
+        """Reject a saved state made by another card or sampler before it is resumed."""
+        if state.card_id != self.card.card_id:
+            raise ValueError(f"state of request {state.request_id} belongs to card {state.card_id!r}, not {self.card.card_id!r}")
+        if state.coeffs.shape[1] != num_coeffs(self.sampler):
+            raise ValueError(f"state of request {state.request_id} was planned for a different sampler")

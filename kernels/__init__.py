@@ -1,0 +1,1 @@
+"""Triton / CUTLASS-DSL / flashinfer kernels, each beside a plain-torch reference implementation."""

@@ -1,0 +1,1 @@
+"""FX and inductor passes over traced step graphs, one file per pass, plus the pass manager."""

@@ -1,0 +1,51 @@
+"""ModelCard validation happens before any weight loads, and names what is wrong."""
+
+import pytest
+from pydantic import ValidationError
+
+from fvgraph.card import ModelCard, RecipeSpec
+from fvgraph.cards import card_names, get_card
+
+
+def _with(card, **changes):
+    data = card.model_dump()
+    data.update(changes)
+    return data
+
+
+def test_registry_has_the_wan_cards():
+    assert {"tiny-wan", "wan2.1-t2v-1.3b", "wan2.1-t2v-14b"} <= set(card_names())
+    assert get_card("tiny-wan").embeds_weights
+    assert not get_card("wan2.1-t2v-14b").embeds_weights
+
+
+def test_recipe_must_assume_a_loop_the_card_has(tiny_card):
+    recipe = tiny_card.recipe.model_copy(update={"assumes_loop": "i2v"})
+    with pytest.raises(ValidationError, match="assumes_loop='i2v'"):
+        ModelCard.model_validate(_with(tiny_card, recipe=recipe.model_dump()))
+
+
+def test_default_steps_must_be_allowed(tiny_card):
+    with pytest.raises(ValidationError, match="default_steps=8 is outside allowed_steps"):
+        RecipeSpec.model_validate({**tiny_card.recipe.model_dump(), "allowed_steps": (1, 4)})
+
+
+def test_missing_component_is_named(tiny_card):
+    components = {k: v for k, v in tiny_card.model_dump()["components"].items() if k != "vae"}
+    with pytest.raises(ValidationError, match=r"missing \['vae'\]"):
+        ModelCard.model_validate(_with(tiny_card, components=components))
+
+
+def test_unknown_fields_are_rejected(tiny_card):
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        ModelCard.model_validate(_with(tiny_card, flow_shift=5.0))
+
+
+def test_distilled_recipe_rejects_steps_it_was_not_trained_for(tiny_engine, tiny_card):
+    """A 4-step distilled card refuses a 50-step request with a typed error that says why."""
+    from fvgraph.request import Request, RequestRejected
+
+    recipe = tiny_card.recipe.model_copy(update={"method": "dmd2", "default_steps": 4, "allowed_steps": (4, 4)})
+    distilled = tiny_card.model_copy(update={"card_id": "tiny-wan-4step", "recipe": recipe})
+    with pytest.raises(RequestRejected, match="recipe 'dmd2'"):
+        Request(prompt="x", num_inference_steps=50).resolve(distilled)
