@@ -16,7 +16,9 @@ SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
 
 def build_byte_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-    for byte_char in pre_tokenizers.ByteLevel.alphabet():
+    # alphabet() comes back in hash order, which differs between calls: sort it, or the same text
+    # would map to different ids in two engines.
+    for byte_char in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[byte_char] = len(vocab)
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -7,6 +7,7 @@ that names the path.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ class Components:
     text_encoder: nn.Module
     tokenizer: object
     device: torch.device
+    weights_version: str = ""
 
     def save_pretrained(self, folder: str | Path, card: ModelCard, max_shard_size: str | None = None) -> Path:
         """Write a diffusers-layout checkpoint (what users' folders look like) for this model."""
@@ -132,4 +134,30 @@ def load_components(card: ModelCard, checkpoint: str | Path | None, device: torc
                 if folder is not None and device.type == "cpu":
                     _own_storage(module)
             built[name] = module
-    return Components(device=device, **built)
+    version = _checkpoint_fingerprint(folder) if folder is not None else _content_hash(card, built)
+    return Components(device=device, weights_version=version, **built)
+
+
+def _content_hash(card: ModelCard, built: dict) -> str:
+    """Seeded weights: hash their bytes (they are small, and the init code may change across releases)."""
+    digest = hashlib.blake2b(card.card_id.encode(), digest_size=12)
+    for name in sorted(built):
+        module = built[name]
+        if isinstance(module, nn.Module):
+            for key, tensor in module.state_dict().items():
+                digest.update(f"{name}.{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _checkpoint_fingerprint(folder: Path) -> str:
+    """A checkpoint: relative path, size, mtime and safetensors header of every file (not the bytes: 28 GB)."""
+    digest = hashlib.blake2b(digest_size=12)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        stat = path.stat()
+        digest.update(f"{path.relative_to(folder)}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+        if path.suffix == ".safetensors":
+            with path.open("rb") as handle:
+                header_len = int.from_bytes(handle.read(8), "little")
+                digest.update(handle.read(min(header_len, 1 << 24)))
+    return digest.hexdigest()

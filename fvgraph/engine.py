@@ -22,7 +22,9 @@ from pydantic import ValidationError
 from fvgraph.card import ModelCard
 from fvgraph.cards import get_card
 from fvgraph.components import load_components
-from fvgraph.executor import EagerExecutor, build_steps
+from fvgraph.compiler import CompileConfig, StepCompiler
+from fvgraph.counters import Counters
+from fvgraph.executor import CompiledExecutor, EagerExecutor, build_steps
 from fvgraph.loop import Done
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, T2VState, TextToVideoLoop
@@ -30,15 +32,21 @@ from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, T2VState, TextToVideoLoop
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[T2VState, str], None]
-OPT_LEVELS = {0: "eager"}
+OPT_LEVELS = {0: "eager", 1: "compiled step graphs"}
 
 
 class Engine:
-    def __init__(self, card: ModelCard, loop: TextToVideoLoop, executor: EagerExecutor, opt_level: int):
+    def __init__(self, card: ModelCard, loop: TextToVideoLoop, executor: EagerExecutor | CompiledExecutor,
+                 opt_level: int, counters: Counters):  # fmt: skip
         self.card = card
         self.loop = loop
         self.executor = executor
         self.opt_level = opt_level
+        self.counters = counters
+
+    @property
+    def compiler(self) -> StepCompiler | None:
+        return getattr(self.executor, "compiler", None)
 
     @classmethod
     def from_card(
@@ -48,18 +56,30 @@ class Engine:
         opt_level: int = 0,
         device: str | torch.device | None = None,
         cache_dir: str | Path | None = None,
+        compile_config: CompileConfig | None = None,
+        enforce_eager: bool = False,
     ) -> Engine:
-        """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`)."""
+        """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
+
+        opt_level 0 runs eagerly; 1 compiles each step kind into a graph (CompileConfig picks the
+        backend, passes and step kinds). `enforce_eager` overrides the level, as in vLLM.
+        """
         card = get_card(card) if isinstance(card, str) else card
         if opt_level not in OPT_LEVELS:
-            raise ValueError(
-                f"opt_level={opt_level} is not available; this build supports {sorted(OPT_LEVELS)} "
-                f"({', '.join(OPT_LEVELS.values())})"
-            )
+            available = ", ".join(f"{level} ({what})" for level, what in OPT_LEVELS.items())
+            raise ValueError(f"opt_level={opt_level} is not available; this build supports {available}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         components = load_components(card, checkpoint, device)
         loop = TextToVideoLoop(card, components)
-        return cls(card, loop, EagerExecutor(build_steps(loop)), opt_level)
+        counters = Counters()
+        executor = EagerExecutor(build_steps(loop), counters)
+        if opt_level >= 1 and not enforce_eager:
+            compiler = StepCompiler(
+                compile_config or CompileConfig(), card.card_id, components.weights_version, loop.loop_id,
+                card.recipe.precision, device, counters,
+            )  # fmt: skip
+            executor = CompiledExecutor(executor, compiler)
+        return cls(card, loop, executor, 0 if enforce_eager else opt_level, counters)
 
     # -- one request at a time -------------------------------------------------------------------
 
@@ -83,14 +103,25 @@ class Engine:
         plan = self.loop.next(state)
         if isinstance(plan, Done):
             return False
-        began = time.perf_counter()
+        began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
         result = self.executor.run(plan)
         phase = "denoise" if plan.kind in (DENOISE, DENOISE_CFG) else plan.kind
-        state.timings[phase] = state.timings.get(phase, 0.0) + time.perf_counter() - began
+        compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from the step time
+        if compiled_for_it:
+            state.timings["compile"] = state.timings.get("compile", 0.0) + compiled_for_it
+        elapsed = time.perf_counter() - began - compiled_for_it
+        state.timings[phase] = state.timings.get(phase, 0.0) + elapsed
         self.loop.advance(state, result)
         if on_step is not None:
             on_step(state, plan.kind)
         return True
+
+    def warmup(self, requests: Sequence[Request]) -> list[Result]:
+        """Serve `requests` (compiling what they need), then refuse any new compile: fail_on_recompile."""
+        results = self.generate(requests)
+        if self.compiler is not None:
+            self.compiler.frozen = True
+        return results
 
     def finish(self, state: T2VState) -> Result:
         while self.step(state):

@@ -1,7 +1,7 @@
-"""The eager executor: runs a WorkPlan's step function as plain PyTorch.
+"""Executors: run a WorkPlan's step function, eagerly or through its compiled graph.
 
-This is the reference every faster path is checked against, and the fallback when a faster path is
-unavailable for a signature. It runs each plan on its own (batch 1), so its numerics never depend on
+The eager executor is the reference every faster path is checked against, and the fallback when a
+faster path is unavailable. Both run each plan on its own (batch 1), so numerics never depend on
 which other requests happen to be in flight.
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fvgraph.compiler import StepCompiler
+from fvgraph.counters import Counters
 from fvgraph.loop import StepResult, WorkPlan
 from fvgraph.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
 from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, TextToVideoLoop
@@ -28,12 +30,34 @@ def build_steps(loop: TextToVideoLoop) -> dict[str, nn.Module]:
 
 
 class EagerExecutor:
-    def __init__(self, steps: dict[str, nn.Module]):
+    def __init__(self, steps: dict[str, nn.Module], counters: Counters):
         self.steps = steps
+        self.counters = counters
 
     def run(self, plan: WorkPlan) -> StepResult:
         step = self.steps.get(plan.kind)
         if step is None:
             raise KeyError(f"no step function for kind {plan.kind!r}; known: {sorted(self.steps)}")
+        self.counters.eager_steps += 1
         with torch.no_grad():
             return step(**plan.inputs)
+
+
+class CompiledExecutor:
+    """Runs the step kinds the compiler covers through compiled graphs, the rest eagerly."""
+
+    def __init__(self, eager: EagerExecutor, compiler: StepCompiler):
+        self.eager = eager
+        self.steps = eager.steps
+        self.compiler = compiler
+        self.counters = eager.counters
+
+    def run(self, plan: WorkPlan) -> StepResult:
+        if not self.compiler.wants(plan.kind):
+            return self.eager.run(plan)
+        compiled = self.compiler.get(self.steps[plan.kind], plan)
+        stance = "fail_on_recompile" if self.compiler.frozen else "default"
+        with torch.no_grad(), torch.compiler.set_stance(stance):
+            result = compiled(plan.inputs, plan.request_cache, self.counters)
+        self.counters.compiled_steps += 1
+        return result

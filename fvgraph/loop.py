@@ -45,6 +45,9 @@ class WorkPlan:
     kind: str
     inputs: dict[str, torch.Tensor]
     step_index: int = 0
+    # Per-request scratch the runtime may fill with values derived from request constants (hoisted
+    # prologue outputs). It lives in the request's state, never in the runtime.
+    request_cache: dict = field(default_factory=dict)
     signature: ShapeSignature = field(init=False)
 
     def __post_init__(self) -> None:
@@ -70,7 +73,8 @@ class SerializableState:
     """Mixin for dataclass loop states: save/load as plain tensors and Python values (weights_only safe)."""
 
     def save(self, path: str | Path) -> None:
-        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Fields marked `metadata={"transient": True}` hold derived data and are rebuilt on resume."""
+        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
         torch.save({"type": type(self).__name__, "fields": payload}, path)
 
     @classmethod

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fvgraph.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
 from fvgraph.samplers import FlowEulerSampler, UniPCSampler
 
 
@@ -49,17 +50,10 @@ class DenoiseStep(nn.Module):
     ) -> dict[str, torch.Tensor]:
         # 1. the denoiser on the conditional branch
         model_input = latents.to(prompt_embeds.dtype)
-        noise = self.transformer(
-            hidden_states=model_input, timestep=timestep, encoder_hidden_states=prompt_embeds, return_dict=False
-        )[0]
+        noise = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds))
         # 2. the unconditional branch and the guidance combine
         if self.cfg:
-            noise_uncond = self.transformer(
-                hidden_states=model_input,
-                timestep=timestep,
-                encoder_hidden_states=negative_prompt_embeds,
-                return_dict=False,
-            )[0]
+            noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds))
             scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
             noise = noise_uncond + scale * (noise - noise_uncond)
         # 3. the sampler update, with this request's coefficients and history
@@ -68,6 +62,14 @@ class DenoiseStep(nn.Module):
         out = {"latents": new_latents}
         out.update({f"carry_{i}": t for i, t in enumerate(new_history)})
         return out
+
+    def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states) -> torch.Tensor:
+        """One denoiser call, marked as a CFG branch for the fusion pass (markers vanish in eager)."""
+        x, t, e = mark_branch_inputs(
+            branch, "transformer", hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states
+        )
+        noise = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False)[0]
+        return mark_branch_output(branch, "transformer", noise)
 
 
 class VaeDecodeStep(nn.Module):

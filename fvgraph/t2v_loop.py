@@ -44,6 +44,7 @@ class T2VState(SerializableState):
     negative_prompt_embeds: torch.Tensor | None = None
     video: torch.Tensor | None = None  # [1, 3, F, H, W] in [0, 1]
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step kind, kept across resume
+    step_cache: dict = field(default_factory=dict, metadata={"transient": True})  # runtime-derived, see WorkPlan
 
     @property
     def num_steps(self) -> int:
@@ -148,7 +149,8 @@ class TextToVideoLoop:
                 inputs["negative_prompt_embeds"] = state.negative_prompt_embeds
                 inputs["guidance_scale"] = torch.tensor([state.guidance_scale], dtype=torch.float32, device=device)
             inputs.update({f"carry_{k}": t for k, t in enumerate(state.carry)})
-            return WorkPlan(state.request_id, DENOISE_CFG if state.cfg else DENOISE, inputs, step_index=i)
+            kind = DENOISE_CFG if state.cfg else DENOISE
+            return WorkPlan(state.request_id, kind, inputs, step_index=i, request_cache=state.step_cache)
         if state.phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
         return Done()
@@ -166,7 +168,8 @@ class TextToVideoLoop:
             state.carry = [result[f"carry_{k}"] for k in range(len(state.carry))]
             state.step_index += 1
             if state.step_index == state.num_steps:
-                state.carry = []  # history is dead weight once the last step ran
+                state.carry = []  # history and hoisted values are dead weight once the last step ran
+                state.step_cache.clear()
                 state.phase = "decode" if state.output_type == "np" else "done"
         elif state.phase == "decode":
             state.video = result["video"]

@@ -8,13 +8,14 @@ from fvgraph.request import Request
 from fvgraph.t2v_loop import T2VState
 
 
-@pytest.mark.parametrize("stop_after", [0, 1, 3])
-def test_save_mid_run_and_resume_in_new_engine(tmp_path, tiny_engine, stop_after):
+@pytest.mark.parametrize("steps_before_save", [0, 1, 2, 4])
+def test_save_mid_run_and_resume_in_new_engine(tmp_path, tiny_engine, steps_before_save):
+    """Saved before the text encode, after it, or between denoise steps."""
     request = Request(prompt="a paper boat", seed=9, num_inference_steps=4, num_frames=5)
     uninterrupted = tiny_engine.generate([request])[0]
 
     state = tiny_engine.start(request)
-    for _ in range(1 + stop_after):  # the text_encode step, then `stop_after` denoise steps
+    for _ in range(steps_before_save):
         tiny_engine.step(state)
     state.save(tmp_path / "state.pt")
 

@@ -1,0 +1,39 @@
+"""Counters of the things that must not happen by surprise: compiles, fallbacks, prologue runs.
+
+Tests assert exact deltas, e.g. that a full run after warmup adds zero compiles:
+
+    with engine.counters.expect(compiles=0, compiled_steps=12):
+        engine.generate(requests)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+
+@dataclass
+class Counters:
+    compiles: int = 0  # step graphs captured + compiled (one per signature)
+    compile_seconds: float = 0.0
+    compiled_steps: int = 0  # steps served by a compiled graph
+    eager_steps: int = 0  # steps served by the eager executor
+    fallbacks: int = 0  # steps that wanted a compiled graph and ran eager instead
+    prologue_runs: int = 0  # hoisted per-request prologues computed
+
+    def snapshot(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @contextmanager
+    def expect(self, **deltas: int):
+        """Assert that exactly these counters change by exactly these amounts inside the block."""
+        unknown = set(deltas) - set(self.snapshot())
+        if unknown:
+            raise ValueError(f"unknown counters {sorted(unknown)}; known: {sorted(self.snapshot())}")
+        before = self.snapshot()
+        yield self
+        after = self.snapshot()
+        got = {name: after[name] - before[name] for name in deltas}
+        if got != deltas:
+            raise AssertionError(f"counter deltas {got} != expected {deltas}")

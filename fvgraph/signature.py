@@ -1,0 +1,80 @@
+"""StepSignature: the CompileCache key, the explicit list of everything that changes a compiled step.
+
+A factor left out of a key is how a cache serves a wrong artifact (vllm#16150, #53366, #27285), so
+every factor is a named field, the hash is a stable sha256 of their JSON (equal across processes and
+machines), and `str()` prints them one per line so a mismatch can be read off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+from dataclasses import dataclass
+
+import torch
+
+from fvgraph.loop import ShapeSignature
+
+
+def _triton_version() -> str | None:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class RuntimeFactors:
+    """The toolchain and device: what a compiled artifact was built with and for."""
+
+    torch: str
+    triton: str | None
+    cuda: str | None
+    gpu: str | None
+
+    @classmethod
+    def current(cls, device: torch.device) -> RuntimeFactors:
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        return cls(torch.__version__, _triton_version(), torch.version.cuda, gpu)
+
+
+@dataclass(frozen=True)
+class StepSignature:
+    card_id: str
+    weights_version: str
+    component: str  # the model component the step runs (transformer, vae, text_encoder)
+    loop: str
+    step_kind: str
+    shape: ShapeSignature  # every input's shape past the batch dim, and dtype
+    batch: int  # the batch bucket the graph is built for
+    precision: str
+    pass_pipeline: str  # uuid of the pass pipeline (sources + config)
+    backend: str  # eager | aot_eager | inductor
+    mode: str  # inductor mode ("default", "max-autotune-no-cudagraphs", ...)
+    runtime: RuntimeFactors
+
+    def factors(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def key(self) -> str:
+        blob = json.dumps(self.factors(), sort_keys=True, separators=(",", ":"), default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    def __str__(self) -> str:
+        lines = [f"StepSignature {self.key()}"]
+        for name, value in self.factors().items():
+            if name == "shape":
+                lines.append(f"  shape.kind: {value['kind']}")
+                lines += [f"  shape.{n}: {list(s)} {d}" for n, s, d in value["inputs"]]
+            elif name == "runtime":
+                lines += [f"  runtime.{k}: {v}" for k, v in value.items()]
+            else:
+                lines.append(f"  {name}: {value}")
+        return "\n".join(lines)
+
+    def diff(self, other: StepSignature) -> list[str]:
+        """The factors that differ, as 'name: ours != theirs' lines (for recompile errors)."""
+        ours, theirs = self.factors(), other.factors()
+        return [f"{k}: {ours[k]} != {theirs[k]}" for k in ours if ours[k] != theirs[k]]

@@ -1,0 +1,67 @@
+"""Capture a step module as one FX graph with dynamo, with a flat calling convention of our own.
+
+The graph's arguments are the step's parameters and buffers (in `named_parameters()` then
+`named_buffers()` order) followed by the step's inputs; it returns the step's outputs as a tuple in a
+fixed key order. Parameters enter as arguments so passes can tell weights (the first `num_params`
+placeholders) from per-step inputs. Capture is fullgraph: a graph break is an error that names the
+step and the cause, never a silent split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+
+
+class GraphBreakError(RuntimeError):
+    """A step function could not be traced as one graph."""
+
+
+@dataclass
+class CapturedStep:
+    gm: fx.GraphModule
+    param_names: list[str]
+    input_names: list[str]
+    output_names: list[str]
+    example_args: list[torch.Tensor]
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_names)
+
+
+def step_parameters(step: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(step.named_parameters()), **dict(step.named_buffers())}
+
+
+def capture_step(kind: str, step: nn.Module, inputs: dict[str, torch.Tensor]) -> CapturedStep:
+    params = step_parameters(step)
+    param_names, input_names = list(params), list(inputs)
+    with torch.no_grad():
+        output_names = list(step(**inputs))  # one eager run fixes the output order
+
+    def flat_step(*tensors):
+        weights = dict(zip(param_names, tensors[: len(param_names)]))
+        kwargs = dict(zip(input_names, tensors[len(param_names) :]))
+        out = torch.func.functional_call(step, weights, (), kwargs)
+        return tuple(out[name] for name in output_names)
+
+    args = [*params.values(), *inputs.values()]
+    try:
+        gm = export_graph(flat_step, args)
+    except torch._dynamo.exc.TorchDynamoException as err:
+        raise GraphBreakError(f"step {kind!r} does not trace as one graph: {err}") from err
+    return CapturedStep(gm, param_names, input_names, output_names, args)
+
+
+def export_graph(fn, args: list[torch.Tensor]) -> fx.GraphModule:
+    """One dynamo graph of `fn(*args)` whose placeholders are exactly `args`, returning a tuple."""
+    with torch.no_grad():
+        gm, _ = torch._dynamo.export(fn)(*args)
+    # export's pytree codegen pins forward's signature to the original arguments; passes add
+    # placeholders (hoisted values), so use the plain codegen: arguments = placeholders.
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+    return gm

@@ -1,0 +1,94 @@
+"""Step-invariant hoisting: compute what depends only on request constants and weights once per request.
+
+Inside a denoise step the prompt embeddings never change between steps, so neither do the text
+embedding projection nor every block's cross-attention K/V of those embeddings. This pass moves them
+to a per-request *prologue* graph; the step graph takes the prologue's results as extra inputs.
+
+Before (one graph, every step):
+
+    pe = request_constant(prompt_embeds)
+    e = linear(gelu(linear(pe, w1)), w2)              # text embedding
+    k_i, v_i = linear(e, wk_i), linear(e, wv_i)       # per block cross-attention K/V
+    ... attention(q(x), k_i, v_i) ...
+
+After:
+
+    prologue(*args) -> (k_0, v_0, ..., k_n, v_n)      # run once per request
+    step(*args, k_0, v_0, ..., k_n, v_n)              # k_i, v_i are placeholders now
+
+A node is hoisted when every input is a request constant, a weight (the first `num_params`
+placeholders, or a module attribute) or another hoisted node, and it depends on at least one request
+constant. Weight-only nodes stay in the step: they are free views or constant-folded by inductor.
+The prologue takes the same arguments as the step (it ignores the ones it does not need), so the
+runtime calls both the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from fvgraph.passes.base import FxPass, PassContext, marker_nodes
+
+
+class HoistInvariantsPass(FxPass):
+    name = "hoist_invariants"
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        hoisted = _hoistable(gm.graph, ctx.num_params)
+        frontier = [n for n in gm.graph.nodes if n in hoisted and any(u not in hoisted for u in n.users)]
+        frontier = [n for n in frontier if _is_tensor(n)]
+        if not frontier:
+            return gm
+        ctx.prologue = _prologue(gm, frontier)
+        ctx.hoisted = [f"hoisted_{i}" for i in range(len(frontier))]
+
+        graph = gm.graph
+        first_compute = next(n for n in graph.nodes if n.op != "placeholder")
+        with graph.inserting_before(first_compute):
+            for name, node in zip(ctx.hoisted, frontier):
+                placeholder = graph.placeholder(name)
+                placeholder.meta = dict(node.meta)
+                node.replace_all_uses_with(placeholder, delete_user_cb=lambda user: user not in hoisted)
+        before = len(graph.nodes)
+        graph.eliminate_dead_code()
+        ctx.changed[self.name] = before - len(graph.nodes)
+        return gm
+
+
+def _hoistable(graph: fx.Graph, num_params: int) -> set[fx.Node]:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    weights = set(placeholders[:num_params]) | {n for n in graph.nodes if n.op == "get_attr"}
+    invariant = set(weights)
+    depends_on_request = set(marker_nodes(graph, torch.ops.fvgraph.request_constant))
+    invariant |= depends_on_request
+    for node in graph.nodes:
+        if node in invariant or node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        if node.is_impure() or _is_random(node):
+            continue
+        inputs = node.all_input_nodes
+        if inputs and all(i in invariant for i in inputs):
+            invariant.add(node)
+            if any(i in depends_on_request for i in inputs):
+                depends_on_request.add(node)
+    return depends_on_request
+
+
+def _is_random(node: fx.Node) -> bool:
+    name = getattr(node.target, "__name__", str(node.target))
+    return any(word in name for word in ("rand", "dropout", "normal_", "bernoulli"))
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return isinstance(value, torch.Tensor)
+
+
+def _prologue(gm: fx.GraphModule, frontier: list[fx.Node]) -> fx.GraphModule:
+    """A copy of the graph that returns the frontier values and keeps only what they need."""
+    graph, copies = fx.Graph(), {}
+    graph.graph_copy(gm.graph, copies)  # every node but the output, meta shared
+    graph.output(tuple(copies[n] for n in frontier))
+    graph.eliminate_dead_code()
+    return fx.GraphModule(gm, graph)
