@@ -130,4 +130,24 @@ TINY_WAN = ModelCard(
     seed=0,
 )  # fmt: skip
 
-CARDS = (TINY_WAN, WAN_2_1_T2V_1_3B, WAN_2_1_T2V_14B)
+# The released 1.3B transformer with seeded random weights, beside a one-layer text encoder of the
+# real width and the tiny VAE: what benchmarks and GPU tests run when no checkpoint is at hand. Step
+# time depends on shapes, not on weight values; its outputs mean nothing.
+WAN_1_3B_BENCH = ModelCard.model_validate(
+    {
+        **TINY_WAN.model_dump(),
+        "card_id": "wan2.1-1.3b-bench",
+        "components": _components(
+            dit=WAN_1_3B_TRANSFORMER,
+            vae=TINY_WAN.components["vae"].config,
+            te={**TINY_WAN.components["text_encoder"].config, "d_model": 4096, "d_kv": 64, "num_heads": 64,
+                "d_ff": 1024, "num_layers": 1},
+            tok={"model_max_length": 512},
+            dit_dtype="bf16",
+        ),  # fmt: skip
+        "recipe": WAN_2_1_T2V_1_3B.recipe,
+        "shapes": ShapeRules(text_len=512, text_dim=4096, default_height=480, default_width=832, default_frames=33),
+    }
+)
+
+CARDS = (TINY_WAN, WAN_2_1_T2V_1_3B, WAN_2_1_T2V_14B, WAN_1_3B_BENCH)

@@ -29,20 +29,38 @@ def generate(
     width: Optional[int] = typer.Option(None),
     num_frames: Optional[int] = typer.Option(None, "--frames"),
     seed: int = typer.Option(0, help="Request i uses seed + i."),
-    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager."),
+    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager, 1 compiled step graphs."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
+    compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
+    disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
+    compile_steps: str = typer.Option("denoise", help="Step kinds to compile: 'denoise' or 'all'."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
     """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
+    from fvgraph.compiler import CompileConfig
     from fvgraph.engine import Engine
+    from fvgraph.passes.manager import PassConfig
     from fvgraph.request import Request
     from fvgraph.video_io import write_video
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
     try:
-        engine = Engine.from_card(card, checkpoint=checkpoint, opt_level=opt_level, device=device)
+        if compile_backend not in ("eager", "aot_eager", "inductor"):
+            raise ValueError(f"--compile-backend={compile_backend!r} must be eager, aot_eager or inductor")
+        if compile_steps not in ("denoise", "all"):
+            raise ValueError(f"--compile-steps={compile_steps!r} must be 'denoise' or 'all'")
+        config = CompileConfig(
+            backend=compile_backend,
+            passes=PassConfig(disabled=tuple(disable_pass)),
+            step_kinds=None if compile_steps == "all" else CompileConfig().step_kinds,
+        )
+        engine = Engine.from_card(
+            card, checkpoint=checkpoint, opt_level=opt_level, device=device, compile_config=config,
+            enforce_eager=enforce_eager,
+        )  # fmt: skip
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
@@ -61,8 +79,9 @@ def generate(
         task = bar.add_task("denoise", total=total_steps)
         results = engine.generate(requests, on_step=lambda state, kind: bar.advance(task) if "denoise" in kind else None)
 
-    table = Table(title=f"{engine.card.card_id} -O{opt_level} on {engine.loop.components.device} (load {load_s:.2f} s)")
-    for column in ("request", "status", "encode", "denoise", "per step", "decode", "total"):
+    title = f"{engine.card.card_id} -O{engine.opt_level} on {engine.loop.components.device} (load {load_s:.2f} s)"
+    table = Table(title=title)
+    for column in ("request", "status", "compile", "encode", "denoise", "per step", "decode", "total"):
         table.add_column(column, justify="left" if column in ("request", "status") else "right")
     written = []
     failed = False
@@ -75,10 +94,13 @@ def generate(
         steps = request.num_inference_steps or engine.card.recipe.default_steps
         fmt = lambda key: f"{t[key]:.3f}" if key in t else "-"  # noqa: E731
         per_step = f"{t['denoise'] / steps:.4f}" if "denoise" in t else "-"
-        table.add_row(result.request_id, result.status, fmt("text_encode"), fmt("denoise"), per_step, fmt("vae_decode"), fmt("total"))
+        table.add_row(
+            result.request_id, result.status, fmt("compile"), fmt("text_encode"), fmt("denoise"), per_step,
+            fmt("vae_decode"), fmt("total"),
+        )  # fmt: skip
         if not result.ok:
             console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
-    table.caption = "seconds; 'total' is wall time from submit to result"
+    table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {engine.counters.compiles}"
     console.print(table)
     for path in written:
         console.print(f"wrote {path}")

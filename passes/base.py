@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -50,3 +51,33 @@ class FxPass:
 def marker_nodes(graph: fx.Graph, op) -> list[fx.Node]:
     """Nodes calling a marker op, whether dynamo recorded the overload or its packet."""
     return [n for n in graph.nodes if n.op == "call_function" and n.target in (op, op.default)]
+
+
+# Ops that return a fresh tensor: writes into their result are invisible once the result is unread.
+_ALLOCATING = {torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty, torch.zeros,
+               torch.ones, torch.full, torch.clone}  # fmt: skip
+
+
+def eliminate_dead_code(graph: fx.Graph) -> int:
+    """fx's DCE, plus writes into freshly allocated tensors that nothing reads any more.
+
+    Models fill buffers in place (`out = empty_like(x); out[..., 0::2] = ...`); fx keeps every
+    `setitem` as a side effect, and with it the whole computation feeding it. A write whose target
+    was allocated in the graph and has no reader left is dead. Returns the number of nodes removed.
+    """
+    before = len(graph.nodes)
+    while True:
+        graph.eliminate_dead_code()
+        dead_writes = [
+            node
+            for node in graph.nodes
+            if node.op == "call_function"
+            and node.target is operator.setitem
+            and isinstance(node.args[0], fx.Node)
+            and node.args[0].target in _ALLOCATING
+            and all(user.target is operator.setitem and user.args[0] is node.args[0] for user in node.args[0].users)
+        ]
+        if not dead_writes:
+            return before - len(graph.nodes)
+        for node in dead_writes:
+            graph.erase_node(node)

@@ -33,7 +33,7 @@ from torch import fx
 
 from fvgraph.markers import branch_input, branch_output
 from fvgraph.step_capture import export_graph
-from fvgraph.passes.base import FxPass, PassContext, marker_nodes
+from fvgraph.passes.base import FxPass, PassContext, eliminate_dead_code, marker_nodes
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +71,8 @@ class CfgFusionPass(FxPass):
             uncond_out = graph.call_function(operator.getitem, (halves, 1))
         cond["output"].replace_all_uses_with(cond_out)
         uncond["output"].replace_all_uses_with(uncond_out)
-        before = len(graph.nodes)
-        graph.eliminate_dead_code()
+        ctx.changed[self.name] = eliminate_dead_code(graph)
         gm.recompile()
-        ctx.changed[self.name] = before - len(graph.nodes)
         return _retrace(gm, ctx)
 
 

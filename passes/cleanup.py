@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import fx
 
 from fvgraph.markers import MARKER_OPS
-from fvgraph.passes.base import FxPass, PassContext
+from fvgraph.passes.base import FxPass, PassContext, eliminate_dead_code
 
 
 class CleanupPass(FxPass):
@@ -25,6 +25,6 @@ class CleanupPass(FxPass):
                 node.replace_all_uses_with(node.args[0])
                 gm.graph.erase_node(node)
                 removed += 1
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm.graph)
         ctx.changed[self.name] = removed
         return gm

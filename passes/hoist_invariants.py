@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fvgraph.passes.base import FxPass, PassContext, marker_nodes
+from fvgraph.markers import MARKER_OPS
+from fvgraph.passes.base import FxPass, PassContext, eliminate_dead_code, marker_nodes
 
 
 class HoistInvariantsPass(FxPass):
@@ -50,9 +51,7 @@ class HoistInvariantsPass(FxPass):
                 placeholder = graph.placeholder(name)
                 placeholder.meta = dict(node.meta)
                 node.replace_all_uses_with(placeholder, delete_user_cb=lambda user: user not in hoisted)
-        before = len(graph.nodes)
-        graph.eliminate_dead_code()
-        ctx.changed[self.name] = before - len(graph.nodes)
+        ctx.changed[self.name] = eliminate_dead_code(graph)
         return gm
 
 
@@ -72,7 +71,11 @@ def _hoistable(graph: fx.Graph, num_params: int) -> set[fx.Node]:
             invariant.add(node)
             if any(i in depends_on_request for i in inputs):
                 depends_on_request.add(node)
-    return depends_on_request
+    # A marker is an identity of a step input: hoisting it would only pass the input in twice.
+    return {n for n in depends_on_request if n.target not in _MARKERS}
+
+
+_MARKERS = {*MARKER_OPS, *(op.overloadpacket for op in MARKER_OPS)}
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -90,5 +93,5 @@ def _prologue(gm: fx.GraphModule, frontier: list[fx.Node]) -> fx.GraphModule:
     graph, copies = fx.Graph(), {}
     graph.graph_copy(gm.graph, copies)  # every node but the output, meta shared
     graph.output(tuple(copies[n] for n in frontier))
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     return fx.GraphModule(gm, graph)

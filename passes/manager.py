@@ -43,6 +43,7 @@ class PassManager:
         self.passes = [cls() for name, cls in FX_PASSES.items() if name not in config.disabled]
         self.tail = [CleanupPass()]
         self.inductor = inductor or InductorPassBundle()
+        self._uuid = self._compute_uuid()  # read on every step's signature: compute once
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for fx_pass in self.passes:
@@ -55,6 +56,9 @@ class PassManager:
         return gm
 
     def uuid(self) -> str:
+        return self._uuid
+
+    def _compute_uuid(self) -> str:
         parts = [p.name + ":" + p.uuid() for p in (*self.passes, *self.tail)]
         parts += [f"inductor:{self.inductor.uuid()}", f"config:{self.config}"]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

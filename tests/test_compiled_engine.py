@@ -1,0 +1,81 @@
+"""-O1: compiled step graphs serve whole multi-request runs with zero recompiles, within tolerance of eager."""
+
+import pytest
+import torch
+
+from fvgraph.compiler import CompileConfig, RecompileError
+from fvgraph.engine import Engine
+from fvgraph.passes.manager import PassConfig
+from fvgraph.request import Request
+
+
+def _mix():
+    """Different prompts, seeds, guidance scales and step counts: one signature per step kind."""
+    return [
+        Request(prompt="a red fox", seed=1, guidance_scale=5.0, num_inference_steps=4, num_frames=5),
+        Request(prompt="the sea", negative_prompt="fog", seed=2, guidance_scale=2.5, num_inference_steps=3, num_frames=5),
+        Request(prompt="a cactus", seed=3, guidance_scale=8.0, num_inference_steps=5, num_frames=5, output_type="latent"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def compiled_engine():
+    config = CompileConfig(backend="aot_eager", step_kinds=("denoise_cfg",))
+    return Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config)
+
+
+def test_compiled_run_matches_eager_and_compiles_once(compiled_engine, tiny_engine, tiny_card):
+    with compiled_engine.counters.expect(compiles=1, compiled_steps=12, prologue_runs=3):
+        compiled = compiled_engine.generate(_mix())
+    eager = tiny_engine.generate(_mix())
+    tol = tiny_card.parity.tolerance("fp32", "loop")
+    for ours, reference in zip(compiled, eager):
+        assert ours.ok, ours.error
+        torch.testing.assert_close(ours.latents, reference.latents, atol=tol.atol, rtol=tol.rtol)
+    [step] = compiled_engine.compiler._compiled.values()
+    assert step.passes_changed["cfg_fusion"] > 0 and step.prologue_fn is not None
+
+
+def test_second_run_adds_no_compile(compiled_engine):
+    compiled_engine.generate(_mix()[:1])  # make sure the signature is warm
+    with compiled_engine.counters.expect(compiles=0, compiled_steps=12):
+        results = compiled_engine.generate(_mix())
+    assert all(r.ok for r in results)
+    assert all("compile" not in r.timings for r in results)
+
+
+def test_after_warmup_a_new_signature_is_refused_naming_the_factor():
+    config = CompileConfig(backend="eager", step_kinds=("denoise_cfg",))
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config)
+    engine.warmup([Request(prompt="warm", seed=0, num_inference_steps=2, num_frames=5)])
+    with pytest.raises(RecompileError, match="shape"):
+        engine.finish(engine.start(Request(prompt="wide", seed=0, num_inference_steps=2, num_frames=5, width=128)))
+    other, same = engine.generate(
+        [Request(prompt="tall", seed=0, num_inference_steps=2, num_frames=5, height=96),
+         Request(prompt="same shape", seed=4, guidance_scale=3.0, num_inference_steps=3, num_frames=5)]
+    )  # fmt: skip
+    assert other.status == "failed" and "fail_on_recompile" in other.error
+    assert same.ok
+
+
+def test_enforce_eager_and_disable_pass():
+    eager = Engine.from_card("tiny-wan", device="cpu", opt_level=1, enforce_eager=True)
+    assert eager.compiler is None and eager.opt_level == 0
+    config = CompileConfig(backend="eager", passes=PassConfig(disabled=("cfg_fusion", "hoist_invariants")))
+    plain = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config)
+    [result] = plain.generate([Request(prompt="x", seed=0, num_inference_steps=2, num_frames=5)])
+    assert result.ok
+    assert all(step.prologue_fn is None for step in plain.compiler._compiled.values())
+
+
+def test_inductor_compiled_step_matches_eager(tiny_engine, tiny_card):
+    """The one cold inductor compile of the suite: the denoise step with both passes, through inductor."""
+    config = CompileConfig(backend="inductor", step_kinds=("denoise_cfg",))
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config)
+    requests = _mix()[:2]
+    compiled, eager = engine.generate(requests), tiny_engine.generate(_mix()[:2])
+    tol = tiny_card.parity.tolerance("fp32", "loop")
+    for ours, reference in zip(compiled, eager):
+        assert ours.ok, ours.error
+        torch.testing.assert_close(ours.latents, reference.latents, atol=tol.atol, rtol=tol.rtol)
+    assert engine.counters.compiles == 1

@@ -1,0 +1,66 @@
+"""The CompileCache signature: every factor changes the key; equal inputs give equal keys anywhere."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from fvgraph.loop import ShapeSignature
+from fvgraph.signature import RuntimeFactors, StepSignature
+
+BASE = dict(
+    card_id="tiny-wan", weights_version="abc", component="transformer", loop="t2v", step_kind="denoise_cfg",
+    shape=ShapeSignature("denoise_cfg", (("latents", (16, 2, 8, 8), "float32"), ("timestep", (), "int64"))),
+    batch=1, precision="fp32", pass_pipeline="p1", backend="inductor", mode="default",
+    runtime=RuntimeFactors(torch="2.13.0", triton=None, cuda=None, gpu=None),
+)  # fmt: skip
+
+CHANGES = {
+    "card_id": "wan2.1-t2v-1.3b",
+    "weights_version": "abd",
+    "component": "vae",
+    "loop": "i2v",
+    "step_kind": "denoise",
+    "shape": ShapeSignature("denoise_cfg", (("latents", (16, 2, 8, 10), "float32"), ("timestep", (), "int64"))),
+    "batch": 2,
+    "precision": "bf16",
+    "pass_pipeline": "p2",
+    "backend": "aot_eager",
+    "mode": "max-autotune-no-cudagraphs",
+    "runtime": RuntimeFactors(torch="2.11.0", triton=None, cuda=None, gpu=None),
+}
+
+
+def test_every_factor_is_covered():
+    assert set(CHANGES) == {f.name for f in dataclasses.fields(StepSignature)}
+
+
+@pytest.mark.parametrize("factor", sorted(CHANGES))
+def test_changing_one_factor_changes_the_key(factor):
+    base = StepSignature(**BASE)
+    changed = dataclasses.replace(base, **{factor: CHANGES[factor]})
+    assert changed.key() != base.key()
+    assert [line.split(":")[0] for line in changed.diff(base)] == [factor]
+
+
+@pytest.mark.parametrize("field", ["triton", "cuda", "gpu"])
+def test_each_runtime_factor_changes_the_key(field):
+    base = StepSignature(**BASE)
+    runtime = dataclasses.replace(base.runtime, **{field: "x"})
+    assert dataclasses.replace(base, runtime=runtime).key() != base.key()
+
+
+def test_key_is_stable_across_processes():
+    code = (
+        "import tests.test_signature as t; from fvgraph.signature import StepSignature;"
+        "print(StepSignature(**t.BASE).key())"
+    )
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() for _ in range(2)}
+    assert keys == {StepSignature(**BASE).key()}
+
+
+def test_str_prints_every_factor():
+    text = str(StepSignature(**BASE))
+    for name in ("card_id", "weights_version", "pass_pipeline", "backend", "runtime.torch", "runtime.gpu", "shape.latents"):
+        assert name in text
