@@ -26,12 +26,16 @@ from fvgraph.compiler import CompileConfig, StepCompiler
 from fvgraph.counters import Counters
 from fvgraph.executor import CompiledExecutor, EagerExecutor, build_steps
 from fvgraph.loop import Done
+from fvgraph.projection_cache import ExactProjectionCache
+from fvgraph.projection_cache_wan import apply_projection_cache
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, T2VState, TextToVideoLoop
 
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[T2VState, str], None]
+# A CFG request of Wan 1.3B holds about 190 MB of text projections; this keeps several requests warm.
+DEFAULT_PROJECTION_CACHE_BYTES = 1 << 30
 OPT_LEVELS = {0: "eager", 1: "compiled step graphs"}
 
 
@@ -43,6 +47,7 @@ class Engine:
         self.executor = executor
         self.opt_level = opt_level
         self.counters = counters
+        self.projection_cache: ExactProjectionCache | None = None  # set by from_card when eager
 
     @property
     def compiler(self) -> StepCompiler | None:
@@ -58,11 +63,14 @@ class Engine:
         cache_dir: str | Path | None = None,
         compile_config: CompileConfig | None = None,
         enforce_eager: bool = False,
+        projection_cache_bytes: int = DEFAULT_PROJECTION_CACHE_BYTES,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
         opt_level 0 runs eagerly; 1 compiles each step kind into a graph (CompileConfig picks the
-        backend, passes and step kinds). `enforce_eager` overrides the level, as in vLLM.
+        backend, passes and step kinds). `enforce_eager` overrides the level, as in vLLM. When running
+        eagerly, request-constant projections go through an ExactProjectionCache of
+        `projection_cache_bytes` (0 turns it off); compiled steps hoist them instead.
         """
         card = get_card(card) if isinstance(card, str) else card
         if opt_level not in OPT_LEVELS:
@@ -79,7 +87,11 @@ class Engine:
                 card.recipe.precision, device, counters,
             )  # fmt: skip
             executor = CompiledExecutor(executor, compiler)
-        return cls(card, loop, executor, 0 if enforce_eager else opt_level, counters)
+        engine = cls(card, loop, executor, 0 if enforce_eager else opt_level, counters)
+        if engine.compiler is None and projection_cache_bytes:
+            engine.projection_cache = ExactProjectionCache(max_bytes=projection_cache_bytes)
+            apply_projection_cache(components.transformer, engine.projection_cache)
+        return engine
 
     # -- one request at a time -------------------------------------------------------------------
 

@@ -1,0 +1,127 @@
+"""Wan text-to-video: route the request-constant projections through an ExactProjectionCache.
+
+    cache = ExactProjectionCache(max_bytes=512 * 1024**2)
+    apply_projection_cache(transformer, cache)   # from outside: no diffusers code is changed
+    ...                                          # run requests; K/V of the prompt are computed once
+    remove_projection_cache(transformer)
+
+What is request-constant in WanTransformer3DModel (diffusers' transformer_wan.py), for T2V configs:
+
+    encoder_hidden_states --condition_embedder.text_embedder--> ctx       (PixArtAlphaTextProjection)
+    ctx --blocks[i].attn2.to_k--> k --attn2.norm_k--> k'                  (WanAttnProcessor, unfused)
+    ctx --blocks[i].attn2.to_v--> v
+
+`ctx`, `k` and `v` are pure functions of the prompt embeddings and the weights, so they are cached
+under the module's qualified name ("condition_embedder.text_embedder", "blocks.3.attn2.to_k", ...).
+`norm_k` is left to run: it is a cheap elementwise RMSNorm whose module is shared by nothing else,
+and caching it would only add a lookup per block. Everything that sees the latents or the timestep
+(`to_q`, self-attention, FFN, modulation) is untouched.
+
+How: each projection keeps its place and its parameters; only its `forward` is rebound as an instance
+attribute (`module.forward = _CachedForward(...)`), which `nn.Module.__call__` picks up. That keeps
+`transformer.state_dict()` keys and tensors identical (a wrapper module holding the original as a
+child would prefix every key), adds no hooks (the cache steps aside for modules with hooks), patches
+no diffusers class (other instances are unaffected), and traces cleanly: under torch.compile the
+cache bypasses itself and Dynamo inlines the original forward, so a fullgraph trace has no breaks.
+
+Hashing: the prompt embeddings are hashed once per tensor object by the cache (it remembers the key
+of every tensor it has seen, checked by identity, storage, address and version). On a text_embedder
+hit the very same `ctx` tensor comes back each step, so every K/V lookup finds its key without
+hashing again; `ctx` itself is hashed once, on the step that computed it. `prepare()` is not called
+per forward on purpose: it always rehashes (one host copy and sync per call).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+from diffusers import WanTransformer3DModel
+from torch import Tensor, nn
+
+from fvgraph.projection_cache import ExactProjectionCache
+
+TEXT_EMBEDDER = "condition_embedder.text_embedder"
+CROSS_ATTENTION_KV = ("to_k", "to_v")
+
+
+class _CachedForward:
+    """A projection's forward routed through the cache; installed as the module's instance `forward`.
+
+    Holds the module weakly so the module -> forward -> module cycle cannot delay freeing the model;
+    `previous` is an instance-level forward that was already installed (by another tool), if any."""
+
+    def __init__(self, cache: ExactProjectionCache, name: str, module: nn.Module) -> None:
+        self.cache = cache
+        self.name = name
+        self.previous = module.__dict__.get("forward")
+        self._module = weakref.ref(module)
+        self._class_forward = type(module).forward
+
+    def __call__(self, conditioning: Tensor) -> Tensor:
+        module = self._module()
+        return self.cache.project(self.name, module, conditioning, lambda: self.original(module, conditioning))
+
+    def original(self, module: nn.Module, conditioning: Tensor) -> Tensor:
+        if self.previous is not None:
+            return self.previous(conditioning)
+        return self._class_forward(module, conditioning)
+
+
+def apply_projection_cache(transformer: WanTransformer3DModel, cache: ExactProjectionCache) -> None:
+    """Route `transformer`'s text embedding and every cross-attention K/V projection through `cache`.
+
+    Use one cache per transformer. Call `cache.clear()` after loading weights or adapters into it."""
+    _check_supported(transformer)
+    for name, module in request_constant_projections(transformer):
+        module.forward = _CachedForward(cache, name, module)
+
+
+def remove_projection_cache(transformer: nn.Module) -> None:
+    """Restore the forward each projection had before `apply_projection_cache` (the cache is kept)."""
+    for module in transformer.modules():
+        installed = module.__dict__.get("forward")
+        if not isinstance(installed, _CachedForward):
+            continue
+        if installed.previous is None:
+            del module.forward
+        else:
+            module.forward = installed.previous
+
+
+def request_constant_projections(transformer: WanTransformer3DModel) -> Iterator[tuple[str, nn.Module]]:
+    """(qualified name, module) of every projection whose input is constant for one request."""
+    yield TEXT_EMBEDDER, transformer.condition_embedder.text_embedder
+    for i, block in enumerate(transformer.blocks):
+        for attr in CROSS_ATTENTION_KV:
+            yield f"blocks.{i}.attn2.{attr}", getattr(block.attn2, attr)
+
+
+def _check_supported(transformer: nn.Module) -> None:
+    if not isinstance(transformer, WanTransformer3DModel):
+        raise TypeError(
+            f"apply_projection_cache: transformer is a {type(transformer).__name__}; this adapter knows "
+            "diffusers.WanTransformer3DModel only — write an adapter for other models."
+        )
+    if transformer.condition_embedder.image_embedder is not None or transformer.config.added_kv_proj_dim is not None:
+        raise ValueError(
+            "apply_projection_cache: image_dim/added_kv_proj_dim are set (an I2V config); only text-to-video "
+            "Wan is supported: there the cross-attention input is a fresh slice of a per-step concat, "
+            "which would be rehashed (a host sync) at every step. Use the T2V config or no cache."
+        )
+    for i, block in enumerate(transformer.blocks):
+        if block.attn2.fused_projections:
+            raise ValueError(
+                f"apply_projection_cache: blocks.{i}.attn2 has fused projections (to_kv), which the "
+                "cache does not cover; call transformer.unfuse_qkv_projections() before applying it."
+            )
+    already = [
+        name
+        for name, module in request_constant_projections(transformer)
+        if isinstance(module.__dict__.get("forward"), _CachedForward)
+    ]
+    if already:
+        raise ValueError(
+            f"apply_projection_cache: {already[0]} (and {len(already) - 1} more) already route through a "
+            "projection cache; call remove_projection_cache(transformer) before applying another."
+        )
