@@ -29,7 +29,8 @@ def generate(
     width: Optional[int] = typer.Option(None),
     num_frames: Optional[int] = typer.Option(None, "--frames"),
     seed: int = typer.Option(0, help="Request i uses seed + i."),
-    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager, 1 compiled step graphs."),
+    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager, 1 compiled + batched steps, 2 + CUDA graphs."),
+    no_cudagraph: bool = typer.Option(False, "--no-cudagraph", help="At -O2, keep everything but the CUDA graphs."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
     compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
     disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
@@ -59,7 +60,7 @@ def generate(
         )
         engine = Engine.from_card(
             card, checkpoint=checkpoint, opt_level=opt_level, device=device, compile_config=config,
-            enforce_eager=enforce_eager,
+            enforce_eager=enforce_eager, cuda_graphs=not no_cudagraph,
         )  # fmt: skip
         requests = [
             Request(

@@ -60,18 +60,6 @@ class CompiledStep:
     passes_changed: dict[str, int]
     compile_seconds: float
 
-    def __call__(self, inputs: dict[str, torch.Tensor], request_cache: dict, counters: Counters) -> dict:
-        args = [*self.params, *(inputs[name] for name in self.input_names)]
-        if self.prologue_fn is not None:
-            key = self.signature.key()
-            hoisted = request_cache.get(key)
-            if hoisted is None:
-                hoisted = request_cache[key] = list(self.prologue_fn(*args))
-                counters.prologue_runs += 1
-            args += hoisted
-        outputs = self.step_fn(*args)
-        return dict(zip(self.output_names, outputs))
-
 
 STEP_COMPONENT = {"text_encode": "text_encoder", "denoise": "transformer", "denoise_cfg": "transformer", "vae_decode": "vae"}
 
@@ -97,8 +85,9 @@ class StepCompiler:
             mode=self.config.mode, runtime=self._runtime, **self._base,
         )  # fmt: skip
 
-    def get(self, step: nn.Module, plan: WorkPlan) -> CompiledStep:
-        signature = self.signature(plan)
+    def get(self, step: nn.Module, plan: WorkPlan, batch: int = 1) -> CompiledStep:
+        """The compiled step for `plan`'s signature at `batch` (plan inputs already have that batch)."""
+        signature = self.signature(plan, batch)
         compiled = self._compiled.get(signature)
         if compiled is None:
             if self.frozen:

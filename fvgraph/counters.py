@@ -20,7 +20,10 @@ class Counters:
     compiled_steps: int = 0  # steps served by a compiled graph
     eager_steps: int = 0  # steps served by the eager executor
     fallbacks: int = 0  # steps that wanted a compiled graph and ran eager instead
-    prologue_runs: int = 0  # hoisted per-request prologues computed
+    prologue_runs: int = 0  # hoisted per-request prologues computed (one run covers a group)
+    captures: int = 0  # CUDA graphs captured
+    replays: int = 0  # CUDA graph replays
+    batches: int = 0  # groups of steps run as one compiled batch
 
     def snapshot(self) -> dict[str, float]:
         return dataclasses.asdict(self)

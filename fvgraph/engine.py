@@ -25,10 +25,13 @@ from fvgraph.components import load_components
 from fvgraph.compiler import CompileConfig, StepCompiler
 from fvgraph.counters import Counters
 from fvgraph.executor import CompiledExecutor, EagerExecutor, build_steps
-from fvgraph.loop import Done
+from fvgraph.buckets import BucketSpec
+from fvgraph.graph_runner import GraphRunner
+from fvgraph.loop import Done, WorkPlan
 from fvgraph.projection_cache import ExactProjectionCache
 from fvgraph.projection_cache_wan import apply_projection_cache
 from fvgraph.request import Request, RequestRejected, Result
+from fvgraph.scheduler import Scheduler
 from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, T2VState, TextToVideoLoop
 
 log = logging.getLogger(__name__)
@@ -36,13 +39,16 @@ log = logging.getLogger(__name__)
 StepCallback = Callable[[T2VState, str], None]
 # A CFG request of Wan 1.3B holds about 190 MB of text projections; this keeps several requests warm.
 DEFAULT_PROJECTION_CACHE_BYTES = 1 << 30
-OPT_LEVELS = {0: "eager", 1: "compiled step graphs"}
+OPT_LEVELS = {0: "eager", 1: "compiled step graphs, batched", 2: "+ CUDA graphs"}
 
 
 class Engine:
     def __init__(self, card: ModelCard, loop: TextToVideoLoop, executor: EagerExecutor | CompiledExecutor,
-                 opt_level: int, counters: Counters):  # fmt: skip
+                 opt_level: int, counters: Counters, buckets: BucketSpec, max_running: int):  # fmt: skip
         self.card = card
+        self.buckets = buckets
+        self.max_running = max_running
+        self._scheduler = Scheduler(loop, buckets, max_running)
         self.loop = loop
         self.executor = executor
         self.opt_level = opt_level
@@ -64,11 +70,19 @@ class Engine:
         compile_config: CompileConfig | None = None,
         enforce_eager: bool = False,
         projection_cache_bytes: int = DEFAULT_PROJECTION_CACHE_BYTES,
+        buckets: BucketSpec | None = None,
+        max_running: int = 16,
+        cuda_graphs: bool = True,
+        debug: bool = False,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
         opt_level 0 runs eagerly; 1 compiles each step kind into a graph (CompileConfig picks the
-        backend, passes and step kinds). `enforce_eager` overrides the level, as in vLLM. When running
+        backend, passes and step kinds) and runs compatible steps of different requests as one
+        padded batch (`buckets`); 2 also replays them as CUDA graphs on a GPU (`cuda_graphs=False`
+        turns that off alone). `enforce_eager` overrides the level, as in vLLM. `max_running` caps
+        the requests in flight (the rest wait, FIFO); `debug` checks static buffer addresses at
+        every replay. When running
         eagerly, request-constant projections go through an ExactProjectionCache of
         `projection_cache_bytes` (0 turns it off); compiled steps hoist them instead.
         """
@@ -77,6 +91,7 @@ class Engine:
             available = ", ".join(f"{level} ({what})" for level, what in OPT_LEVELS.items())
             raise ValueError(f"opt_level={opt_level} is not available; this build supports {available}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        buckets = buckets or BucketSpec()
         components = load_components(card, checkpoint, device)
         loop = TextToVideoLoop(card, components)
         counters = Counters()
@@ -86,8 +101,10 @@ class Engine:
                 compile_config or CompileConfig(), card.card_id, components.weights_version, loop.loop_id,
                 card.recipe.precision, device, counters,
             )  # fmt: skip
-            executor = CompiledExecutor(executor, compiler)
-        engine = cls(card, loop, executor, 0 if enforce_eager else opt_level, counters)
+            graphs = opt_level >= 2 and cuda_graphs and device.type == "cuda"
+            runner = GraphRunner(compiler, counters, cuda_graphs=graphs, debug=debug)
+            executor = CompiledExecutor(executor, compiler, runner, buckets)
+        engine = cls(card, loop, executor, 0 if enforce_eager else opt_level, counters, buckets, max_running)
         if engine.compiler is None and projection_cache_bytes:
             engine.projection_cache = ExactProjectionCache(max_bytes=projection_cache_bytes)
             apply_projection_cache(components.transformer, engine.projection_cache)
@@ -115,17 +132,9 @@ class Engine:
         plan = self.loop.next(state)
         if isinstance(plan, Done):
             return False
-        began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
-        result = self.executor.run(plan)
-        phase = "denoise" if plan.kind in (DENOISE, DENOISE_CFG) else plan.kind
-        compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from the step time
-        if compiled_for_it:
-            state.timings["compile"] = state.timings.get("compile", 0.0) + compiled_for_it
-        elapsed = time.perf_counter() - began - compiled_for_it
-        state.timings[phase] = state.timings.get(phase, 0.0) + elapsed
-        self.loop.advance(state, result)
-        if on_step is not None:
-            on_step(state, plan.kind)
+        failures = self._run_group([(state, plan)], on_step)
+        if failures:
+            raise failures[0][1]
         return True
 
     def warmup(self, requests: Sequence[Request]) -> list[Result]:
@@ -140,31 +149,63 @@ class Engine:
             pass
         return self.loop.finalize(state)
 
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request of the running `generate` at its next step boundary (status 'cancelled')."""
+        self._scheduler.cancel(request_id)
+
     # -- many requests, interleaved ----------------------------------------------------------------
 
     def generate(self, requests: Sequence[Request], on_step: StepCallback | None = None) -> list[Result]:
-        """Run every request to completion, one step of each per tick; results in request order."""
+        """Run every request to completion, interleaved step by step; results in request order.
+
+        Each tick the scheduler groups the compatible steps of the running requests; a compiled
+        engine runs each group as one padded batch, an eager one runs its members one by one."""
         began = time.perf_counter()
         results: dict[str, Result] = {}
-        running: list[T2VState] = []
+        self._scheduler = Scheduler(self.loop, self.buckets, self.max_running)
         for request in requests:
             try:
-                running.append(self.start(request))
+                self._scheduler.submit(self.start(request))
             except (RequestRejected, ValidationError) as err:
                 log.warning("request %s rejected: %s", request.request_id, err)
                 results[request.request_id] = Result(request.request_id, "rejected", seed=request.seed, error=str(err))
-        while running:
-            still_running = []
-            for state in running:
-                try:
-                    if self.step(state, on_step):
-                        still_running.append(state)
-                        continue
-                    result = self.loop.finalize(state)
-                except Exception as err:  # one request's failure must not take the others down
-                    log.exception("request %s failed at %s step %d", state.request_id, state.phase, state.step_index)
-                    result = Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err))
-                result.timings["total"] = time.perf_counter() - began
-                results[state.request_id] = result
-            running = still_running
+
+        def done(result: Result) -> None:
+            result.timings["total"] = time.perf_counter() - began
+            results[result.request_id] = result
+
+        while self._scheduler.has_work():
+            tick = self._scheduler.tick()
+            for state in tick.cancelled:
+                done(Result(state.request_id, "cancelled", seed=state.seed, timings=dict(state.timings)))
+            for state in tick.finished:
+                done(self.loop.finalize(state))
+            for group in tick.groups:
+                for state, err in self._run_group(group, on_step):
+                    self._scheduler.running.remove(state)
+                    done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err)))
         return [results[r.request_id] for r in requests]
+
+    def _run_group(self, group: list[tuple[T2VState, WorkPlan]], on_step: StepCallback | None) -> list[tuple]:
+        """Execute one group and fold the results back; returns the (state, error) pairs that failed."""
+        plans = [plan for _, plan in group]
+        began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
+        try:
+            results = self.executor.run_batch(plans)
+        except Exception as err:  # one request's failure must not take the others down
+            if len(group) > 1:  # retry alone, so only the request at fault fails
+                return [failure for member in group for failure in self._run_group([member], on_step)]
+            state, plan = group[0]
+            log.exception("request %s failed at %s step %d", state.request_id, plan.kind, plan.step_index)
+            return [(state, err)]
+        compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
+        elapsed = time.perf_counter() - began - compiled_for_it
+        phase = "denoise" if plans[0].kind in (DENOISE, DENOISE_CFG) else plans[0].kind
+        for (state, plan), result in zip(group, results):
+            if compiled_for_it:
+                state.timings["compile"] = state.timings.get("compile", 0.0) + compiled_for_it
+            state.timings[phase] = state.timings.get(phase, 0.0) + elapsed
+            self.loop.advance(state, result)
+            if on_step is not None:
+                on_step(state, plan.kind)
+        return []

@@ -7,14 +7,20 @@ which other requests happen to be in flight.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+from fvgraph.buckets import BucketSpec
+from fvgraph.graph_runner import GraphRunner
 from fvgraph.compiler import StepCompiler
 from fvgraph.counters import Counters
 from fvgraph.loop import StepResult, WorkPlan
 from fvgraph.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
 from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, TextToVideoLoop
+
+log = logging.getLogger(__name__)
 
 
 def build_steps(loop: TextToVideoLoop) -> dict[str, nn.Module]:
@@ -42,22 +48,46 @@ class EagerExecutor:
         with torch.no_grad():
             return step(**plan.inputs)
 
+    def run_batch(self, plans: list[WorkPlan]) -> list[StepResult]:
+        """Eager runs stay batch 1: a request's numerics never depend on its neighbours."""
+        return [self.run(plan) for plan in plans]
+
 
 class CompiledExecutor:
-    """Runs the step kinds the compiler covers through compiled graphs, the rest eagerly."""
+    """Runs groups of compatible plans as one padded batch through the graph runner; step kinds the
+    compiler does not cover, and shapes no bucket covers, run eagerly one plan at a time."""
 
-    def __init__(self, eager: EagerExecutor, compiler: StepCompiler):
+    def __init__(self, eager: EagerExecutor, compiler: StepCompiler, runner: GraphRunner, buckets: BucketSpec):
         self.eager = eager
         self.steps = eager.steps
         self.compiler = compiler
+        self.runner = runner
+        self.buckets = buckets
         self.counters = eager.counters
+        self._fallback_logged: set[tuple] = set()
 
     def run(self, plan: WorkPlan) -> StepResult:
-        if not self.compiler.wants(plan.kind):
-            return self.eager.run(plan)
-        compiled = self.compiler.get(self.steps[plan.kind], plan)
+        return self.run_batch([plan])[0]
+
+    def run_batch(self, plans: list[WorkPlan]) -> list[StepResult]:
+        """`plans` share one signature and fit the largest batch bucket."""
+        first = plans[0]
+        if not self.compiler.wants(first.kind):
+            return self.eager.run_batch(plans)
+        if first.pixel_shape is not None and not self.buckets.covers(*first.pixel_shape):
+            self._log_fallback(first)
+            self.counters.fallbacks += len(plans)
+            return self.eager.run_batch(plans)
+        bucket = self.buckets.batch_for(len(plans))
         stance = "fail_on_recompile" if self.compiler.frozen else "default"
         with torch.no_grad(), torch.compiler.set_stance(stance):
-            result = compiled(plan.inputs, plan.request_cache, self.counters)
-        self.counters.compiled_steps += 1
-        return result
+            results = self.runner.run(self.steps[first.kind], plans, bucket)
+        self.counters.compiled_steps += len(plans)
+        self.counters.batches += 1
+        return results
+
+    def _log_fallback(self, plan: WorkPlan) -> None:
+        key = (plan.kind, plan.pixel_shape)
+        if key not in self._fallback_logged:
+            self._fallback_logged.add(key)
+            log.warning("no bucket covers %s at %s (frames, height, width): running it eagerly", *key)

@@ -48,6 +48,7 @@ class WorkPlan:
     # Per-request scratch the runtime may fill with values derived from request constants (hoisted
     # prologue outputs). It lives in the request's state, never in the runtime.
     request_cache: dict = field(default_factory=dict)
+    pixel_shape: tuple[int, int, int] | None = None  # (frames, height, width) of the video it serves
     signature: ShapeSignature = field(init=False)
 
     def __post_init__(self) -> None:

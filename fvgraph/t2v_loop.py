@@ -150,7 +150,9 @@ class TextToVideoLoop:
                 inputs["guidance_scale"] = torch.tensor([state.guidance_scale], dtype=torch.float32, device=device)
             inputs.update({f"carry_{k}": t for k, t in enumerate(state.carry)})
             kind = DENOISE_CFG if state.cfg else DENOISE
-            return WorkPlan(state.request_id, kind, inputs, step_index=i, request_cache=state.step_cache)
+            _, _, frames, h, w = state.latents.shape
+            pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
+            return WorkPlan(state.request_id, kind, inputs, i, request_cache=state.step_cache, pixel_shape=pixels)
         if state.phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
         return Done()

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fvgraph.buckets import BucketSpec
 from fvgraph.compiler import CompileConfig, RecompileError
 from fvgraph.engine import Engine
 from fvgraph.passes.manager import PassConfig
@@ -24,20 +25,22 @@ def compiled_engine():
     return Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config)
 
 
-def test_compiled_run_matches_eager_and_compiles_once(compiled_engine, tiny_engine, tiny_card):
-    with compiled_engine.counters.expect(compiles=1, compiled_steps=12, prologue_runs=3):
+def test_compiled_run_batches_matches_eager_and_compiles_once_per_bucket(compiled_engine, tiny_engine, tiny_card):
+    # 4 + 3 + 5 denoise steps; the three requests share a batch while they all run (bucket 4, 3 ticks),
+    # then two (bucket 2, 1 tick), then one (bucket 1, 1 tick): one compile and one prologue per bucket.
+    with compiled_engine.counters.expect(compiles=3, compiled_steps=12, batches=5, prologue_runs=3):
         compiled = compiled_engine.generate(_mix())
     eager = tiny_engine.generate(_mix())
     tol = tiny_card.parity.tolerance("fp32", "loop")
     for ours, reference in zip(compiled, eager):
         assert ours.ok, ours.error
         torch.testing.assert_close(ours.latents, reference.latents, atol=tol.atol, rtol=tol.rtol)
-    [step] = compiled_engine.compiler._compiled.values()
-    assert step.passes_changed["cfg_fusion"] > 0 and step.prologue_fn is not None
+    assert sorted(s.batch for s in compiled_engine.compiler.signatures) == [1, 2, 4]
+    for step in compiled_engine.compiler._compiled.values():
+        assert step.passes_changed["cfg_fusion"] > 0 and step.prologue_fn is not None
 
 
 def test_second_run_adds_no_compile(compiled_engine):
-    compiled_engine.generate(_mix()[:1])  # make sure the signature is warm
     with compiled_engine.counters.expect(compiles=0, compiled_steps=12):
         results = compiled_engine.generate(_mix())
     assert all(r.ok for r in results)
@@ -69,9 +72,10 @@ def test_enforce_eager_and_disable_pass():
 
 
 def test_inductor_compiled_step_matches_eager(tiny_engine, tiny_card):
-    """The one cold inductor compile of the suite: the denoise step with both passes, through inductor."""
+    """The one cold inductor compile of the suite: the denoise step with both passes, through inductor,
+    at one batch bucket of 2 (the lone last steps of the longer request run padded)."""
     config = CompileConfig(backend="inductor", step_kinds=("denoise_cfg",))
-    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config)
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config, buckets=BucketSpec(batch_sizes=(2,)))
     requests = _mix()[:2]
     compiled, eager = engine.generate(requests), tiny_engine.generate(_mix()[:2])
     tol = tiny_card.parity.tolerance("fp32", "loop")

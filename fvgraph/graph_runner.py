@@ -1,0 +1,157 @@
+"""GraphRunner: a group of compatible steps as one padded batch on static buffers, replayed as a CUDA graph.
+
+For each (signature, batch bucket) the runner owns one `BucketGraph`: static input buffers allocated
+when the bucket is first used, the compiled step built at that batch, and on CUDA a graph captured
+over the compiled step (warm-up on a side stream, one memory pool shared by every graph). A run
+copies the group's inputs into the first rows, fills the padding rows with `pad_value`, replays, and
+copies each request's rows out before anything can replay again. On CPU the same code calls the
+compiled step on the same static buffers, so batching, padding and scatter are exercised without a GPU.
+
+Hoisted prologue values are per request: they are computed by the bucket's prologue when a request
+in the group has none yet, kept in that request's `request_cache`, and copied into static buffers
+every step. They carry the batch in dim 0, branch-major (rows `k * bucket + i` for CFG branch k), so
+a value is `m` rows per request with `m = rows / bucket`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fvgraph.compiler import CompiledStep, StepCompiler
+from fvgraph.counters import Counters
+from fvgraph.loop import StepResult, WorkPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BucketGraph:
+    compiled: CompiledStep
+    bucket: int
+    inputs: dict[str, torch.Tensor]  # static, [bucket, ...] each
+    hoisted: list[torch.Tensor] = field(default_factory=list)  # static, [m * bucket, ...] each
+    rows_per_request: list[int] = field(default_factory=list)  # m of each hoisted value
+    graph: object | None = None  # torch.cuda.CUDAGraph once captured
+    outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
+    addresses: tuple[int, ...] = ()  # data_ptr of every static buffer at capture (debug checks)
+
+    def base_args(self) -> list[torch.Tensor]:
+        """What the prologue takes: parameters, then the step inputs."""
+        return [*self.compiled.params, *(self.inputs[name] for name in self.compiled.input_names)]
+
+    def args(self) -> list[torch.Tensor]:
+        """What the step takes: the base arguments, then the hoisted values."""
+        return [*self.base_args(), *self.hoisted]
+
+
+class GraphRunner:
+    def __init__(self, compiler: StepCompiler, counters: Counters, cuda_graphs: bool, debug: bool = False,
+                 pad_value: float = 0.0):  # fmt: skip
+        self.compiler = compiler
+        self.counters = counters
+        self.cuda_graphs = cuda_graphs
+        self.debug = debug
+        self.pad_value = pad_value  # tests poison padding with NaN to prove it never reaches a result
+        self._graphs: dict[tuple, BucketGraph] = {}
+        self._pool = None
+        self._capture_failed: set[tuple] = set()
+
+    def run(self, step: nn.Module, plans: list[WorkPlan], bucket: int) -> list[StepResult]:
+        """Run `plans` (same signature, len <= bucket) as one batch; one result per plan."""
+        entry = self._graphs.get((plans[0].signature, bucket))
+        if entry is None:
+            entry = self._prepare(step, plans, bucket)
+        self._fill_inputs(entry, plans)
+        if entry.compiled.prologue_fn is not None:
+            self._fill_hoisted(entry, plans)
+        outputs = self._replay(entry)
+        n = len(plans)
+        return [{name: out[i : i + 1].clone() for name, out in zip(entry.compiled.output_names, outputs)} for i in range(n)]
+
+    # -- preparing a bucket --------------------------------------------------------------------------
+
+    def _prepare(self, step: nn.Module, plans: list[WorkPlan], bucket: int) -> BucketGraph:
+        inputs = {name: self._padded_like(t, bucket) for name, t in plans[0].inputs.items()}
+        example = WorkPlan(plans[0].request_id, plans[0].kind, inputs)
+        entry = BucketGraph(self.compiler.get(step, example, batch=bucket), bucket, inputs)
+        self._fill_inputs(entry, plans)
+        if entry.compiled.prologue_fn is not None:
+            with torch.no_grad():
+                values = list(entry.compiled.prologue_fn(*entry.base_args()))
+            entry.hoisted = [v.clone() for v in values]
+            entry.rows_per_request = [v.shape[0] // bucket for v in values]
+        key = (plans[0].signature, bucket)
+        self._graphs[key] = entry
+        if self.cuda_graphs and key not in self._capture_failed:
+            self._capture(entry, key)
+        return entry
+
+    def _padded_like(self, t: torch.Tensor, bucket: int) -> torch.Tensor:
+        return torch.empty((bucket, *t.shape[1:]), dtype=t.dtype, device=t.device)
+
+    def _capture(self, entry: BucketGraph, key: tuple) -> None:
+        """Warm up on a side stream, then capture into the shared pool; failure means no graph, logged once."""
+        try:
+            args = entry.args()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.no_grad(), torch.cuda.stream(side):
+                for _ in range(2):
+                    entry.compiled.step_fn(*args)
+            torch.cuda.current_stream().wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
+                entry.outputs = tuple(entry.compiled.step_fn(*args))
+            entry.graph = graph
+            entry.addresses = tuple(t.data_ptr() for t in args)
+            self.counters.captures += 1
+        except Exception as err:  # a capture failure costs the graph, never the request
+            self._capture_failed.add(key)
+            entry.graph, entry.outputs = None, ()
+            log.warning("CUDA graph capture failed for %s batch %d; running the compiled step instead: %s",
+                        entry.compiled.signature.step_kind, entry.bucket, err)  # fmt: skip
+
+    # -- one run ---------------------------------------------------------------------------------------
+
+    def _fill_inputs(self, entry: BucketGraph, plans: list[WorkPlan]) -> None:
+        n = len(plans)
+        for name, buffer in entry.inputs.items():
+            for i, plan in enumerate(plans):
+                buffer[i : i + 1].copy_(plan.inputs[name])
+            if n < entry.bucket:
+                buffer[n:].fill_(self.pad_value if buffer.is_floating_point() else 0)
+
+    def _fill_hoisted(self, entry: BucketGraph, plans: list[WorkPlan]) -> None:
+        key = entry.compiled.signature.key()
+        missing = [i for i, p in enumerate(plans) if key not in p.request_cache]
+        if missing:  # new requests: one prologue over the group, kept per request
+            with torch.no_grad():
+                values = entry.compiled.prologue_fn(*entry.base_args())
+            self.counters.prologue_runs += 1
+            for i in missing:
+                plans[i].request_cache[key] = [
+                    v.view(m, entry.bucket, *v.shape[1:])[:, i].clone() for v, m in zip(values, entry.rows_per_request)
+                ]
+        for j, (buffer, m) in enumerate(zip(entry.hoisted, entry.rows_per_request)):
+            rows = buffer.view(m, entry.bucket, *buffer.shape[1:])
+            for i, plan in enumerate(plans):
+                rows[:, i].copy_(plan.request_cache[key][j])
+            if len(plans) < entry.bucket:
+                rows[:, len(plans) :].fill_(self.pad_value if buffer.is_floating_point() else 0)
+
+    def _replay(self, entry: BucketGraph) -> tuple[torch.Tensor, ...]:
+        if entry.graph is None:
+            with torch.no_grad():
+                return tuple(entry.compiled.step_fn(*entry.args()))
+        if self.debug:
+            now = tuple(t.data_ptr() for t in entry.args())
+            assert now == entry.addresses, "a static buffer moved since capture: the graph would read stale memory"
+        entry.graph.replay()
+        self.counters.replays += 1
+        return entry.outputs

@@ -1,0 +1,115 @@
+"""The scheduler and graph runner: batching across requests, inert padding, cancellation, fallback, FIFO."""
+
+import pytest
+import torch
+
+from fvgraph.buckets import BucketSpec
+from fvgraph.compiler import CompileConfig
+from fvgraph.engine import Engine
+from fvgraph.request import Request
+
+AOT = CompileConfig(backend="aot_eager", step_kinds=("denoise_cfg",))
+
+
+def _mix():
+    """Different seeds, guidance scales and step counts at one shape: they batch together."""
+    return [
+        Request(prompt="a red fox", seed=1, guidance_scale=5.0, num_inference_steps=4, num_frames=5),
+        Request(prompt="the sea", seed=2, guidance_scale=2.0, num_inference_steps=3, num_frames=5),
+        Request(prompt="a cactus", seed=3, guidance_scale=9.0, num_inference_steps=5, num_frames=5),
+    ]
+
+
+@pytest.fixture(scope="module")
+def batched():
+    """One compiled engine with a single bucket of 4: every group of 1-3 requests is padded to 4."""
+    return Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=AOT, buckets=BucketSpec(batch_sizes=(4,)))
+
+
+def test_batched_and_padded_equals_each_request_alone(batched, tiny_card):
+    together = batched.generate(_mix())
+    alone = [batched.generate([r])[0] for r in _mix()]
+    tol = tiny_card.parity.tolerance("fp32", "component")
+    assert batched.counters.batches > 0
+    for a, b in zip(alone, together):
+        assert a.ok and b.ok
+        torch.testing.assert_close(b.latents, a.latents, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_padding_is_inert(batched):
+    """Padding rows full of NaN never reach a result: same latents, bit for bit, as zero padding."""
+    clean = batched.generate(_mix())
+    batched.executor.runner.pad_value = float("nan")
+    try:
+        poisoned = batched.generate(_mix())
+    finally:
+        batched.executor.runner.pad_value = 0.0
+    for a, b in zip(clean, poisoned):
+        assert not torch.isnan(b.latents).any() and not torch.isnan(torch.from_numpy(b.frames).float()).any()
+        assert torch.equal(a.latents, b.latents)
+
+
+def test_no_recompiles_while_serving(batched):
+    batched.warmup(_mix()[:1])
+    with batched.counters.expect(compiles=0):
+        results = batched.generate(_mix() + [Request(prompt="late", seed=7, guidance_scale=3.3, num_inference_steps=2, num_frames=5)])
+    assert all(r.ok for r in results)
+    batched.compiler.frozen = False
+
+
+def test_cancel_mid_run_leaves_the_others_unchanged(tiny_engine):
+    requests = _mix()
+    victim = requests[1].request_id
+    reference = tiny_engine.generate([requests[0], requests[2]])
+
+    def cancel_after_two_steps(state, kind):
+        if state.request_id == victim and state.step_index == 2:
+            tiny_engine.cancel(victim)
+
+    results = tiny_engine.generate(requests, on_step=cancel_after_two_steps)
+    assert [r.status for r in results] == ["ok", "cancelled", "ok"]
+    assert results[1].latents is None
+    assert torch.equal(results[0].latents, reference[0].latents)
+    assert torch.equal(results[2].latents, reference[1].latents)
+
+
+def test_shape_without_a_bucket_falls_back_and_completes(tiny_engine):
+    buckets = BucketSpec(batch_sizes=(1, 2), shapes=((5, 64, 64),))
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=AOT, buckets=buckets)
+    odd = Request(prompt="wide", seed=5, num_inference_steps=3, num_frames=5, width=96)
+    with engine.counters.expect(fallbacks=3, compiles=0):
+        [result] = engine.generate([odd])
+    assert result.ok
+    assert torch.equal(result.latents, tiny_engine.generate([odd])[0].latents)
+
+
+def test_fifo_admission_with_running_first(tiny_card):
+    engine = Engine.from_card("tiny-wan", device="cpu", max_running=2)
+    requests = [Request(prompt=f"r{i}", seed=i, num_inference_steps=2, num_frames=1, guidance_scale=1.0) for i in range(4)]
+    seen = []
+    engine.generate(requests, on_step=lambda state, kind: seen.append(state.request_id))
+    ids = [r.request_id for r in requests]
+    first_third = seen.index(ids[2])
+    assert set(seen[:first_third]) == {ids[0], ids[1]}  # the third waits until a slot frees
+    assert seen.index(ids[3]) > first_third
+
+
+def test_scheduler_groups_by_signature_and_splits_at_the_largest_bucket(tiny_engine):
+    from fvgraph.scheduler import Scheduler
+
+    scheduler = Scheduler(tiny_engine.loop, BucketSpec(batch_sizes=(1, 2, 4)), max_running=16)
+    shapes = [64] * 6 + [96] * 3  # two signatures
+    for i, width in enumerate(shapes):
+        request = Request(prompt_embeds=torch.zeros(4, 32), guidance_scale=1.0, seed=i, width=width, num_frames=1)
+        scheduler.submit(tiny_engine.start(request))  # no text to encode: the first step is a denoise
+    tick = scheduler.tick()
+    assert [len(g) for g in tick.groups] == [4, 2, 3]
+    assert all(len({plan.signature for _, plan in g}) == 1 for g in tick.groups)
+
+
+def test_bucket_spec_rules():
+    spec = BucketSpec(batch_sizes=(1, 2, 4, 8))
+    assert [spec.batch_for(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert spec.chunks(19) == [8, 8, 3]
+    with pytest.raises(ValueError, match="ascending"):
+        BucketSpec(batch_sizes=(4, 2))
