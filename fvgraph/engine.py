@@ -138,7 +138,16 @@ class Engine:
         return True
 
     def warmup(self, requests: Sequence[Request]) -> list[Result]:
-        """Serve `requests` (compiling what they need), then refuse any new compile: fail_on_recompile."""
+        """Prepare every batch bucket of each request's compiled step (largest first), serve the
+        requests, then refuse any new compile: fail_on_recompile."""
+        if isinstance(self.executor, CompiledExecutor):
+            for request in requests:
+                state = self.start(request)
+                while not isinstance(plan := self.loop.next(state), Done):
+                    if self.compiler.wants(plan.kind):
+                        self.executor.prepare(plan)
+                        break
+                    self.step(state)
         results = self.generate(requests)
         if self.compiler is not None:
             self.compiler.frozen = True

@@ -86,6 +86,15 @@ class CompiledExecutor:
         self.counters.batches += 1
         return results
 
+    def prepare(self, plan: WorkPlan) -> None:
+        """Compile (and capture) `plan`'s signature at every batch bucket, largest first, so the
+        largest graph claims the shared memory pool and the smaller ones reuse it."""
+        if not self.compiler.wants(plan.kind) or (plan.pixel_shape and not self.buckets.covers(*plan.pixel_shape)):
+            return
+        with torch.no_grad():
+            for bucket in reversed(self.buckets.batch_sizes):
+                self.runner.run(self.steps[plan.kind], [plan] * bucket, bucket)
+
     def _log_fallback(self, plan: WorkPlan) -> None:
         key = (plan.kind, plan.pixel_shape)
         if key not in self._fallback_logged:

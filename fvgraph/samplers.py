@@ -42,8 +42,15 @@ class FlowEulerSampler:
 
     def __init__(self, config: dict):
         self._scheduler = FlowMatchEulerDiscreteScheduler(**config)  # schedule only; never stepped
+        self._plans: dict[int, SamplerPlan] = {}
 
     def plan(self, num_steps: int) -> SamplerPlan:
+        """Read-only tensors, memoized per step count: every request with N steps shares one plan."""
+        if num_steps not in self._plans:
+            self._plans[num_steps] = self._plan(num_steps)
+        return self._plans[num_steps]
+
+    def _plan(self, num_steps: int) -> SamplerPlan:
         self._scheduler.set_timesteps(num_steps, device="cpu")
         sigmas = self._scheduler.sigmas.to(torch.float32)
         coeffs = torch.stack([sigmas[:-1], sigmas[1:] - sigmas[:-1]], dim=1)
@@ -80,12 +87,19 @@ class UniPCSampler:
             raise ValueError("sampler 'unipc' supports solver_type bh1/bh2 without solver_p or thresholding")
         self.order = cfg.solver_order
         self.history = self.order  # diffusers keeps solver_order past x0 predictions
+        self._plans: dict[int, SamplerPlan] = {}
 
     def initial_carry(self, sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(x_last, h_0, ..., h_{K-1}); zeros weighted by zero coefficients until filled."""
         return tuple(torch.zeros_like(sample) for _ in range(1 + self.history))
 
     def plan(self, num_steps: int) -> SamplerPlan:
+        """Read-only tensors, memoized per step count: every request with N steps shares one plan."""
+        if num_steps not in self._plans:
+            self._plans[num_steps] = self._plan(num_steps)
+        return self._plans[num_steps]
+
+    def _plan(self, num_steps: int) -> SamplerPlan:
         self._scheduler.set_timesteps(num_steps, device="cpu")
         sigmas = self._scheduler.sigmas.to(torch.float32)
         cfg = self._scheduler.config

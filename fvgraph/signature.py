@@ -8,6 +8,7 @@ machines), and `str()` prints them one per line so a mismatch can be read off.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
@@ -58,9 +59,13 @@ class StepSignature:
     def factors(self) -> dict:
         return dataclasses.asdict(self)
 
-    def key(self) -> str:
+    @functools.cached_property
+    def _key(self) -> str:
         blob = json.dumps(self.factors(), sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+    def key(self) -> str:
+        return self._key  # computed once: it is read on every batch
 
     def __str__(self) -> str:
         lines = [f"StepSignature {self.key()}"]

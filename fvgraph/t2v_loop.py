@@ -147,7 +147,7 @@ class TextToVideoLoop:
             }
             if state.cfg:
                 inputs["negative_prompt_embeds"] = state.negative_prompt_embeds
-                inputs["guidance_scale"] = torch.tensor([state.guidance_scale], dtype=torch.float32, device=device)
+                inputs["guidance_scale"] = self._guidance_tensor(state)
             inputs.update({f"carry_{k}": t for k, t in enumerate(state.carry)})
             kind = DENOISE_CFG if state.cfg else DENOISE
             _, _, frames, h, w = state.latents.shape
@@ -156,6 +156,15 @@ class TextToVideoLoop:
         if state.phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
         return Done()
+
+    def _guidance_tensor(self, state: T2VState) -> torch.Tensor:
+        """The [1] guidance tensor, made once per request (a step reads it, never writes it)."""
+        cached = state.step_cache.get("guidance_scale")
+        if cached is None:
+            cached = state.step_cache["guidance_scale"] = torch.tensor(
+                [state.guidance_scale], dtype=torch.float32, device=self.components.device
+            )
+        return cached
 
     def advance(self, state: T2VState, result: StepResult) -> T2VState:
         if state.phase == "encode":

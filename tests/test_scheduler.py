@@ -113,3 +113,12 @@ def test_bucket_spec_rules():
     assert spec.chunks(19) == [8, 8, 3]
     with pytest.raises(ValueError, match="ascending"):
         BucketSpec(batch_sizes=(4, 2))
+
+
+def test_warmup_prepares_every_bucket_largest_first():
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=AOT, buckets=BucketSpec(batch_sizes=(1, 2, 4)))
+    engine.warmup([Request(prompt="warm", seed=0, num_inference_steps=2, num_frames=5)])
+    assert [s.batch for s in engine.compiler.signatures] == [4, 2, 1]
+    with engine.counters.expect(compiles=0):
+        results = engine.generate(_mix())
+    assert all(r.ok for r in results)

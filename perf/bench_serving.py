@@ -1,0 +1,129 @@
+"""Serving throughput: a mix of requests through fvgraph -O0 / -O1 / -O2 vs diffusers WanPipeline one
+request at a time (eager, and with compile_repeated_blocks), same weights, side by side in one run.
+
+    python perf/bench_serving.py                   # tiny-wan on the CPU (O2 = O1 there: no CUDA graphs)
+    python perf/bench_serving.py --gpu             # Wan 1.3B config, bf16, 256x256x17
+
+The mix: N requests with different seeds, guidance scales and step counts, at two resolutions.
+Prompt embeddings are given (the text encoder is not what is measured); outputs are latents.
+Compile and capture happen in an untimed warmup over the same shapes. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from fvgraph.buckets import BucketSpec
+from fvgraph.compiler import CompileConfig
+from fvgraph.engine import Engine
+from fvgraph.request import Request
+from fvgraph.samplers import diffusers_scheduler
+
+
+def request_mix(n: int, shapes: list[tuple[int, int, int]], text_len: int, text_dim: int) -> list[Request]:
+    g = torch.Generator().manual_seed(0)
+    requests = []
+    for i in range(n):
+        frames, height, width = shapes[i % len(shapes)]
+        pe, ne = (torch.randn(text_len, text_dim, generator=g) for _ in range(2))
+        requests.append(Request(
+            prompt_embeds=pe, negative_prompt_embeds=ne, seed=i, guidance_scale=3.0 + i % 5,
+            num_inference_steps=6 + i % 3 * 2, num_frames=frames, height=height, width=width, output_type="latent",
+        ))  # fmt: skip
+    return requests
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_fvgraph(engine: Engine, requests: list[Request], device: torch.device) -> dict:
+    _sync(device)
+    began = time.perf_counter()
+    results = engine.generate([r.model_copy() for r in requests])
+    _sync(device)
+    wall = time.perf_counter() - began
+    assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+    latency = sorted(r.timings["total"] for r in results)
+    return {"requests_per_s": len(results) / wall, "wall_s": wall, "p50_s": statistics.median(latency),
+            "p95_s": latency[min(len(latency) - 1, int(0.95 * len(latency)))]}  # fmt: skip
+
+
+def run_pipeline(pipe, requests: list[Request], device: torch.device) -> dict:
+    """diffusers' WanPipeline, one request at a time (its serving model)."""
+    dtype = next(pipe.transformer.parameters()).dtype
+    latencies = []
+    began = time.perf_counter()
+    for r in requests:
+        start = time.perf_counter()
+        pipe(prompt_embeds=r.prompt_embeds[None].to(device, dtype), negative_prompt_embeds=r.negative_prompt_embeds[None].to(device, dtype),
+             guidance_scale=r.guidance_scale, num_inference_steps=r.num_inference_steps, num_frames=r.num_frames,
+             height=r.height, width=r.width, generator=torch.Generator().manual_seed(r.seed), output_type="latent")  # fmt: skip
+        _sync(device)
+        latencies.append(time.perf_counter() - start)
+    wall = time.perf_counter() - began
+    # one at a time: request i waits for every request before it
+    waits = sorted(sum(latencies[: i + 1]) for i in range(len(latencies)))
+    return {"requests_per_s": len(requests) / wall, "wall_s": wall, "p50_s": statistics.median(waits),
+            "p95_s": waits[min(len(waits) - 1, int(0.95 * len(waits)))]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    from diffusers import WanPipeline
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--shapes", nargs="*", help="FxHxW each (default: 5x64x64 5x64x96 on CPU; 17x256x256 on GPU)")
+    parser.add_argument("--buckets", nargs="*", type=int, help="batch buckets (default: 1 2 4 8 on CPU; 1 4 8 on GPU)")
+    args = parser.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device; run without --gpu for the CPU (tiny-wan) mode")
+    device = torch.device("cuda" if args.gpu else "cpu")
+    card = "wan2.1-1.3b-bench" if args.gpu else "tiny-wan"
+    default_shapes = ["17x256x256"] if args.gpu else ["5x64x64", "5x64x96"]
+    shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shapes or default_shapes)]
+    n = args.requests or (16 if args.gpu else 12)
+    # every bucket of every shape is one whole-model compile (about 100 s each for Wan 1.3B on an H200)
+    buckets = BucketSpec(batch_sizes=tuple(args.buckets or ((1, 4, 8) if args.gpu else (1, 2, 4, 8))))
+
+    eager = Engine.from_card(card, device=device)
+    shapes_cfg = eager.card.shapes
+    requests = request_mix(n, shapes, shapes_cfg.text_len, shapes_cfg.text_dim)
+    report = {"card": card, "device": torch.cuda.get_device_name(device) if args.gpu else "cpu", "requests": n,
+              "shapes": shapes, "results": {}}  # fmt: skip
+    report["results"]["fvgraph_O0"] = run_fvgraph(eager, requests, device)
+    for level in (1, 2):
+        engine = Engine.from_card(card, device=device, opt_level=level, compile_config=CompileConfig(backend="inductor"), buckets=buckets)
+        warm = time.perf_counter()
+        # every bucket of every shape, largest first; afterwards serving refuses to compile
+        engine.warmup([r.model_copy(update={"num_inference_steps": 2}) for r in requests[: len(shapes)]])
+        report[f"warmup_s_O{level}"] = round(time.perf_counter() - warm, 2)
+        report["results"][f"fvgraph_O{level}"] = run_fvgraph(engine, requests, device)
+        report[f"compiles_O{level}"] = engine.counters.compiles
+
+    c = eager.loop.components
+    pipe = WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
+                       scheduler=diffusers_scheduler(eager.card.recipe.sampler))  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    report["results"]["diffusers_eager"] = run_pipeline(pipe, requests, device)
+    c.transformer.compile_repeated_blocks(fullgraph=True)
+    run_pipeline(pipe, requests[: len(shapes)], device)  # compile, untimed
+    report["results"]["diffusers_compile_repeated_blocks"] = run_pipeline(pipe, requests, device)
+
+    rps = {name: r["requests_per_s"] for name, r in report["results"].items()}
+    report["throughput_ratio_vs_diffusers_eager"] = {k: round(v / rps["diffusers_eager"], 3) for k, v in rps.items()}
+    for r in report["results"].values():
+        for key in r:
+            r[key] = round(r[key], 4)
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
