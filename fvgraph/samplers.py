@@ -19,6 +19,7 @@ steps to the next sigma. Both are linear in (x, x_last, x0, history), so each re
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import torch
@@ -35,20 +36,29 @@ class SamplerPlan:
     coeffs: torch.Tensor  # [N, num_coeffs] float32
 
 
-class FlowEulerSampler:
+class _PlannedSampler(abc.ABC):
+    """Plans are read-only tensors, memoized per step count: every request with N steps shares one."""
+
+    def __init__(self) -> None:
+        self._plans: dict[int, SamplerPlan] = {}
+
+    def plan(self, num_steps: int) -> SamplerPlan:
+        if num_steps not in self._plans:
+            self._plans[num_steps] = self._plan(num_steps)
+        return self._plans[num_steps]
+
+    @abc.abstractmethod
+    def _plan(self, num_steps: int) -> SamplerPlan: ...
+
+
+class FlowEulerSampler(_PlannedSampler):
     """diffusers FlowMatchEulerDiscreteScheduler as (sigma, dt) per step; carries no history."""
 
     history = 0
 
     def __init__(self, config: dict):
+        super().__init__()
         self._scheduler = FlowMatchEulerDiscreteScheduler(**config)  # schedule only; never stepped
-        self._plans: dict[int, SamplerPlan] = {}
-
-    def plan(self, num_steps: int) -> SamplerPlan:
-        """Read-only tensors, memoized per step count: every request with N steps shares one plan."""
-        if num_steps not in self._plans:
-            self._plans[num_steps] = self._plan(num_steps)
-        return self._plans[num_steps]
 
     def _plan(self, num_steps: int) -> SamplerPlan:
         self._scheduler.set_timesteps(num_steps, device="cpu")
@@ -65,7 +75,7 @@ class FlowEulerSampler:
         return sample + dt * model_output.to(sample.dtype), ()
 
 
-class UniPCSampler:
+class UniPCSampler(_PlannedSampler):
     """diffusers UniPCMultistepScheduler (flow sigmas, predict_x0) with coefficients planned ahead.
 
     Coefficient row layout for K = solver_order history slots of past x0 (h_0 newest):
@@ -76,6 +86,7 @@ class UniPCSampler:
     """
 
     def __init__(self, config: dict):
+        super().__init__()
         self._scheduler = UniPCMultistepScheduler(**config)
         cfg = self._scheduler.config
         if not (cfg.use_flow_sigmas and cfg.predict_x0 and cfg.prediction_type == "flow_prediction"):
@@ -87,17 +98,10 @@ class UniPCSampler:
             raise ValueError("sampler 'unipc' supports solver_type bh1/bh2 without solver_p or thresholding")
         self.order = cfg.solver_order
         self.history = self.order  # diffusers keeps solver_order past x0 predictions
-        self._plans: dict[int, SamplerPlan] = {}
 
     def initial_carry(self, sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(x_last, h_0, ..., h_{K-1}); zeros weighted by zero coefficients until filled."""
         return tuple(torch.zeros_like(sample) for _ in range(1 + self.history))
-
-    def plan(self, num_steps: int) -> SamplerPlan:
-        """Read-only tensors, memoized per step count: every request with N steps shares one plan."""
-        if num_steps not in self._plans:
-            self._plans[num_steps] = self._plan(num_steps)
-        return self._plans[num_steps]
 
     def _plan(self, num_steps: int) -> SamplerPlan:
         self._scheduler.set_timesteps(num_steps, device="cpu")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import inspect
 import operator
@@ -28,7 +29,7 @@ class PassContext:
     changed: dict[str, int] = field(default_factory=dict)  # per pass: nodes rewritten (for logs and tests)
 
 
-class FxPass:
+class FxPass(abc.ABC):
     """A rewrite of a captured step graph, run before inductor. Subclasses implement `run`."""
 
     name: str = ""
@@ -39,8 +40,8 @@ class FxPass:
         result.recompile()
         return result
 
-    def run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-        raise NotImplementedError(f"{type(self).__name__} must implement run()")
+    @abc.abstractmethod
+    def run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule: ...
 
     def uuid(self) -> str:
         """Changes whenever the pass's code does, so caches keyed on it never serve a stale rewrite."""
