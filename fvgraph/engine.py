@@ -3,10 +3,12 @@
     engine = Engine.from_card("tiny-wan")
     results = engine.generate([Request(prompt="a red fox", seed=0), Request(prompt="snow", seed=1)])
 
-Each tick asks every running request's loop for its next WorkPlan and executes it. A request that is
-rejected (bad input for this card) or fails (an error in one of its steps) gets a Result saying so;
-the other requests carry on. The engine itself holds no per-request state: that is all in each
-request's loop state, which `start` / `step` / `finish` expose for saving and resuming.
+Each tick the scheduler admits requests, collects every running loop's next WorkPlan and groups the
+compatible ones; the executor runs each group (eagerly one by one at -O0, as one padded compiled
+batch at -O1/-O2) and the results are folded back into each loop. A request that is rejected (bad
+input for this card), fails (an error in one of its steps) or is cancelled gets a Result saying so;
+the other requests carry on. The engine holds no per-request state: that is all in each request's
+loop state, which `start` / `step` / `finish` / `resume` expose for saving and resuming.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
+from fvgraph.buckets import BucketSpec
 from fvgraph.card import ModelCard
 from fvgraph.cards import get_card
-from fvgraph.components import load_components
 from fvgraph.compiler import CompileConfig, StepCompiler
+from fvgraph.components import load_components
 from fvgraph.counters import Counters
 from fvgraph.executor import CompiledExecutor, EagerExecutor, build_steps
-from fvgraph.buckets import BucketSpec
 from fvgraph.graph_runner import GraphRunner
 from fvgraph.loop import Done, WorkPlan
 from fvgraph.projection_cache import ExactProjectionCache
@@ -82,11 +84,13 @@ class Engine:
         padded batch (`buckets`); 2 also replays them as CUDA graphs on a GPU (`cuda_graphs=False`
         turns that off alone). `enforce_eager` overrides the level, as in vLLM. `max_running` caps
         the requests in flight (the rest wait, FIFO); `debug` checks static buffer addresses at
-        every replay. When running
-        eagerly, request-constant projections go through an ExactProjectionCache of
-        `projection_cache_bytes` (0 turns it off); compiled steps hoist them instead.
+        every replay. When running eagerly, request-constant projections go through an
+        ExactProjectionCache of `projection_cache_bytes` (0 turns it off); compiled steps hoist them.
+        `cache_dir` names the on-disk capture cache, which this build does not have yet.
         """
         card = get_card(card) if isinstance(card, str) else card
+        if cache_dir is not None:
+            raise ValueError(f"cache_dir={str(cache_dir)!r}: this build has no on-disk capture cache yet; pass None")
         if opt_level not in OPT_LEVELS:
             available = ", ".join(f"{level} ({what})" for level, what in OPT_LEVELS.items())
             raise ValueError(f"opt_level={opt_level} is not available; this build supports {available}")

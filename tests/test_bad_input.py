@@ -81,3 +81,8 @@ def test_unknown_card_lists_the_known_ones():
 def test_unavailable_opt_level_says_which_exist():
     with pytest.raises(ValueError, match="opt_level=7"):
         Engine.from_card("tiny-wan", opt_level=7)
+
+
+def test_capture_cache_dir_is_refused_until_it_exists(tmp_path):
+    with pytest.raises(ValueError, match="no on-disk capture cache yet"):
+        Engine.from_card("tiny-wan", cache_dir=tmp_path)
