@@ -44,9 +44,12 @@ class FxPass(abc.ABC):
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule: ...
 
     def uuid(self) -> str:
-        """Changes whenever the pass's code does, so caches keyed on it never serve a stale rewrite."""
-        source = inspect.getsource(type(self))
-        return hashlib.sha256(source.encode()).hexdigest()[:16]
+        """Changes whenever the pass's code does (its whole file, helpers included, and this base file
+        with the shared dead-code elimination), so caches keyed on it never serve a stale rewrite."""
+        digest = hashlib.sha256()
+        for module in (inspect.getmodule(type(self)), inspect.getmodule(FxPass)):
+            digest.update(inspect.getsource(module).encode())
+        return digest.hexdigest()[:16]
 
 
 def marker_nodes(graph: fx.Graph, op) -> list[fx.Node]:
