@@ -110,6 +110,55 @@ def generate(
 
 
 @app.command()
+def parity(
+    card: str = typer.Option("tiny-wan"),
+    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    opt_level: int = typer.Option(1, "-O", "--opt-level", help="The setting under test."),
+    against: int = typer.Option(0, help="The reference opt level."),
+    compile_backend: str = typer.Option("inductor"),
+    disable_pass: list[str] = typer.Option([], "--disable-pass"),
+    prompt: list[str] = typer.Option(["a red fox running through fresh snow", "waves at dusk"], "--prompt", "-p"),
+    num_inference_steps: int = typer.Option(4, "--steps"),
+    num_frames: int = typer.Option(5, "--frames"),
+    device: Optional[str] = typer.Option(None),
+    report: Optional[Path] = typer.Option(None, help="Write the JSON-lines report here."),
+) -> None:
+    """Diff two settings tap by tap (every block, both CFG branches, predictions, latents) per step.
+    Exits 1 when a tap exceeds the card's tolerance, naming the first divergence."""
+    from fvgraph.parity import Setting, compare
+    from fvgraph.request import Request
+
+    try:
+        for level in (opt_level, against):
+            if level not in (0, 1, 2):
+                raise ValueError(f"opt_level={level} is not available; use 0, 1 or 2")
+        requests = [
+            Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames)
+            for i, text in enumerate(prompt)
+        ]
+        b = Setting(opt_level, compile_backend, tuple(disable_pass))
+        result = compare(card, requests, Setting(against, compile_backend), b, checkpoint=checkpoint, device=device)
+    except Exception as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    table = Table(title=f"parity {result.config['a']} vs {result.config['b']} on {result.config['card']}")
+    for column in ("step", "tap", "max_abs", "rel_diff", "noise floor", "ok"):
+        table.add_column(column)
+    worst = sorted(result.comparisons, key=lambda c: -c.max_abs)[:8]
+    for c in sorted(worst, key=lambda c: (c.request, c.step)):
+        table.add_row(f"r{c.request} s{c.step}", c.tap, f"{c.max_abs:.3g}", f"{c.rel_diff:.3g}", f"{c.floor_max_abs:.3g}", "yes" if c.passed else "NO")
+    console.print(table)
+    if report is not None:
+        result.write_jsonl(report)
+        console.print(f"wrote {report}")
+    summary = result.summary()
+    if not summary["passed"]:
+        console.print(f"[red]failed[/red]: {summary['failed']} of {summary['comparisons']}; first divergence {summary['first_divergence']}")
+        raise typer.Exit(1)
+    console.print(f"passed: {summary['comparisons']} comparisons within atol={result.config['atol']} rtol={result.config['rtol']}")
+
+
+@app.command()
 def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
     """Versions of torch / CUDA / triton / diffusers, the GPU, optional kernel packages, and the cards."""
     from fvgraph.cards import card_names

@@ -116,7 +116,7 @@ class StepCompiler:
         log.info("compiled %s in %.1f s (passes changed %s)\n%s", plan.kind, seconds, ctx.changed, signature)
         return CompiledStep(
             signature, step_fn, prologue_fn, list(step_parameters(step).values()), captured.input_names,
-            captured.output_names, dict(ctx.changed), seconds,
+            captured.output_names + ctx.extra_outputs, dict(ctx.changed), seconds,
         )  # fmt: skip
 
     def _backend_compile(self, gm: torch.fx.GraphModule, example_args: list[torch.Tensor]):

@@ -13,6 +13,7 @@ loop state, which `start` / `step` / `finish` / `resume` expose for saving and r
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -35,10 +36,12 @@ from fvgraph.projection_cache_wan import apply_projection_cache
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.scheduler import Scheduler
 from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, T2VState, TextToVideoLoop
+from fvgraph.taps import TapPoints
 
 log = logging.getLogger(__name__)
 
 StepCallback = Callable[[T2VState, str], None]
+ResultCallback = Callable[[T2VState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
 # A CFG request of Wan 1.3B holds about 190 MB of text projections; this keeps several requests warm.
 DEFAULT_PROJECTION_CACHE_BYTES = 1 << 30
 OPT_LEVELS = {0: "eager", 1: "compiled step graphs, batched", 2: "+ CUDA graphs"}
@@ -76,6 +79,7 @@ class Engine:
         max_running: int = 16,
         cuda_graphs: bool = True,
         debug: bool = False,
+        taps: bool = False,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -86,7 +90,8 @@ class Engine:
         the requests in flight (the rest wait, FIFO); `debug` checks static buffer addresses at
         every replay. When running eagerly, request-constant projections go through an
         ExactProjectionCache of `projection_cache_bytes` (0 turns it off); compiled steps hoist them.
-        `cache_dir` names the on-disk capture cache, which this build does not have yet.
+        `cache_dir` names the on-disk capture cache, which this build does not have yet. `taps`
+        builds the parity variant: denoise steps also return named intermediates ("tap.*").
         """
         card = get_card(card) if isinstance(card, str) else card
         if cache_dir is not None:
@@ -99,17 +104,22 @@ class Engine:
         components = load_components(card, checkpoint, device)
         loop = TextToVideoLoop(card, components)
         counters = Counters()
-        executor = EagerExecutor(build_steps(loop), counters)
+        tap_points = TapPoints(components.transformer) if taps else None
+        executor = EagerExecutor(build_steps(loop, tap_points), counters)
         if opt_level >= 1 and not enforce_eager:
+            compile_config = compile_config or CompileConfig()
+            if taps:  # tap variants get their own pass pipeline, hence their own signatures
+                passes = dataclasses.replace(compile_config.passes, taps=True)
+                compile_config = dataclasses.replace(compile_config, passes=passes)
             compiler = StepCompiler(
-                compile_config or CompileConfig(), card.card_id, components.weights_version, loop.loop_id,
+                compile_config, card.card_id, components.weights_version, loop.loop_id,
                 card.recipe.precision, device, counters,
             )  # fmt: skip
             graphs = opt_level >= 2 and cuda_graphs and device.type == "cuda"
             runner = GraphRunner(compiler, counters, cuda_graphs=graphs, debug=debug)
             executor = CompiledExecutor(executor, compiler, runner, buckets)
         engine = cls(card, loop, executor, 0 if enforce_eager else opt_level, counters, buckets, max_running)
-        if engine.compiler is None and projection_cache_bytes:
+        if engine.compiler is None and projection_cache_bytes and not taps:
             engine.projection_cache = ExactProjectionCache(max_bytes=projection_cache_bytes)
             apply_projection_cache(components.transformer, engine.projection_cache)
         return engine
@@ -168,7 +178,8 @@ class Engine:
 
     # -- many requests, interleaved ----------------------------------------------------------------
 
-    def generate(self, requests: Sequence[Request], on_step: StepCallback | None = None) -> list[Result]:
+    def generate(self, requests: Sequence[Request], on_step: StepCallback | None = None,
+                 on_result: ResultCallback | None = None) -> list[Result]:  # fmt: skip
         """Run every request to completion, interleaved step by step; results in request order.
 
         Each tick the scheduler groups the compatible steps of the running requests; a compiled
@@ -194,12 +205,13 @@ class Engine:
             for state in tick.finished:
                 done(self.loop.finalize(state))
             for group in tick.groups:
-                for state, err in self._run_group(group, on_step):
+                for state, err in self._run_group(group, on_step, on_result):
                     self._scheduler.running.remove(state)
                     done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err)))
         return [results[r.request_id] for r in requests]
 
-    def _run_group(self, group: list[tuple[T2VState, WorkPlan]], on_step: StepCallback | None) -> list[tuple]:
+    def _run_group(self, group: list[tuple[T2VState, WorkPlan]], on_step: StepCallback | None,
+                   on_result: ResultCallback | None = None) -> list[tuple]:  # fmt: skip
         """Execute one group and fold the results back; returns the (state, error) pairs that failed."""
         plans = [plan for _, plan in group]
         began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
@@ -207,7 +219,7 @@ class Engine:
             results = self.executor.run_batch(plans)
         except Exception as err:  # one request's failure must not take the others down
             if len(group) > 1:  # retry alone, so only the request at fault fails
-                return [failure for member in group for failure in self._run_group([member], on_step)]
+                return [failure for member in group for failure in self._run_group([member], on_step, on_result)]
             state, plan = group[0]
             log.exception("request %s failed at %s step %d", state.request_id, plan.kind, plan.step_index)
             return [(state, err)]
@@ -218,6 +230,8 @@ class Engine:
             if compiled_for_it:
                 state.timings["compile"] = state.timings.get("compile", 0.0) + compiled_for_it
             state.timings[phase] = state.timings.get(phase, 0.0) + elapsed
+            if on_result is not None:
+                on_result(state, plan, result)
             self.loop.advance(state, result)
             if on_step is not None:
                 on_step(state, plan.kind)

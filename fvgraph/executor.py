@@ -18,18 +18,20 @@ from fvgraph.compiler import StepCompiler
 from fvgraph.counters import Counters
 from fvgraph.loop import StepResult, WorkPlan
 from fvgraph.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
+from fvgraph.taps import TapPoints
 from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, TextToVideoLoop
 
 log = logging.getLogger(__name__)
 
 
-def build_steps(loop: TextToVideoLoop) -> dict[str, nn.Module]:
-    """One step module per step kind; they share the loop's component modules (no weight copies)."""
+def build_steps(loop: TextToVideoLoop, tap_points: TapPoints | None = None) -> dict[str, nn.Module]:
+    """One step module per step kind; they share the loop's component modules (no weight copies).
+    With `tap_points` the denoise steps are the parity tap variants."""
     c = loop.components
     steps = {
         TEXT_ENCODE: TextEncodeStep(c.text_encoder),
-        DENOISE: DenoiseStep(c.transformer, loop.sampler, cfg=False),
-        DENOISE_CFG: DenoiseStep(c.transformer, loop.sampler, cfg=True),
+        DENOISE: DenoiseStep(c.transformer, loop.sampler, cfg=False, tap_points=tap_points),
+        DENOISE_CFG: DenoiseStep(c.transformer, loop.sampler, cfg=True, tap_points=tap_points),
         VAE_DECODE: VaeDecodeStep(c.vae),
     }
     return {kind: step.to(c.device).eval() for kind, step in steps.items()}

@@ -70,8 +70,8 @@ class GraphRunner:
         if entry.compiled.prologue_fn is not None:
             self._fill_hoisted(entry, plans)
         outputs = self._replay(entry)
-        n = len(plans)
-        return [{name: out[i : i + 1].clone() for name, out in zip(entry.compiled.output_names, outputs)} for i in range(n)]
+        names = entry.compiled.output_names
+        return [{name: _rows(out, entry.bucket, i) for name, out in zip(names, outputs)} for i in range(len(plans))]
 
     # -- preparing a bucket --------------------------------------------------------------------------
 
@@ -164,3 +164,10 @@ class GraphRunner:
         entry.graph.replay()
         self.counters.replays += 1
         return entry.outputs
+
+
+def _rows(out: torch.Tensor, bucket: int, i: int) -> torch.Tensor:
+    """Request i's rows of a batched output, copied out: row i, or rows i, bucket + i, ... when the
+    output holds several rows per request branch-major (a fused-CFG tap)."""
+    m = out.shape[0] // bucket
+    return out.view(m, bucket, *out.shape[1:])[:, i].clone()

@@ -10,6 +10,8 @@ denoiser's ops, and a prompt embedding is just another placeholder. The step bod
 In eager mode the helpers return their inputs untouched (no op runs). While tracing they emit
 `fvgraph::branch_input`, `fvgraph::branch_output` and `fvgraph::request_constant` nodes; passes read
 them, and the cleanup tail replaces every marker by its input before inductor sees the graph.
+`fvgraph::tap` marks an intermediate tensor of a parity run's tap variant (fvgraph/taps.py); the
+tap-outputs pass turns each into an extra graph output.
 """
 
 from __future__ import annotations
@@ -35,13 +37,19 @@ def request_constant(x: torch.Tensor) -> torch.Tensor:
     return x.clone()
 
 
-for _op in (branch_input, branch_output, request_constant):
+@torch.library.custom_op("fvgraph::tap", mutates_args=())
+def tap(x: torch.Tensor, name: str) -> torch.Tensor:
+    return x.clone()
+
+
+for _op in (branch_input, branch_output, request_constant, tap):
     _op.register_fake(lambda x, *args: torch.empty_like(x))
 
 MARKER_OPS = (
     torch.ops.fvgraph.branch_input.default,
     torch.ops.fvgraph.branch_output.default,
     torch.ops.fvgraph.request_constant.default,
+    torch.ops.fvgraph.tap.default,
 )
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fvgraph.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.taps import TapPoints
 from fvgraph.samplers import FlowEulerSampler, UniPCSampler
 
 
@@ -31,12 +32,15 @@ class TextEncodeStep(nn.Module):
 class DenoiseStep(nn.Module):
     """One whole denoise step: cond branch, uncond branch (when `cfg`), guidance combine, sampler update."""
 
-    def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler | UniPCSampler, cfg: bool):
+    def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler | UniPCSampler, cfg: bool,
+                 tap_points: TapPoints | None = None):  # fmt: skip
         super().__init__()
         self.transformer = transformer
         self.sampler = sampler
         self.cfg = cfg
         self.num_carry = 1 + sampler.history if isinstance(sampler, UniPCSampler) else 0
+        # The tap variant (parity runs only) also returns intermediate tensors as "tap.*" outputs.
+        self.tap_points = tap_points
 
     def forward(
         self,
@@ -48,19 +52,24 @@ class DenoiseStep(nn.Module):
         guidance_scale: torch.Tensor | None = None,  # [B] when cfg
         **carry: torch.Tensor,  # sampler history: carry_0 .. carry_{n-1}, each like latents
     ) -> dict[str, torch.Tensor]:
+        taps = {}
         # 1. the denoiser on the conditional branch
         model_input = latents.to(prompt_embeds.dtype)
-        noise = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds))
+        noise = taps["tap.noise.cond"] = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds))
         # 2. the unconditional branch and the guidance combine
         if self.cfg:
             noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds))
             scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
             noise = noise_uncond + scale * (noise - noise_uncond)
+            taps["tap.noise.uncond"], taps["tap.noise"] = noise_uncond, noise
         # 3. the sampler update, with this request's coefficients and history
         history = tuple(carry[f"carry_{i}"] for i in range(self.num_carry))
         new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
         out = {"latents": new_latents}
         out.update({f"carry_{i}": t for i, t in enumerate(new_history)})
+        if self.tap_points is not None:
+            out.update(taps)
+            out.update(self.tap_points.drain())  # block outputs (eager; traced graphs get them from the tap pass)
         return out
 
     def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states) -> torch.Tensor:

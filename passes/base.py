@@ -26,6 +26,7 @@ class PassContext:
     num_params: int
     prologue: fx.GraphModule | None = None  # set by the hoisting pass
     hoisted: list[str] = field(default_factory=list)  # names of the prologue outputs the step now takes
+    extra_outputs: list[str] = field(default_factory=list)  # names of outputs a pass appended (taps)
     changed: dict[str, int] = field(default_factory=dict)  # per pass: nodes rewritten (for logs and tests)
 
 

@@ -18,6 +18,7 @@ from fvgraph.passes.cfg_fusion import CfgFusionPass
 from fvgraph.passes.cleanup import CleanupPass
 from fvgraph.passes.hoist_invariants import HoistInvariantsPass
 from fvgraph.passes.inductor_bundle import InductorPassBundle
+from fvgraph.passes.tap_outputs import TapOutputsPass
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,7 @@ class PassConfig:
     """Which passes run. `disabled` names passes from FX_PASSES to skip (the CLI's --disable-pass)."""
 
     disabled: tuple[str, ...] = ()
+    taps: bool = False  # parity runs: turn tap markers into extra outputs (its own pipeline uuid)
 
     def __post_init__(self) -> None:
         unknown = set(self.disabled) - set(FX_PASSES)
@@ -41,6 +43,8 @@ class PassManager:
     def __init__(self, config: PassConfig = PassConfig(), inductor: InductorPassBundle | None = None):
         self.config = config
         self.passes = [cls() for name, cls in FX_PASSES.items() if name not in config.disabled]
+        if config.taps:
+            self.passes.append(TapOutputsPass())
         self.tail = [CleanupPass()]
         self.inductor = inductor or InductorPassBundle()
         self._uuid = self._compute_uuid()  # read on every step's signature: compute once
