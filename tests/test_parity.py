@@ -62,3 +62,13 @@ def test_cli_exits_nonzero_on_failure_and_zero_on_success(tmp_path, tiny_checkpo
     assert "passed" in ok.output and (tmp_path / "p.jsonl").is_file()
     bad = runner.invoke(app, ["parity", "--card", "tiny-wan", "-O0", "--against", "7", "--steps", "2"])
     assert bad.exit_code == 2 and "opt_level=7" in bad.output
+
+
+def test_batch_one_vs_batched_is_within_tolerance_and_above_no_floor():
+    """O1 one request at a time vs all requests in one batch: the batch-composition comparison."""
+    a, b = Setting(1, backend="aot_eager"), Setting(1, backend="aot_eager", batched=True)
+    report = compare("tiny-wan", REQUESTS, a, b, device="cpu")
+    assert report.passed, report.first_divergence
+    assert report.config["b"] == "O1 aot_eager batched"
+    # the floor is side a in b's composition: the same runs, so each row's floor equals its max_abs
+    assert all(abs(c.floor_max_abs - c.max_abs) < 1e-12 for c in report.comparisons)
