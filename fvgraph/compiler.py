@@ -59,6 +59,7 @@ class CompiledStep:
     output_names: list[str]
     passes_changed: dict[str, int]
     compile_seconds: float
+    hoisted_like: list[torch.Tensor] = field(default_factory=list)  # the prologue's outputs, as meta tensors
 
 
 STEP_COMPONENT = {"text_encode": "text_encoder", "denoise": "transformer", "denoise_cfg": "transformer", "vae_decode": "vae"}
@@ -104,11 +105,12 @@ class StepCompiler:
         captured = capture_step(plan.kind, step, plan.inputs)
         ctx = PassContext(root=step, example_args=captured.example_args, num_params=captured.num_params)
         gm = self.pass_manager(captured.gm, ctx)
-        prologue_fn, step_args = None, list(captured.example_args)
+        prologue_fn, step_args, hoisted = None, list(captured.example_args), []
         if ctx.prologue is not None:
             prologue_fn = self._backend_compile(ctx.prologue, step_args)
             with torch.no_grad():
-                step_args += list(ctx.prologue(*step_args))
+                hoisted = list(ctx.prologue(*step_args))
+            step_args += hoisted
         step_fn = self._backend_compile(gm, step_args)
         seconds = time.perf_counter() - began
         self.counters.compiles += 1
@@ -116,7 +118,7 @@ class StepCompiler:
         log.info("compiled %s in %.1f s (passes changed %s)\n%s", plan.kind, seconds, ctx.changed, signature)
         return CompiledStep(
             signature, step_fn, prologue_fn, list(step_parameters(step).values()), captured.input_names,
-            captured.output_names + ctx.extra_outputs, dict(ctx.changed), seconds,
+            captured.output_names + ctx.extra_outputs, dict(ctx.changed), seconds, [t.to("meta") for t in hoisted],
         )  # fmt: skip
 
     def _backend_compile(self, gm: torch.fx.GraphModule, example_args: list[torch.Tensor]):

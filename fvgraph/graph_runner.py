@@ -80,11 +80,9 @@ class GraphRunner:
         example = WorkPlan(plans[0].request_id, plans[0].kind, inputs)
         entry = BucketGraph(self.compiler.get(step, example, batch=bucket), bucket, inputs)
         self._fill_inputs(entry, plans)
-        if entry.compiled.prologue_fn is not None:
-            with torch.no_grad():
-                values = list(entry.compiled.prologue_fn(*entry.base_args()))
-            entry.hoisted = [v.clone() for v in values]
-            entry.rows_per_request = [v.shape[0] // bucket for v in values]
+        device = next(iter(inputs.values())).device
+        entry.hoisted = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in entry.compiled.hoisted_like]
+        entry.rows_per_request = [t.shape[0] // bucket for t in entry.hoisted]
         key = (plans[0].signature, bucket)
         self._graphs[key] = entry
         if self.cuda_graphs and key not in self._capture_failed:
