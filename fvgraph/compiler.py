@@ -59,7 +59,9 @@ class CompiledStep:
     output_names: list[str]
     passes_changed: dict[str, int]
     compile_seconds: float
-    hoisted_like: list[torch.Tensor] = field(default_factory=list)  # the prologue's outputs, as meta tensors
+    # The prologue's outputs as meta tensors: their shapes and strides are what the step was compiled
+    # for (inductor asserts input strides), so static buffers copy them.
+    hoisted_like: list[torch.Tensor] = field(default_factory=list)
 
 
 STEP_COMPONENT = {"text_encode": "text_encoder", "denoise": "transformer", "denoise_cfg": "transformer", "vae_decode": "vae"}

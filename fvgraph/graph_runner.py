@@ -81,7 +81,9 @@ class GraphRunner:
         entry = BucketGraph(self.compiler.get(step, example, batch=bucket), bucket, inputs)
         self._fill_inputs(entry, plans)
         device = next(iter(inputs.values())).device
-        entry.hoisted = [torch.empty(t.shape, dtype=t.dtype, device=device) for t in entry.compiled.hoisted_like]
+        entry.hoisted = [
+            torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in entry.compiled.hoisted_like
+        ]
         entry.rows_per_request = [t.shape[0] // bucket for t in entry.hoisted]
         key = (plans[0].signature, bucket)
         self._graphs[key] = entry
