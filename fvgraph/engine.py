@@ -187,12 +187,17 @@ class Engine:
         began = time.perf_counter()
         results: dict[str, Result] = {}
         self._scheduler = Scheduler(self.loop, self.buckets, self.max_running)
-        for request in requests:
+        rejected: dict[int, Result] = {}  # by position: a duplicate id must not shadow the original's result
+        seen: set[str] = set()
+        for position, request in enumerate(requests):
             try:
+                if request.request_id in seen:
+                    raise RequestRejected("request_id", f"{request.request_id!r} appears twice in one generate() call")
                 self._scheduler.submit(self.start(request))
+                seen.add(request.request_id)
             except (RequestRejected, ValidationError) as err:
                 log.warning("request %s rejected: %s", request.request_id, err)
-                results[request.request_id] = Result(request.request_id, "rejected", seed=request.seed, error=str(err))
+                rejected[position] = Result(request.request_id, "rejected", seed=request.seed, error=str(err))
 
         def done(result: Result) -> None:
             result.timings["total"] = time.perf_counter() - began
@@ -208,7 +213,7 @@ class Engine:
                 for state, err in self._run_group(group, on_step, on_result):
                     self._scheduler.running.remove(state)
                     done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err)))
-        return [results[r.request_id] for r in requests]
+        return [rejected.get(i) or results[r.request_id] for i, r in enumerate(requests)]
 
     def _run_group(self, group: list[tuple[T2VState, WorkPlan]], on_step: StepCallback | None,
                    on_result: ResultCallback | None = None) -> list[tuple]:  # fmt: skip

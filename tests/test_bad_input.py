@@ -86,3 +86,11 @@ def test_unavailable_opt_level_says_which_exist():
 def test_capture_cache_dir_is_refused_until_it_exists(tmp_path):
     with pytest.raises(ValueError, match="no on-disk capture cache yet"):
         Engine.from_card("tiny-wan", cache_dir=tmp_path)
+
+
+def test_a_duplicate_request_id_is_rejected_without_shadowing_the_first(tiny_engine):
+    first = Request(**OK)
+    again = Request(**{**OK, "seed": 9, "request_id": first.request_id})
+    ok, dup = tiny_engine.generate([first, again])
+    assert ok.status == "ok" and ok.seed == 0
+    assert dup.status == "rejected" and "appears twice" in dup.error
