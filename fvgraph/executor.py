@@ -68,9 +68,6 @@ class CompiledExecutor:
         self.counters = eager.counters
         self._fallback_logged: set[tuple] = set()
 
-    def run(self, plan: WorkPlan) -> StepResult:
-        return self.run_batch([plan])[0]
-
     def run_batch(self, plans: list[WorkPlan]) -> list[StepResult]:
         """`plans` share one signature and fit the largest batch bucket."""
         first = plans[0]
