@@ -1,0 +1,308 @@
+"""Kernel benchmarks: every fvgraph kernel against its torch reference, and against cuBLAS bf16 F.linear /
+torch SDPA, at Wan's shapes. One JSON object per (kernel, shape, implementation) on stdout.
+
+    python perf/bench_kernels.py                              # --cpu: small shapes, torch paths only (< 1 min)
+    python perf/bench_kernels.py --cpu --triton-interpret     # also the Triton kernels, under the interpreter
+    python perf/bench_kernels.py --gpu --out results.jsonl    # Wan-1.3B and Wan-14B shapes on CUDA
+
+Shapes (--gpu): Wan-1.3B (dim 1536, FFN 8960, 12 heads x 128) and Wan-14B (dim 5120, FFN 13824, 40 heads)
+at 14040 tokens (480x832x33: 9x30x52 patches) and 1280 tokens (256x256x17), batch 2 (a CFG pair, so the
+FFN GEMMs have M = 28080). Each record has the median time, TFLOP/s (GEMMs, attention) or GB/s
+(memory-bound kernels), the % of the H200's measured peak (bf16 matmul 754 TFLOP/s, copy 4.3 TB/s; FP8
+GEMMs can exceed 100% of the bf16 peak), and `vs_reference` = reference time / this time (> 1 is
+faster). GPU times come from triton.testing.do_bench (CUDA events, L2 flushed) or CUDA events; CPU times
+from time.perf_counter. With nsight-python importable and `ncu` on PATH, --gpu also records Nsight
+Compute metrics of the Triton kernels; otherwise one record says why it skipped them. Timing numbers on
+the CPU only show that the script runs; they say nothing about the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+PEAK_BF16_TFLOPS = 754.0  # measured on the H200 (docs: DESIGN.md "On the GPU")
+PEAK_COPY_TBS = 4.3  # measured device-to-device copy on the H200
+BATCH = 2  # a CFG pair
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShapes:
+    name: str
+    dim: int
+    ffn: int
+    heads: int
+    head_dim: int = 128
+
+
+GPU_MODELS = (ModelShapes("wan2.1-1.3b", 1536, 8960, 12), ModelShapes("wan2.1-14b", 5120, 13824, 40))
+GPU_TOKENS = (14040, 1280)
+CPU_MODELS = (ModelShapes("cpu-small", 128, 256, 2, head_dim=64),)
+CPU_TOKENS = (64,)  # small enough for the Triton interpreter to finish in seconds
+
+
+@dataclasses.dataclass
+class Case:
+    """One kernel at one shape: implementations by name, the one the others are compared with, and the work."""
+
+    kernel: str
+    shape: dict
+    impls: dict[str, Callable[[], object]]
+    reference: str
+    flops: float = 0.0  # compute-bound kernels report TFLOP/s
+    bytes: float = 0.0  # memory-bound ones GB/s
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, cpu_reps: int) -> float:
+    """Median (CPU) / mean over do_bench's window (GPU) milliseconds per call, after a warm-up call."""
+    fn()
+    if device.type == "cuda":
+        try:
+            import triton.testing
+
+            return float(triton.testing.do_bench(fn, warmup=25, rep=100))
+        except ImportError:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / 20
+    times = []
+    for _ in range(cpu_reps):
+        began = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - began) * 1e3)
+    return statistics.median(times)
+
+
+def linear_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
+    """The block's GEMMs: bf16 F.linear (cuBLAS) vs FP8 rowwise (with and without the activation quant)."""
+    from fvgraph.kernels.fp8_linear import quantize_rows_fp8, quantize_weight_fp8
+
+    cases = []
+    rows = BATCH * tokens
+    for name, k, n in (("qkv_proj", m.dim, m.dim), ("ffn_up", m.dim, m.ffn), ("ffn_down", m.ffn, m.dim)):
+        x = torch.randn(rows, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype) * k**-0.5
+        b = torch.randn(n, device=device, dtype=dtype)
+        w_q, w_s = quantize_weight_fp8(w)
+        x_q, x_s = quantize_rows_fp8(x)
+        impls = {
+            "bf16_linear" if dtype == torch.bfloat16 else "linear": lambda x=x, w=w, b=b: F.linear(x, w, b),
+            "fp8_linear": lambda x=x, w_q=w_q, w_s=w_s, b=b: torch.ops.fvgraph.fp8_linear(x, w_q, w_s, b),
+            "fp8_gemm_prequant": lambda x_q=x_q, x_s=x_s, w_q=w_q, w_s=w_s, b=b: torch.ops.fvgraph.fp8_linear_prequant(
+                x_q, x_s, w_q, w_s, b, dtype),
+        }  # fmt: skip
+        cases.append(Case(f"linear.{name}", {"M": rows, "K": k, "N": n}, impls, next(iter(impls)), flops=2.0 * rows * n * k))
+    return cases
+
+
+def elementwise_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
+    """The fused memory-bound kernels: Triton vs torch reference; bytes = the minimum each must move."""
+    from fvgraph.kernels import guidance_euler as ge, norm_modulate as nm, qk_norm_rope as qk
+
+    x = torch.randn(BATCH, tokens, m.dim, device=device, dtype=dtype)
+    shift, scale = (torch.randn(BATCH, 1, m.dim, device=device) * 0.1 for _ in range(2))
+    w = torch.ones(m.dim, device=device, dtype=dtype)
+    cos, sin = (torch.randn(1, tokens, 1, m.head_dim, device=device) for _ in range(2))
+    latents = torch.randn(BATCH, 64 * tokens, device=device)  # 16 channels x 2x2 patch per token
+    cond, uncond = (torch.randn(BATCH, 64 * tokens, device=device, dtype=dtype) for _ in range(2))
+    g, dt = torch.full((BATCH,), 5.0, device=device), torch.full((BATCH,), -0.02, device=device)
+    n, es = x.numel(), x.element_size()
+    specs = {  # kernel -> (reference, triton launcher, bytes)
+        "norm_modulate": (lambda: nm.norm_modulate_reference(x, shift, scale, 1e-6),
+                          ("norm_modulate_triton", "norm_modulate_triton", (x, shift, scale, 1e-6)), 2 * n * es),
+        "norm_modulate_quant": (lambda: nm.norm_modulate_quant_reference(x, shift, scale, 1e-6),
+                                ("norm_modulate_triton", "norm_modulate_triton", (x, shift, scale, 1e-6, True)),
+                                n * es + n + 4 * n // m.dim),
+        "qk_norm_rope": (lambda: qk.qk_norm_rope_reference(x, w, cos, sin, m.heads, 1e-6),
+                         ("qk_norm_rope_triton", "qk_norm_rope_triton", (x, w, cos, sin, m.heads, 1e-6)),
+                         2 * n * es + 2 * cos.numel() * 4),
+        "guidance_euler": (lambda: ge.guidance_euler_reference(latents, cond, uncond, g, dt),
+                           ("guidance_euler_triton", "guidance_euler_triton", (latents, cond, uncond, g, dt)),
+                           latents.numel() * (4 + 2 * cond.element_size() + 4)),
+    }  # fmt: skip
+    cases = []
+    for kernel, (reference, (module, fn_name, args), nbytes) in specs.items():
+        impls = {"torch_reference": reference}
+        if triton_ok:
+            launcher = getattr(importlib.import_module(f"fvgraph.kernels.{module}"), fn_name)
+            impls["triton"] = lambda launcher=launcher, args=args: launcher(*args)
+        shape = {"latents": list(latents.shape)} if kernel == "guidance_euler" else {"B": BATCH, "S": tokens, "D": m.dim}
+        cases.append(Case(kernel, shape, impls, "torch_reference", bytes=float(nbytes)))
+    return cases
+
+
+def attention_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
+    """SDPA per backend, the table's choice, and flashinfer when importable; reference = SDPA's default."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fvgraph.kernels import attention as at
+
+    q, k, v = (torch.randn(BATCH, tokens, m.heads, m.head_dim, device=device, dtype=dtype) for _ in range(3))
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def pinned(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt)
+
+        return run
+
+    impls = {"sdpa_default": lambda: F.scaled_dot_product_attention(qt, kt, vt), "sdpa_table": lambda: at.attention(q, k, v)}
+    if device.type == "cuda":
+        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+            impls[f"sdpa_{name.split('_')[0].lower()}"] = pinned(getattr(SDPBackend, name))
+        if at.flashinfer_available():
+            impls["flashinfer"] = lambda: torch.ops.fvgraph.flashinfer_attention(q, k, v)
+    shape = {"B": BATCH, "S": tokens, "H": m.heads, "Dh": m.head_dim,
+             "table_choice": [b.name for b in at.sdpa_backends(tokens, m.head_dim, dtype, device)][:1]}  # fmt: skip
+    return [Case("attention", shape, impls, "sdpa_default", flops=4.0 * BATCH * m.heads * tokens * tokens * m.head_dim)]
+
+
+def run_case(case: Case, model: str, device: torch.device, cpu_reps: int) -> list[dict]:
+    """Times every implementation of one case; an implementation that fails becomes a record with its error."""
+    ms = {}
+    out = []
+    for impl, fn in case.impls.items():
+        rec = {"kernel": case.kernel, "model": model, "shape": case.shape, "impl": impl}
+        try:
+            ms[impl] = time_ms(fn, device, cpu_reps)
+        except Exception as e:  # e.g. a pinned SDPA backend that cannot take this shape
+            out.append({**rec, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            continue
+        rec["ms"] = round(ms[impl], 4)
+        if case.flops:
+            tflops = case.flops / ms[impl] / 1e9
+            rec.update(tflops=round(tflops, 1), pct_of_bf16_peak=round(100 * tflops / PEAK_BF16_TFLOPS, 1))
+        else:
+            gbps = case.bytes / ms[impl] / 1e6
+            rec.update(gbps=round(gbps, 1), pct_of_copy_peak=round(100 * gbps / (PEAK_COPY_TBS * 1e3), 1))
+        if case.reference in ms:
+            rec["vs_reference"] = round(ms[case.reference] / ms[impl], 3)
+        out.append(rec)
+    return out
+
+
+def nsight_skip_reason(args) -> str | None:
+    """Why Nsight Compute metrics are not collected, or None when they are."""
+    if not args.gpu:
+        return "CPU run"
+    if args.no_nsight:
+        return "--no-nsight"
+    if importlib.util.find_spec("nsight") is None:
+        return "nsight-python is not importable"
+    if shutil.which("ncu") is None:
+        return "ncu is not on PATH"
+    return None
+
+
+def profile_with_nsight() -> None:
+    """--nsight-only: DRAM throughput of the Triton kernels at the Wan-1.3B 14040-token shape.
+
+    nsight-python reruns this script (same arguments) under ncu, so this mode does nothing else.
+    """
+    import nsight
+
+    from fvgraph.kernels.guidance_euler_triton import guidance_euler_triton
+    from fvgraph.kernels.norm_modulate_triton import norm_modulate_triton
+    from fvgraph.kernels.qk_norm_rope_triton import qk_norm_rope_triton
+
+    m, dev = GPU_MODELS[0], torch.device("cuda")
+    x = torch.randn(BATCH, GPU_TOKENS[0], m.dim, device=dev, dtype=torch.bfloat16)
+    shift, scale = torch.zeros(BATCH, 1, m.dim, device=dev), torch.zeros(BATCH, 1, m.dim, device=dev)
+    w, cos = torch.ones(m.dim, device=dev, dtype=torch.bfloat16), torch.ones(1, GPU_TOKENS[0], 1, m.head_dim, device=dev)
+    lat = torch.randn(BATCH, 64 * GPU_TOKENS[0], device=dev)
+    c, g = lat.bfloat16(), torch.ones(BATCH, device=dev)
+    kernels = {
+        "norm_modulate_quant": lambda: norm_modulate_triton(x, shift, scale, 1e-6, quant=True),
+        "qk_norm_rope": lambda: qk_norm_rope_triton(x, w, cos, cos, m.heads, 1e-6),
+        "guidance_euler": lambda: guidance_euler_triton(lat, c, c, g, g),
+    }
+    for fn in kernels.values():
+        fn()  # compile outside the profiled ranges
+
+    @nsight.analyze.kernel(runs=3, metrics=["gpu__time_duration.sum", "dram__throughput.avg.pct_of_peak_sustained_elapsed"])
+    def profile(tokens):
+        for name, fn in kernels.items():
+            with nsight.annotate(name):
+                fn()
+
+    for row in profile(GPU_TOKENS[0]).to_dataframe().to_dict("records"):
+        print(json.dumps({"kernel": "nsight", "model": m.name, **row}, default=str))
+
+
+def nsight_records() -> list[dict]:
+    """Runs --nsight-only in a subprocess and returns its records (or one record with its error)."""
+    try:
+        proc = subprocess.run([sys.executable, __file__, "--nsight-only"], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        return [{"kernel": "nsight", "error": "timed out after 300 s"}]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return rows or [{"kernel": "nsight", "error": f"rc={proc.returncode}: {proc.stderr[-500:]}"}]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--cpu", action="store_true", help="small shapes on the CPU (the default)")
+    mode.add_argument("--gpu", action="store_true", help="Wan-1.3B and Wan-14B shapes in bf16 on CUDA")
+    mode.add_argument("--nsight-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--triton-interpret", action="store_true",
+                        help="--cpu: also run the Triton kernels (TRITON_INTERPRET=1)")
+    parser.add_argument("--no-nsight", action="store_true", help="--gpu: skip Nsight Compute metrics")
+    parser.add_argument("--out", help="also append the JSON lines to this file")
+    args = parser.parse_args(argv)
+    if args.nsight_only:
+        return profile_with_nsight()
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device; run with --cpu (the default) for the small-shape mode")
+    if args.triton_interpret:
+        os.environ["TRITON_INTERPRET"] = "1"  # read when the Triton kernels are defined (lazily imported below)
+    from fvgraph.kernels._triton import triton_available
+
+    device = torch.device("cuda" if args.gpu else "cpu")
+    triton_ok = triton_available() and (args.gpu or args.triton_interpret)
+    models, tokens_list = (GPU_MODELS, GPU_TOKENS) if args.gpu else (CPU_MODELS, CPU_TOKENS)
+    dtype = torch.bfloat16 if args.gpu else torch.float32  # the interpreter runs fp16/fp32 only
+    out = open(args.out, "a") if args.out else None
+
+    def emit(rec: dict) -> None:
+        line = json.dumps({"device": torch.cuda.get_device_name() if args.gpu else "cpu", **rec})
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
+
+    torch.manual_seed(0)
+    for m in models:
+        for tokens in tokens_list:
+            for build in (linear_cases, elementwise_cases, attention_cases):
+                for case in build(m, tokens, dtype, device, triton_ok):
+                    for rec in run_case(case, m.name, device, cpu_reps=5):
+                        emit(rec)
+                if args.gpu:
+                    torch.cuda.empty_cache()
+    skip = nsight_skip_reason(args)
+    for rec in [{"kernel": "nsight", "skipped": skip}] if skip else nsight_records():
+        emit(rec)
+    if out:
+        out.close()
+
+
+if __name__ == "__main__":
+    main()
