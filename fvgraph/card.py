@@ -112,6 +112,22 @@ class ShapeRules(_Spec):
     text_dim: int = Field(description="Width of the text encoder's hidden states.")
 
 
+class QuantizationSpec(_Spec):
+    """Which layers the FP8 path (opt level 3: fvgraph.fp8_weights + the quantize pass) leaves alone.
+
+    Only linears with K and N multiples of 16 are ever quantized; this list protects the ones whose
+    error the model amplifies. The usual picks for a DiT: the embedders (timestep / text conditioning
+    drives every block's modulation), the output projection, and the first and last blocks.
+    """
+
+    fp8_exclude: tuple[str, ...] = Field(
+        default=("patch_embedding", "condition_embedder.*", "proj_out"),
+        description="fnmatch patterns over the denoiser's module names (e.g. 'blocks.0.*', 'proj_out'); "
+        "a matching nn.Linear keeps its full-precision weight and is never rewritten. A pattern that "
+        "matches no module is an error when the weights are quantized.",
+    )
+
+
 class ModelCard(_Spec):
     """A servable model: components, loops, recipe, parity and capabilities as one validated unit."""
 
@@ -123,6 +139,9 @@ class ModelCard(_Spec):
     parity: ParitySpec
     capabilities: Capabilities = Capabilities()
     shapes: ShapeRules
+    quantization: QuantizationSpec = Field(
+        default=QuantizationSpec(), description="FP8 exclusions of the quantized path (opt level 3)."
+    )
     seed: int | None = Field(
         default=None, description="Seed for deterministic weights when the card embeds its own (no checkpoint)."
     )

@@ -72,3 +72,13 @@ def test_batch_one_vs_batched_is_within_tolerance_and_above_no_floor():
     assert report.config["b"] == "O1 aot_eager batched"
     # the floor is side a in b's composition: the same runs, so each row's floor equals its max_abs
     assert all(abs(c.floor_max_abs - c.max_abs) < 1e-12 for c in report.comparisons)
+
+
+def test_o3_fp8_vs_o0_is_within_the_declared_fp8_tolerance():
+    """-O3 (FP8 weights, quantize pass) against eager, tap by tap, held to the card's fp8 tolerance."""
+    report = compare("tiny-wan", REQUESTS, Setting(0), Setting(3, backend="aot_eager"), device="cpu")
+    summary = report.summary()
+    assert report.config["precision"] == "fp8" and summary["passed"], summary
+    # FP8 really ran: the diff is far above fp32 noise, yet the final latents stay close in direction.
+    final = [c for c in report.comparisons if c.tap == "tap.latents" and c.step == 3 and c.request == 0][0]
+    assert 1e-3 < final.max_abs and final.rel_diff < 0.05, (final.max_abs, final.rel_diff, final.max_rel)
