@@ -1,4 +1,4 @@
-"""The `fvgraph` command line: generate videos and report the environment."""
+"""The `fvgraph` command line: generate videos, warm the capture cache, diff settings, report the environment."""
 
 from __future__ import annotations
 
@@ -14,7 +14,25 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fvgraph: a compiled runtime for diffusion transformers")
+cache_app = typer.Typer(no_args_is_help=True, help="Inspect the on-disk capture cache: ls | verify | clear.")
+app.add_typer(cache_app, name="cache")
 console = Console()
+DEFAULT_CACHE_DIR = Path("capture_cache")
+
+
+def _compile_config(compile_backend: str, disable_pass: list[str], compile_steps: str = "denoise"):
+    from fvgraph.compiler import CompileConfig
+    from fvgraph.passes.manager import PassConfig
+
+    if compile_backend not in ("eager", "aot_eager", "inductor"):
+        raise ValueError(f"--compile-backend={compile_backend!r} must be eager, aot_eager or inductor")
+    if compile_steps not in ("denoise", "all"):
+        raise ValueError(f"--compile-steps={compile_steps!r} must be 'denoise' or 'all'")
+    return CompileConfig(
+        backend=compile_backend,
+        passes=PassConfig(disabled=tuple(disable_pass)),
+        step_kinds=None if compile_steps == "all" else CompileConfig().step_kinds,
+    )
 
 
 @app.command()
@@ -29,39 +47,33 @@ def generate(
     width: Optional[int] = typer.Option(None),
     num_frames: Optional[int] = typer.Option(None, "--frames"),
     seed: int = typer.Option(0, help="Request i uses seed + i."),
-    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager, 1 compiled + batched steps, 2 + CUDA graphs."),
+    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager, 1 compiled + batched steps, 2 + CUDA graphs, 3 + FP8 kernels."),
     no_cudagraph: bool = typer.Option(False, "--no-cudagraph", help="At -O2, keep everything but the CUDA graphs."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
     compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
     disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
     compile_steps: str = typer.Option("denoise", help="Step kinds to compile: 'denoise' or 'all'."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
+    fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
     output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
     """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
-    from fvgraph.compiler import CompileConfig
     from fvgraph.engine import Engine
-    from fvgraph.passes.manager import PassConfig
     from fvgraph.request import Request
     from fvgraph.video_io import write_video
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
     try:
-        if compile_backend not in ("eager", "aot_eager", "inductor"):
-            raise ValueError(f"--compile-backend={compile_backend!r} must be eager, aot_eager or inductor")
-        if compile_steps not in ("denoise", "all"):
-            raise ValueError(f"--compile-steps={compile_steps!r} must be 'denoise' or 'all'")
-        config = CompileConfig(
-            backend=compile_backend,
-            passes=PassConfig(disabled=tuple(disable_pass)),
-            step_kinds=None if compile_steps == "all" else CompileConfig().step_kinds,
-        )
+        config = _compile_config(compile_backend, disable_pass, compile_steps)
         engine = Engine.from_card(
             card, checkpoint=checkpoint, opt_level=opt_level, device=device, compile_config=config,
-            enforce_eager=enforce_eager, cuda_graphs=not no_cudagraph,
+            enforce_eager=enforce_eager, cuda_graphs=not no_cudagraph, cache_dir=cache_dir,
         )  # fmt: skip
+        if fail_on_recompile:
+            engine.freeze()
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
@@ -101,12 +113,137 @@ def generate(
         )  # fmt: skip
         if not result.ok:
             console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
-    table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {engine.counters.compiles}"
+    c = engine.counters
+    table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {c.compiles}, cache hits: {c.cache_hits}"
     console.print(table)
     for path in written:
         console.print(f"wrote {path}")
     if failed:
         raise typer.Exit(1)
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        frames, height, width = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--shape={text!r} must be FRAMESxHEIGHTxWIDTH, e.g. 5x64x64") from None
+    return frames, height, width
+
+
+@app.command()
+def warmup(
+    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache."),
+    opt_level: int = typer.Option(2, "-O", "--opt-level", help="1 compiled steps; 2 + CUDA graphs (captured at every start); 3 + FP8 kernels."),
+    buckets: str = typer.Option("1,2,4,8", help="Batch buckets, comma separated."),
+    shape: list[str] = typer.Option([], "--shape", help="FRAMESxHEIGHTxWIDTH (repeatable). Default: the card's default shape."),
+    guidance: list[float] = typer.Option([], "--guidance", help="Repeatable: >1 warms the CFG step, 1 the plain one. Default: the card's."),
+    compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor."),
+    disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
+) -> None:
+    """Compile the denoise step of every shape and batch bucket into the capture cache, so later
+    processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
+    from fvgraph.buckets import BucketSpec
+    from fvgraph.cards import get_card
+    from fvgraph.engine import Engine
+    from fvgraph.request import Request
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    began = time.perf_counter()
+    try:
+        if opt_level not in (1, 2, 3):
+            raise ValueError(f"-O{opt_level}: warmup compiles, so it takes -O1, -O2 or -O3")
+        model = get_card(card)
+        rules = model.shapes
+        shapes = [_shape(text) for text in shape] or [(rules.default_frames, rules.default_height, rules.default_width)]
+        spec = BucketSpec(batch_sizes=tuple(int(b) for b in buckets.split(",")), shapes=tuple(shapes))
+        engine = Engine.from_card(
+            model, checkpoint=checkpoint, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
+            compile_config=_compile_config(compile_backend, disable_pass),
+        )  # fmt: skip
+        scales = guidance or [model.recipe.default_guidance_scale]
+        requests = [
+            Request(prompt="warmup", num_inference_steps=model.recipe.allowed_steps[0], guidance_scale=g,
+                    num_frames=f, height=h, width=w, seed=0)  # fmt: skip
+            for f, h, w in shapes
+            for g in scales
+        ]
+    except Exception as err:  # bad card, shape or bucket list: say why and stop
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    columns = (TextColumn("buckets"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("buckets", total=len(requests) * len(spec.batch_sizes))
+        results = engine.warmup(requests, on_bucket=lambda batch: bar.advance(task))
+    c = engine.counters
+    console.print(
+        f"warm: {len(engine.compiler.signatures)} step graphs ({c.compiles} compiled, {c.cache_hits} loaded, "
+        f"{c.cache_rejects} rejected and rebuilt) in {time.perf_counter() - began:.1f} s -> {engine.compiler.cache.dir}"
+    )
+    failed = [r for r in results if not r.ok]
+    for result in failed:
+        console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
+    if failed:
+        raise typer.Exit(1)
+
+
+@cache_app.command("ls")
+def cache_ls(
+    cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache."),
+    as_json: bool = typer.Option(False, "--json", help="Print the manifests as JSON."),
+) -> None:
+    """List every fingerprint directory and its entries."""
+    from fvgraph.capture_cache import cache_dirs
+
+    caches = cache_dirs(cache_dir)
+    if as_json:
+        typer.echo(json.dumps({c.dir.name: {"fingerprint": c.fingerprint, "entries": c.entries()} for c in caches}, indent=1))
+        return
+    if not caches:
+        console.print(f"{cache_dir}: empty")
+    for cache in caches:
+        fp = cache.fingerprint
+        title = (f"{cache.dir.name}: {fp.get('card_id')} -O{fp.get('opt_level')} {fp.get('backend')} torch {fp.get('torch')} "
+                 f"gpu {fp.get('gpu')} passes {fp.get('pass_pipeline')}")  # fmt: skip
+        table = Table(title=title)
+        for column in ("signature", "step", "batch", "latents", "MB", "compile s"):
+            table.add_column(column)
+        for key, record in sorted(cache.entries().items(), key=lambda kv: (kv[1]["factors"]["step_kind"], kv[1]["factors"]["batch"])):
+            factors = record["factors"]
+            latents = next((i[1] for i in factors["shape"]["inputs"] if i[0] == "latents"), "-")
+            size = sum(a["bytes"] for a in record["artifacts"].values()) / 1e6
+            compile_s = record["meta"].get("compile_seconds", 0.0)
+            table.add_row(key, factors["step_kind"], str(factors["batch"]), str(latents), f"{size:.1f}", f"{compile_s:.1f}")
+        console.print(table)
+
+
+@cache_app.command("verify")
+def cache_verify(cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache.")) -> None:
+    """Check every entry's artifacts against the sizes and sha256 in its manifest. Exits 1 on a problem."""
+    from fvgraph.capture_cache import cache_dirs, verify
+
+    problems = verify(cache_dir)
+    for line in problems:
+        console.print(f"[red]bad:[/red] {line}")
+    count = sum(len(c.entries()) for c in cache_dirs(cache_dir))
+    if problems:
+        raise typer.Exit(1)
+    console.print(f"ok: {count} entries verified under {cache_dir}")
+
+
+@cache_app.command("clear")
+def cache_clear(
+    cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache."),
+    yes: bool = typer.Option(False, "--yes", help="Do not ask."),
+) -> None:
+    """Remove every fingerprint directory under the cache root."""
+    from fvgraph.capture_cache import clear
+
+    if not yes and not typer.confirm(f"remove every compiled step under {cache_dir}?"):
+        raise typer.Exit(1)
+    console.print(f"removed {clear(cache_dir)} fingerprint directories from {cache_dir}")
 
 
 @app.command()
@@ -130,8 +267,8 @@ def parity(
 
     try:
         for level in (opt_level, against):
-            if level not in (0, 1, 2):
-                raise ValueError(f"opt_level={level} is not available; use 0, 1 or 2")
+            if level not in (0, 1, 2, 3):
+                raise ValueError(f"opt_level={level} is not available; use 0, 1, 2 or 3")
         requests = [
             Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames)
             for i, text in enumerate(prompt)

@@ -8,15 +8,19 @@ new one (the engine's `fail_on_recompile` stance), naming the factors that diffe
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
 from torch import nn
 
+from fvgraph.capture_cache import CacheEntry, CaptureCache
 from fvgraph.counters import Counters
+from fvgraph.graph_artifact import load_graph, save_graph
 from fvgraph.loop import WorkPlan
 from fvgraph.signature import RuntimeFactors, StepSignature
 from fvgraph.step_capture import capture_step, step_parameters
@@ -68,15 +72,33 @@ STEP_COMPONENT = {"text_encode": "text_encoder", "denoise": "transformer", "deno
 
 
 class StepCompiler:
+    """Builds (or, with a capture cache, loads) one CompiledStep per signature.
+
+    Without a cache, graphs are compiled in process (inductor's `compile_fx`). With `cache_dir`, each
+    graph is compiled to a file (graph_artifact), published to the CaptureCache under this process's
+    fingerprint, and run from that file; a later process with the same fingerprint loads it instead
+    of compiling (`counters.cache_hits`)."""
+
     def __init__(self, config: CompileConfig, card_id: str, weights_version: str, loop_id: str, precision: str,
-                 device: torch.device, counters: Counters):  # fmt: skip
+                 device: torch.device, counters: Counters, cache_dir: str | Path | None = None,
+                 opt_level: int = 1):  # fmt: skip
         self.config = config
         self.pass_manager = PassManager(config.passes)
         self.counters = counters
+        self.device = device
         self.frozen = False
         self._base = dict(card_id=card_id, weights_version=weights_version, loop=loop_id, precision=precision)
         self._runtime = RuntimeFactors.current(device)
         self._compiled: dict[StepSignature, CompiledStep] = {}
+        self.cache = None if cache_dir is None else CaptureCache(cache_dir, self.fingerprint(opt_level))
+
+    def fingerprint(self, opt_level: int) -> dict:
+        """The process identity a capture cache directory belongs to (every signature shares it)."""
+        return dict(
+            card_id=self._base["card_id"], weights_version=self._base["weights_version"], opt_level=opt_level,
+            pass_pipeline=self.pass_manager.uuid(), backend=self.config.backend, mode=self.config.mode,
+            **dataclasses.asdict(self._runtime),
+        )  # fmt: skip
 
     def wants(self, kind: str) -> bool:
         return self.config.step_kinds is None or kind in self.config.step_kinds
@@ -93,9 +115,13 @@ class StepCompiler:
         signature = self.signature(plan, batch)
         compiled = self._compiled.get(signature)
         if compiled is None:
-            if self.frozen:
-                raise RecompileError(self._refusal(signature))
-            compiled = self._compiled[signature] = self._build(step, plan, signature)
+            if self.cache is not None:
+                compiled = self._load_cached(step, plan, signature)
+            if compiled is None:
+                if self.frozen:  # loading a warm artifact is fine; compiling a new one is not
+                    raise RecompileError(self._refusal(signature))
+                compiled = self._build(step, plan, signature)
+            self._compiled[signature] = compiled
         return compiled
 
     @property
@@ -107,21 +133,79 @@ class StepCompiler:
         captured = capture_step(plan.kind, step, plan.inputs)
         ctx = PassContext(root=step, example_args=captured.example_args, num_params=captured.num_params)
         gm = self.pass_manager(captured.gm, ctx)
-        prologue_fn, step_args, hoisted = None, list(captured.example_args), []
+        base_args, hoisted = list(captured.example_args), []
         if ctx.prologue is not None:
-            prologue_fn = self._backend_compile(ctx.prologue, step_args)
             with torch.no_grad():
-                hoisted = list(ctx.prologue(*step_args))
-            step_args += hoisted
-        step_fn = self._backend_compile(gm, step_args)
+                hoisted = list(ctx.prologue(*base_args))
+        meta = dict(
+            param_names=captured.param_names, input_names=captured.input_names,
+            output_names=captured.output_names + ctx.extra_outputs, passes_changed=dict(ctx.changed),
+            hoisted_like=[dict(shape=list(t.shape), stride=list(t.stride()), dtype=str(t.dtype)) for t in hoisted],
+        )  # fmt: skip
+        if self.cache is None:
+            prologue_fn = None if ctx.prologue is None else self._backend_compile(ctx.prologue, base_args)
+            step_fn = self._backend_compile(gm, base_args + hoisted)
+        else:
+            step_fn, prologue_fn = self._compile_through_cache(signature, gm, ctx.prologue, base_args, hoisted, meta, began)
         seconds = time.perf_counter() - began
         self.counters.compiles += 1
         self.counters.compile_seconds += seconds
         log.info("compiled %s in %.1f s (passes changed %s)\n%s", plan.kind, seconds, ctx.changed, signature)
+        return self._compiled_step(signature, step, step_fn, prologue_fn, meta, seconds)
+
+    def _compiled_step(self, signature: StepSignature, step: nn.Module, step_fn, prologue_fn, meta: dict,
+                       seconds: float) -> CompiledStep:  # fmt: skip
         return CompiledStep(
-            signature, step_fn, prologue_fn, list(step_parameters(step).values()), captured.input_names,
-            captured.output_names + ctx.extra_outputs, dict(ctx.changed), seconds, [t.to("meta") for t in hoisted],
+            signature, step_fn, prologue_fn, list(step_parameters(step).values()), meta["input_names"],
+            meta["output_names"], meta["passes_changed"], seconds, [_like(h, "meta") for h in meta["hoisted_like"]],
         )  # fmt: skip
+
+    # -- through the capture cache -----------------------------------------------------------------
+
+    def _compile_through_cache(self, signature, gm, prologue, base_args, hoisted, meta, began):
+        """Compile each graph to a file, publish the files, and run what was published."""
+        backend, patches = self.config.backend, self._inductor_patches()
+        with self.cache.staging_dir() as staging:
+            files = {"step": Path(staging) / "step.pt2"}
+            save_graph(gm, base_args + hoisted, backend, files["step"], patches)
+            if prologue is not None:
+                files["prologue"] = Path(staging) / "prologue.pt2"
+                save_graph(prologue, base_args, backend, files["prologue"], patches)
+            meta["compile_seconds"] = time.perf_counter() - began
+            entry = self.cache.publish(signature.key(), signature.factors(), files, meta)
+        self.counters.cache_stores += 1
+        return self._load_entry(entry, base_args)
+
+    def _load_cached(self, step: nn.Module, plan: WorkPlan, signature: StepSignature) -> CompiledStep | None:
+        entry = self.cache.find(signature.key())
+        if entry is None:
+            return None
+        began = time.perf_counter()
+        base_args = [*step_parameters(step).values(), *plan.inputs.values()]
+        problem = self.cache.check(entry, signature.factors())
+        if problem is None and entry.meta.get("param_names") != list(step_parameters(step)):
+            problem = "the step's parameters differ from the ones it was compiled with"
+        if problem is None:
+            try:
+                step_fn, prologue_fn = self._load_entry(entry, base_args)
+            except Exception as err:  # an artifact that will not load is as bad as a corrupted one
+                problem = f"artifact failed to load: {err!r}"
+        if problem is not None:
+            log.warning("capture cache: entry %s rejected, rebuilding: %s", entry.key, problem)
+            self.counters.cache_rejects += 1
+            return None
+        self.counters.cache_hits += 1
+        log.info("loaded %s from the capture cache in %.2f s\n%s", plan.kind, time.perf_counter() - began, signature)
+        return self._compiled_step(signature, step, step_fn, prologue_fn, entry.meta, 0.0)
+
+    def _load_entry(self, entry: CacheEntry, base_args: list[torch.Tensor]):
+        backend, compile_fn = self.config.backend, self._backend_compile
+        prologue_fn = None
+        if "prologue" in entry.artifact_names:
+            prologue_fn = load_graph(self.cache.path(entry, "prologue"), backend, self.device, compile_fn, base_args)
+        hoisted = [_like(h, self.device) for h in entry.meta["hoisted_like"]]
+        step_fn = load_graph(self.cache.path(entry, "step"), backend, self.device, compile_fn, base_args + hoisted)
+        return step_fn, prologue_fn
 
     def _backend_compile(self, gm: torch.fx.GraphModule, example_args: list[torch.Tensor]):
         backend = self.config.backend
@@ -131,13 +215,16 @@ class StepCompiler:
             return torch._dynamo.lookup_backend("aot_eager")(gm, example_args)
         from torch._inductor.compile_fx import compile_fx
 
+        with torch.no_grad():
+            return compile_fx(gm, example_args, config_patches=self._inductor_patches())
+
+    def _inductor_patches(self) -> dict:
         patches = dict(INDUCTOR_CONFIG)
         if self.pass_manager.inductor:
             patches["post_grad_custom_post_pass"] = self.pass_manager.inductor
         if self.config.mode != "default":
             patches.update(torch._inductor.list_mode_options(self.config.mode))
-        with torch.no_grad():
-            return compile_fx(gm, example_args, config_patches=patches)
+        return patches
 
     def _refusal(self, signature: StepSignature) -> str:
         same_kind = [s for s in self._compiled if s.step_kind == signature.step_kind] or list(self._compiled)
@@ -145,4 +232,13 @@ class StepCompiler:
         if same_kind:
             nearest = min(same_kind, key=lambda s: len(signature.diff(s)))
             lines.append("differs from the nearest warm signature in: " + "; ".join(signature.diff(nearest)))
+        if self.cache is not None:
+            lines.append(f"the capture cache {self.cache.dir} has no usable entry for it either: "
+                         "run `fvgraph warmup` for this shape and batch bucket")  # fmt: skip
         return "\n".join(lines)
+
+
+def _like(spec: dict, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor with a recorded shape, stride and dtype (hoisted values' layout)."""
+    dtype = getattr(torch, spec["dtype"].removeprefix("torch."))
+    return torch.empty_strided(spec["shape"], spec["stride"], dtype=dtype, device=device).zero_()

@@ -24,6 +24,9 @@ class Counters:
     captures: int = 0  # CUDA graphs captured
     replays: int = 0  # CUDA graph replays
     batches: int = 0  # groups of steps run as one compiled batch
+    cache_hits: int = 0  # compiled steps loaded from the capture cache instead of compiled
+    cache_rejects: int = 0  # capture cache entries found unusable (stale, foreign, corrupted) and rebuilt
+    cache_stores: int = 0  # compiled steps published to the capture cache
 
     def snapshot(self) -> dict[str, float]:
         return dataclasses.asdict(self)

@@ -14,6 +14,7 @@ loop state, which `start` / `step` / `finish` / `resume` expose for saving and r
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,7 @@ from fvgraph.compiler import CompileConfig, StepCompiler
 from fvgraph.components import load_components
 from fvgraph.counters import Counters
 from fvgraph.executor import CompiledExecutor, EagerExecutor, build_steps
+from fvgraph.fp8_weights import apply_fp8_weights
 from fvgraph.graph_runner import GraphRunner
 from fvgraph.loop import Done, WorkPlan
 from fvgraph.projection_cache import ExactProjectionCache
@@ -44,7 +46,7 @@ StepCallback = Callable[[T2VState, str], None]
 ResultCallback = Callable[[T2VState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
 # A CFG request of Wan 1.3B holds about 190 MB of text projections; this keeps several requests warm.
 DEFAULT_PROJECTION_CACHE_BYTES = 1 << 30
-OPT_LEVELS = {0: "eager", 1: "compiled step graphs, batched", 2: "+ CUDA graphs"}
+OPT_LEVELS = {0: "eager", 1: "compiled step graphs, batched", 2: "+ CUDA graphs", 3: "+ FP8 quantized kernels"}
 
 
 class Engine:
@@ -86,16 +88,17 @@ class Engine:
         opt_level 0 runs eagerly; 1 compiles each step kind into a graph (CompileConfig picks the
         backend, passes and step kinds) and runs compatible steps of different requests as one
         padded batch (`buckets`); 2 also replays them as CUDA graphs on a GPU (`cuda_graphs=False`
-        turns that off alone). `enforce_eager` overrides the level, as in vLLM. `max_running` caps
+        turns that off alone); 3 adds FP8 weights for the denoiser's eligible linears (the card's
+        `quantization.fp8_exclude` aside) and the quantize pass that runs them on FP8 kernels. `enforce_eager` overrides the level, as in vLLM. `max_running` caps
         the requests in flight (the rest wait, FIFO); `debug` checks static buffer addresses at
         every replay. When running eagerly, request-constant projections go through an
         ExactProjectionCache of `projection_cache_bytes` (0 turns it off); compiled steps hoist them.
-        `cache_dir` names the on-disk capture cache, which this build does not have yet. `taps`
+        `cache_dir` is the on-disk capture cache (see fvgraph.capture_cache): compiled steps are
+        loaded from it when this process's fingerprint has them, and compiled into it otherwise;
+        `warmup` then freezes the engine (fail_on_recompile). `taps`
         builds the parity variant: denoise steps also return named intermediates ("tap.*").
         """
         card = get_card(card) if isinstance(card, str) else card
-        if cache_dir is not None:
-            raise ValueError(f"cache_dir={str(cache_dir)!r}: this build has no on-disk capture cache yet; pass None")
         if opt_level not in OPT_LEVELS:
             available = ", ".join(f"{level} ({what})" for level, what in OPT_LEVELS.items())
             raise ValueError(f"opt_level={opt_level} is not available; this build supports {available}")
@@ -107,17 +110,19 @@ class Engine:
         tap_points = TapPoints(components.transformer) if taps else None
         executor = EagerExecutor(build_steps(loop, tap_points), counters)
         if opt_level >= 1 and not enforce_eager:
-            compile_config = compile_config or CompileConfig()
-            if taps:  # tap variants get their own pass pipeline, hence their own signatures
-                passes = dataclasses.replace(compile_config.passes, taps=True)
-                compile_config = dataclasses.replace(compile_config, passes=passes)
+            compile_config = _with_level(compile_config or CompileConfig(), opt_level, taps)
+            weights_version = components.weights_version
+            if compile_config.passes.runs("quantize"):
+                weights_version += _apply_fp8(components.transformer, card)
             compiler = StepCompiler(
-                compile_config, card.card_id, components.weights_version, loop.loop_id,
-                card.recipe.precision, device, counters,
+                compile_config, card.card_id, weights_version, loop.loop_id,
+                card.recipe.precision, device, counters, cache_dir=cache_dir, opt_level=opt_level,
             )  # fmt: skip
             graphs = opt_level >= 2 and cuda_graphs and device.type == "cuda"
             runner = GraphRunner(compiler, counters, cuda_graphs=graphs, debug=debug)
             executor = CompiledExecutor(executor, compiler, runner, buckets)
+        elif cache_dir is not None:
+            log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", cache_dir)
         engine = cls(card, loop, executor, 0 if enforce_eager else opt_level, counters, buckets, max_running)
         if engine.compiler is None and projection_cache_bytes and not taps:
             engine.projection_cache = ExactProjectionCache(max_bytes=projection_cache_bytes)
@@ -151,21 +156,27 @@ class Engine:
             raise failures[0][1]
         return True
 
-    def warmup(self, requests: Sequence[Request]) -> list[Result]:
-        """Prepare every batch bucket of each request's compiled step (largest first), serve the
-        requests, then refuse any new compile: fail_on_recompile."""
+    def warmup(self, requests: Sequence[Request], on_bucket: Callable[[int], None] | None = None) -> list[Result]:
+        """Prepare every batch bucket of each request's compiled step (largest first; compiled, or
+        loaded from the capture cache), serve the requests, then refuse any new compile:
+        fail_on_recompile. `on_bucket(batch)` is called as each bucket is ready (progress bars)."""
         if isinstance(self.executor, CompiledExecutor):
             for request in requests:
                 state = self.start(request)
                 while not isinstance(plan := self.loop.next(state), Done):
                     if self.compiler.wants(plan.kind):
-                        self.executor.prepare(plan)
+                        self.executor.prepare(plan, on_bucket)
                         break
                     self.step(state)
         results = self.generate(requests)
+        self.freeze()
+        return results
+
+    def freeze(self) -> None:
+        """Refuse any new compile from now on (fail_on_recompile): a step whose signature is neither
+        compiled in this process nor in the capture cache fails with RecompileError naming it."""
         if self.compiler is not None:
             self.compiler.frozen = True
-        return results
 
     def finish(self, state: T2VState) -> Result:
         while self.step(state):
@@ -241,3 +252,24 @@ class Engine:
             if on_step is not None:
                 on_step(state, plan.kind)
         return []
+
+
+def _with_level(config: CompileConfig, opt_level: int, taps: bool) -> CompileConfig:
+    """The compile config an opt level implies: -O3 enables the quantize pass; parity tap variants
+    get their own pass pipeline (hence their own signatures)."""
+    passes = config.passes
+    if opt_level >= 3 and "quantize" not in passes.enabled:
+        passes = dataclasses.replace(passes, enabled=(*passes.enabled, "quantize"))
+    if taps:
+        passes = dataclasses.replace(passes, taps=True)
+    return dataclasses.replace(config, passes=passes)
+
+
+def _apply_fp8(transformer: torch.nn.Module, card: ModelCard) -> str:
+    """FP8 copies of the eligible linears' weights, beside the originals (the eager path keeps using
+    those). Returns a weights-version suffix naming the quantized layers: which layers carry FP8
+    weights changes the compiled graph's arguments, so it must change the signature too."""
+    quantized = apply_fp8_weights(transformer, card.quantization.fp8_exclude)
+    if not quantized:
+        log.warning("opt_level 3: no linear of %s is eligible for FP8 (K, N multiples of 16, not excluded)", card.card_id)
+    return "+fp8:" + hashlib.sha256("|".join(quantized).encode()).hexdigest()[:12]

@@ -8,6 +8,7 @@ which other requests happen to be in flight.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -85,7 +86,7 @@ class CompiledExecutor:
         self.counters.batches += 1
         return results
 
-    def prepare(self, plan: WorkPlan) -> None:
+    def prepare(self, plan: WorkPlan, on_bucket: Callable[[int], None] | None = None) -> None:
         """Compile (and capture) `plan`'s signature at every batch bucket, largest first, so the
         largest graph claims the shared memory pool and the smaller ones reuse it."""
         if not self.compiler.wants(plan.kind) or (plan.pixel_shape and not self.buckets.covers(*plan.pixel_shape)):
@@ -93,6 +94,8 @@ class CompiledExecutor:
         with torch.no_grad():
             for bucket in reversed(self.buckets.batch_sizes):
                 self.runner.run(self.steps[plan.kind], [plan] * bucket, bucket)
+                if on_bucket is not None:
+                    on_bucket(bucket)
 
     def _log_fallback(self, plan: WorkPlan) -> None:
         key = (plan.kind, plan.pixel_shape)

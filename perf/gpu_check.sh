@@ -9,6 +9,8 @@
 #   FVGRAPH_GPU_PART=step     bash perf/gpu_check.sh   # bench_step at 480x832x33, ~6 min
 #   FVGRAPH_GPU_PART=serving  bash perf/gpu_check.sh   # bench_serving (3 buckets) + scheduler overhead, ~8 min
 #   FVGRAPH_GPU_PART=cache    bash perf/gpu_check.sh   # bench_projection_cache, ~2 min
+#   FVGRAPH_GPU_PART=kernels  bash perf/gpu_check.sh   # bench_kernels (Wan-1.3B / 14B kernel shapes), not yet timed (limit 9 min)
+#   FVGRAPH_GPU_PART=coldstart bash perf/gpu_check.sh  # bench_coldstart: cold vs warm start, 3 buckets, ~9 min
 #   FVGRAPH_GPU_PART=all      bash perf/gpu_check.sh   # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,5 +42,7 @@ part step && run bench_step 540 python3 perf/bench_step.py --gpu --shapes 480x83
 part serving && run bench_serving 480 python3 perf/bench_serving.py --gpu
 part serving && run bench_scheduler_overhead 60 python3 perf/bench_scheduler_overhead.py
 part cache && run bench_projection_cache 150 python3 perf/bench_projection_cache.py --gpu
+part coldstart && run bench_coldstart 570 python3 perf/bench_coldstart.py --gpu --skip-cold-jit --timeout 540
+part kernels && run bench_kernels 540 python3 perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
 cat "$OUT"/bench_*.log 2>/dev/null | grep -h '^{' >"$OUT/results.jsonl"
 echo "results in $OUT"

@@ -83,11 +83,6 @@ def test_unavailable_opt_level_says_which_exist():
         Engine.from_card("tiny-wan", opt_level=7)
 
 
-def test_capture_cache_dir_is_refused_until_it_exists(tmp_path):
-    with pytest.raises(ValueError, match="no on-disk capture cache yet"):
-        Engine.from_card("tiny-wan", cache_dir=tmp_path)
-
-
 def test_a_duplicate_request_id_is_rejected_without_shadowing_the_first(tiny_engine):
     first = Request(**OK)
     again = Request(**{**OK, "seed": 9, "request_id": first.request_id})

@@ -1,0 +1,49 @@
+"""A compiled step graph as a file, and back: what the capture cache stores for each signature.
+
+- inductor: an AOTInductor package (.pt2). It holds the generated code already built into a shared
+  library (and, on a GPU, the kernels' binaries), so loading it runs no compiler at all. torch's own
+  cache artifacts (`torch.compiler.save_cache_artifacts`) keep the generated source but, on a CPU, not
+  the built C++, so loading them still runs g++ once per kernel; the package does not.
+- eager / aot_eager: the post-pass graph as a `torch.export` program. Loading it skips dynamo capture
+  and the FX passes; the backend (cheap for these two) runs again on the loaded graph.
+
+Either way the graph's calling convention is kept: flat positional tensors in, a sequence of tensors out.
+The process that writes an artifact runs it through `load_graph` too, so a warm process runs the very
+same code as the one that warmed the cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import fx
+
+GraphFn = Callable[..., "tuple[torch.Tensor, ...] | list[torch.Tensor]"]
+
+
+def save_graph(gm: fx.GraphModule, example_args: list[torch.Tensor], backend: str, path: Path,
+               inductor_patches: dict) -> None:  # fmt: skip
+    """Write `gm` (flat tensors in, tuple out) to `path` in the form `backend` loads fastest."""
+    with torch.no_grad():
+        # strict=False: the graph is already a flat FX graph, there is no Python to trace any more.
+        program = torch.export.export(gm, tuple(example_args), strict=False)
+        if backend == "inductor":
+            with torch._inductor.config.patch(inductor_patches):
+                torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        else:
+            torch.export.save(program, str(path))
+
+
+def load_graph(path: Path, backend: str, device: torch.device, compile_fn: Callable[[fx.GraphModule, list], GraphFn],
+               example_args: list[torch.Tensor] | None = None) -> GraphFn:  # fmt: skip
+    """The callable stored at `path`. For eager/aot_eager, `compile_fn(gm, example_args)` runs the
+    backend on the loaded graph (example_args may be meta tensors shaped like the real inputs)."""
+    if backend == "inductor":
+        # run_single_threaded: no locking around a run, which CUDA graph capture needs (and a
+        # GraphRunner never runs one graph from two threads).
+        index = device.index if device.type == "cuda" and device.index is not None else -1
+        return torch._inductor.aoti_load_package(str(path), run_single_threaded=True, device_index=index)
+    gm = torch.export.load(str(path)).module()
+    return compile_fn(gm, example_args or [])

@@ -1,0 +1,85 @@
+"""Cold start vs warm start: seconds from process start to the first finished request.
+
+    python perf/bench_coldstart.py                 # tiny-wan on the CPU, -O1, buckets 1,2,4
+    python perf/bench_coldstart.py --gpu           # Wan 1.3B config, bf16, -O2, buckets 1,4,8, 17x256x256
+
+Each start is a fresh Python process that builds an engine, warms every batch bucket of one shape
+(compiling, or loading from the capture cache), and serves one request:
+- cold_jit: no capture cache; inductor compiles in process (what a start without warmup costs);
+- cold: an empty capture cache, filled by this start (AOTInductor packages);
+- warm: the same capture cache, read by a new process.
+Every start gets an empty inductor cache of its own, so nothing comes from torch's caches: only the
+capture cache is shared. Prints one JSON object; `warm_over_cold` is the ratio the goal is about.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CHILD = """
+import json, sys, time
+from fvgraph.buckets import BucketSpec
+from fvgraph.compiler import CompileConfig
+from fvgraph.engine import Engine
+from fvgraph.request import Request
+a = json.loads(sys.argv[1])
+engine = Engine.from_card(a["card"], opt_level=a["opt_level"], device=a["device"], cache_dir=a["cache_dir"],
+                          buckets=BucketSpec(batch_sizes=tuple(a["buckets"])), compile_config=CompileConfig())
+[result] = engine.warmup([Request(**a["request"])])
+print(json.dumps({"first_result_at": time.time(), "status": result.status, "error": result.error,
+                  **{k: engine.counters.snapshot()[k] for k in ("compiles", "compile_seconds", "cache_hits", "cache_stores")}}))
+"""
+
+
+def start(args: dict, scratch: Path, timeout: float) -> dict:
+    """One fresh process; seconds from spawning it to its first finished request."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": tempfile.mkdtemp(dir=scratch, prefix="inductor-")}
+    began = time.time()
+    done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True, text=True, env=env,
+                          timeout=timeout)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"start failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report["seconds_to_first_result"] = report.pop("first_result_at") - began
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--buckets", default=None, help="Comma-separated batch buckets.")
+    parser.add_argument("--skip-cold-jit", action="store_true", help="Leave out the start without capture cache.")
+    parser.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per start.")
+    args = parser.parse_args()
+    frames, height, width = (17, 256, 256) if args.gpu else (5, 64, 64)
+    child = {
+        "card": "wan2.1-1.3b-bench" if args.gpu else "tiny-wan",
+        "device": "cuda" if args.gpu else "cpu",
+        "opt_level": 2 if args.gpu else 1,
+        "buckets": [int(b) for b in (args.buckets or ("1,4,8" if args.gpu else "1,2,4")).split(",")],
+        "request": dict(prompt="a red fox", num_inference_steps=2, num_frames=frames, height=height, width=width, seed=0),
+    }
+    with tempfile.TemporaryDirectory(prefix="fvgraph-coldstart-") as scratch:
+        scratch = Path(scratch)
+        report = {"bench": "coldstart", **{k: child[k] for k in ("card", "device", "opt_level", "buckets")},
+                  "shape": [frames, height, width]}  # fmt: skip
+        if not args.skip_cold_jit:
+            report["cold_jit"] = start({**child, "cache_dir": None}, scratch, args.timeout)
+        cache_dir = str(scratch / "capture_cache")
+        report["cold"] = start({**child, "cache_dir": cache_dir}, scratch, args.timeout)
+        report["warm"] = start({**child, "cache_dir": cache_dir}, scratch, args.timeout)
+    report["warm_over_cold"] = report["warm"]["seconds_to_first_result"] / report["cold"]["seconds_to_first_result"]
+    if "cold_jit" in report:
+        report["warm_over_cold_jit"] = report["warm"]["seconds_to_first_result"] / report["cold_jit"]["seconds_to_first_result"]
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""The capture cache: a warm process compiles nothing, and no stale, foreign or corrupted entry is ever run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fvgraph.buckets import BucketSpec
+from fvgraph.capture_cache import CacheEntry, CaptureCache, verify
+from fvgraph.compiler import CompileConfig, RecompileError
+from fvgraph.engine import Engine
+from fvgraph.request import Request
+from fvgraph.signature import RuntimeFactors
+
+REQUEST = dict(prompt="a red fox", num_inference_steps=2, guidance_scale=4.0, height=32, width=32, num_frames=5, seed=3)
+SHAPE = "5x32x32"
+
+# A process that serves REQUEST from a capture cache and reports its counters and latents.
+SERVE = """
+import json, sys, torch
+from fvgraph.buckets import BucketSpec
+from fvgraph.compiler import CompileConfig
+from fvgraph.engine import Engine
+from fvgraph.request import Request
+cache_dir, backend, out = sys.argv[1:4]
+engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", cache_dir=cache_dir,
+                          compile_config=CompileConfig(backend=backend), buckets=BucketSpec(batch_sizes=(1,)))
+[result] = engine.warmup([Request(**json.loads(sys.argv[4]))])
+torch.save(result.latents, out)
+print(json.dumps(engine.counters.snapshot()))
+"""
+
+
+def engine(cache_dir, backend="aot_eager", buckets=(1,)) -> Engine:
+    return Engine.from_card("tiny-wan", opt_level=1, device="cpu", cache_dir=cache_dir,
+                            compile_config=CompileConfig(backend=backend), buckets=BucketSpec(batch_sizes=buckets))  # fmt: skip
+
+
+def serve_in_fresh_process(cache_dir, backend, tmp_path, inductor_dir=None) -> tuple[dict, torch.Tensor]:
+    env = dict(os.environ)
+    if inductor_dir is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
+    out = tmp_path / "latents.pt"
+    done = subprocess.run([sys.executable, "-c", SERVE, str(cache_dir), backend, str(out), json.dumps(REQUEST)],
+                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), torch.load(out)
+
+
+def step_artifacts(cache_dir) -> list[Path]:
+    return sorted(Path(cache_dir).glob("*/*/*-step.pt2"))
+
+
+def test_a_fresh_process_serves_from_the_cache_with_zero_compiles(tmp_path):
+    """inductor: the warm process loads the AOTInductor packages, with an empty inductor cache of its own."""
+    cold = engine(tmp_path / "cache", backend="inductor")
+    [result] = cold.warmup([Request(**REQUEST)])
+    assert cold.counters.compiles == 1 and cold.counters.cache_stores == 1  # the CFG denoise step at batch 1
+
+    counters, latents = serve_in_fresh_process(tmp_path / "cache", "inductor", tmp_path, inductor_dir=tmp_path / "ind")
+    assert counters["compiles"] == 0 and counters["cache_hits"] == 1 and counters["compiled_steps"] == 2
+    torch.testing.assert_close(latents, result.latents, rtol=0, atol=0)  # the very same compiled code
+    assert verify(tmp_path / "cache") == []
+
+
+def test_a_warm_engine_runs_frozen_and_names_what_the_cache_lacks(tmp_path):
+    engine(tmp_path).warmup([Request(**REQUEST)])
+    warm = engine(tmp_path)
+    warm.freeze()  # fail_on_recompile from the start: cache loads are allowed, compiles are not
+    with warm.counters.expect(compiles=0, cache_hits=1, compiled_steps=2):
+        assert warm.generate([Request(**REQUEST)])[0].ok
+    [other] = warm.generate([Request(**{**REQUEST, "height": 48})])
+    assert other.status == "failed" and "RecompileError" in other.error and "fvgraph warmup" in other.error
+
+
+def test_a_corrupted_artifact_is_detected_rebuilt_and_the_result_is_unchanged(tmp_path, caplog):
+    [reference] = engine(tmp_path).warmup([Request(**REQUEST)])
+    [artifact] = step_artifacts(tmp_path)
+    data = bytearray(artifact.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    artifact.write_bytes(bytes(data))
+    assert any("sha256" in line for line in verify(tmp_path))
+
+    again = engine(tmp_path)
+    with caplog.at_level(logging.WARNING, "fvgraph.compiler"), again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0):
+        [result] = again.generate([Request(**REQUEST)])
+    assert "corrupted" in caplog.text
+    torch.testing.assert_close(result.latents, reference.latents, rtol=0, atol=0)
+    assert verify(tmp_path) == [] and not artifact.exists()  # rebuilt under a new content hash
+
+
+def test_a_changed_runtime_factor_is_not_served_and_says_which(tmp_path, monkeypatch, caplog):
+    engine(tmp_path).warmup([Request(**REQUEST)])
+    other_torch = dataclasses.replace(RuntimeFactors.current(torch.device("cpu")), torch="0.0.0-other")
+    monkeypatch.setattr(RuntimeFactors, "current", classmethod(lambda cls, device: other_torch))
+    other = engine(tmp_path)
+    with caplog.at_level(logging.WARNING, "fvgraph.capture_cache"), other.counters.expect(compiles=1, cache_hits=0):
+        assert other.generate([Request(**REQUEST)])[0].ok
+    assert "torch: " in caplog.text and "0.0.0-other" in caplog.text
+    assert len(list(tmp_path.glob("*/manifest.json"))) == 2  # one directory per process identity
+
+
+# -- CaptureCache itself: fingerprints, foreign entries, truncation (no compiling) ---------------------
+
+FINGERPRINT = dict(card_id="tiny-wan", weights_version="w1", opt_level=1, pass_pipeline="p1", backend="inductor",
+                   mode="default", torch="2.13.0", triton="3.7.0", cuda=None, gpu=None)  # fmt: skip
+FACTORS = dict(step_kind="denoise_cfg", batch=1, runtime=dict(torch="2.13.0"))
+
+
+def published(root, fingerprint=FINGERPRINT) -> tuple[CaptureCache, CacheEntry]:
+    cache = CaptureCache(root, fingerprint)
+    with cache.staging_dir() as staging:
+        artifact = Path(staging) / "step.pt2"
+        artifact.write_bytes(os.urandom(4096))
+        entry = cache.publish("k1", FACTORS, {"step": artifact}, meta={"param_names": []})
+    return cache, entry
+
+
+@pytest.mark.parametrize("factor", sorted(FINGERPRINT))
+def test_each_fingerprint_factor_separates_caches_and_the_miss_names_it(tmp_path, factor, caplog):
+    published(tmp_path)
+    changed = {**FINGERPRINT, factor: f"{FINGERPRINT[factor]}-changed"}
+    with caplog.at_level(logging.WARNING, "fvgraph.capture_cache"):
+        assert CaptureCache(tmp_path, changed).find("k1") is None
+    if factor == "card_id":  # another model's cache is not a stale copy of ours: nothing to explain
+        assert caplog.text == ""
+    else:
+        assert f"{factor}: " in caplog.text
+    assert CaptureCache(tmp_path, dict(FINGERPRINT)).find("k1") is not None
+
+
+def test_an_entry_whose_factors_differ_from_the_signature_is_foreign(tmp_path):
+    cache, entry = published(tmp_path)
+    assert cache.check(entry, FACTORS) is None
+    problem = cache.check(entry, {**FACTORS, "runtime": dict(torch="2.12.0")})
+    assert problem.startswith("foreign") and "runtime" in problem
+
+
+def test_a_truncated_or_missing_or_escaping_artifact_is_rejected(tmp_path):
+    cache, entry = published(tmp_path)
+    path = cache.path(entry, "step")
+    path.write_bytes(path.read_bytes()[:100])
+    assert "truncated" in cache.check(entry, FACTORS)
+    path.unlink()
+    assert "missing" in cache.check(entry, FACTORS)
+    escaping = CacheEntry("k1", {**entry.record, "artifacts": {"step": {**entry.record["artifacts"]["step"], "file": "../../x"}}})
+    assert "outside" in cache.check(escaping, FACTORS)
+
+
+def test_an_unreadable_manifest_is_ignored_and_rewritten(tmp_path, caplog):
+    cache, _ = published(tmp_path)
+    (cache.dir / "manifest.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, "fvgraph.capture_cache"):
+        assert cache.find("k1") is None
+    assert "unreadable" in caplog.text
+    published(tmp_path)
+    assert cache.find("k1") is not None
+
+
+# -- the CLI: racing warmups, ls, verify, clear ----------------------------------------------------
+
+
+def warmup_cli(cache_dir, *extra) -> subprocess.Popen:
+    args = ["warmup", "--cache-dir", str(cache_dir), "--compile-backend", "aot_eager", "-O", "1", "--buckets", "1",
+            "--shape", SHAPE, "--guidance", str(REQUEST["guidance_scale"]), "--device", "cpu", *extra]  # fmt: skip
+    return subprocess.Popen([sys.executable, "-m", "fvgraph", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def fvgraph_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "200"}  # rich wraps at 80 columns without a terminal
+    return subprocess.run([sys.executable, "-m", "fvgraph", *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_two_warmups_racing_on_one_directory_leave_a_valid_cache(tmp_path):
+    cache = tmp_path / "cache"
+    racers = [warmup_cli(cache), warmup_cli(cache)]
+    for racer in racers:
+        _, err = racer.communicate(timeout=600)
+        assert racer.returncode == 0, err[-3000:]
+    assert verify(cache) == []
+    assert len(step_artifacts(cache)) == 1  # the first writer's entry stands; the other's was discarded
+
+    counters, _ = serve_in_fresh_process(cache, "aot_eager", tmp_path)
+    assert counters["compiles"] == 0 and counters["cache_hits"] == 1
+
+    served = fvgraph_cli("generate", "--cache-dir", str(cache), "--fail-on-recompile", "-O", "1", "--compile-backend",
+                         "aot_eager", "--device", "cpu", "--steps", "2", "--guidance", str(REQUEST["guidance_scale"]),
+                         "--frames", "5", "--height", "32", "--width", "32", "-o", str(tmp_path / "v.gif"))  # fmt: skip
+    assert served.returncode == 0 and "compiles: 0, cache hits: 1" in served.stdout, served.stdout + served.stderr
+
+    listing = fvgraph_cli("cache", "ls", "--cache-dir", str(cache), "--json")
+    [(directory, listed)] = json.loads(listing.stdout).items()
+    [(key, record)] = listed["entries"].items()
+    assert listed["fingerprint"]["card_id"] == "tiny-wan" and record["factors"]["step_kind"] == "denoise_cfg"
+    assert record["artifacts"]["step"]["bytes"] > 0 and record["meta"]["compile_seconds"] > 0
+    assert fvgraph_cli("cache", "verify", "--cache-dir", str(cache)).returncode == 0
+
+    [artifact] = step_artifacts(cache)
+    artifact.write_bytes(artifact.read_bytes()[:-1])
+    bad = fvgraph_cli("cache", "verify", "--cache-dir", str(cache))
+    assert bad.returncode == 1 and key in bad.stdout and "truncated" in bad.stdout
+
+    (cache / "README.md").write_text("kept")
+    assert fvgraph_cli("cache", "clear", "--cache-dir", str(cache), "--yes").returncode == 0
+    assert [p.name for p in cache.iterdir()] == ["README.md"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-O", "0"], "takes -O1, -O2 or -O3"),
+    (["--shape", "5x32"], "FRAMESxHEIGHTxWIDTH"),
+    (["--buckets", "2,1"], "ascending"),
+])  # fmt: skip
+def test_warmup_rejects_bad_options_naming_them(tmp_path, args, message):
+    done = fvgraph_cli("warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", *args)
+    assert done.returncode == 2 and message in done.stdout
