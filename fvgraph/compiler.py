@@ -8,6 +8,7 @@ new one (the engine's `fail_on_recompile` stance), naming the factors that diffe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,10 +18,12 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from fvgraph.capture_cache import CacheEntry, CaptureCache
 from fvgraph.counters import Counters
 from fvgraph.graph_artifact import load_graph, save_graph
+from fvgraph.kernels.attention import sdpa_backends
 from fvgraph.loop import WorkPlan
 from fvgraph.signature import RuntimeFactors, StepSignature
 from fvgraph.step_capture import capture_step, step_parameters
@@ -103,24 +106,37 @@ class StepCompiler:
     def wants(self, kind: str) -> bool:
         return self.config.step_kinds is None or kind in self.config.step_kinds
 
-    def signature(self, plan: WorkPlan, batch: int = 1) -> StepSignature:
+    def signature(self, plan: WorkPlan, batch: int = 1, step: nn.Module | None = None) -> StepSignature:
+        backends = self._sdpa_backends(step, plan)
         return StepSignature(
             component=STEP_COMPONENT.get(plan.kind, plan.kind), step_kind=plan.kind, shape=plan.signature,
             batch=batch, pass_pipeline=self.pass_manager.uuid(), backend=self.config.backend,
             mode=self.config.mode, runtime=self._runtime, **self._base,
+            attention=",".join(b.name for b in backends) if backends else "default",
         )  # fmt: skip
+
+    def _sdpa_backends(self, step: nn.Module | None, plan: WorkPlan) -> list | None:
+        """The SDPA backends chosen for this step's attention shape on this device (measured table in
+        fvgraph.kernels.attention), or None for steps that declare no attention shape."""
+        if step is None or not hasattr(step, "attention_shape") or self.device.type != "cuda":
+            return None  # on a CPU the choice changes nothing: keep torch's own order
+        return sdpa_backends(*step.attention_shape(plan.inputs), self.device)
 
     def get(self, step: nn.Module, plan: WorkPlan, batch: int = 1) -> CompiledStep:
         """The compiled step for `plan`'s signature at `batch` (plan inputs already have that batch)."""
-        signature = self.signature(plan, batch)
+        signature = self.signature(plan, batch, step)
         compiled = self._compiled.get(signature)
         if compiled is None:
-            if self.cache is not None:
-                compiled = self._load_cached(step, plan, signature)
-            if compiled is None:
-                if self.frozen:  # loading a warm artifact is fine; compiling a new one is not
-                    raise RecompileError(self._refusal(signature))
-                compiled = self._build(step, plan, signature)
+            # Attention kernels are picked while inductor traces (and again if aot_eager re-traces a
+            # loaded graph), so the chosen SDPA backends hold around both.
+            backends = self._sdpa_backends(step, plan)
+            with contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True):
+                if self.cache is not None:
+                    compiled = self._load_cached(step, plan, signature)
+                if compiled is None:
+                    if self.frozen:  # loading a warm artifact is fine; compiling a new one is not
+                        raise RecompileError(self._refusal(signature))
+                    compiled = self._build(step, plan, signature)
             self._compiled[signature] = compiled
         return compiled
 

@@ -55,6 +55,7 @@ class StepSignature:
     backend: str  # eager | aot_eager | inductor
     mode: str  # inductor mode ("default", "max-autotune-no-cudagraphs", ...)
     runtime: RuntimeFactors
+    attention: str = "default"  # SDPA backends the step was compiled with, in priority order
 
     def factors(self) -> dict:
         return dataclasses.asdict(self)

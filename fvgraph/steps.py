@@ -72,6 +72,15 @@ class DenoiseStep(nn.Module):
             out.update(self.tap_points.drain())  # block outputs (eager; traced graphs get them from the tap pass)
         return out
 
+    def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
+        """(tokens, head_dim, dtype) of the denoiser's self-attention for these inputs: what the SDPA
+        backend choice is made for (fvgraph.kernels.attention)."""
+        config = self.transformer.config
+        _, _, frames, height, width = inputs["latents"].shape
+        p_t, p_h, p_w = config.patch_size
+        tokens = (frames // p_t) * (height // p_h) * (width // p_w)
+        return tokens, config.attention_head_dim, inputs["prompt_embeds"].dtype
+
     def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states) -> torch.Tensor:
         """One denoiser call, marked as a CFG branch for the fusion pass (markers vanish in eager)."""
         x, t, e = mark_branch_inputs(

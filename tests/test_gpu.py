@@ -72,3 +72,35 @@ def test_outputs_survive_later_replays():
     kept = first.latents.clone()
     engine.step(second)  # replays the same bucket-1 graph with other inputs
     assert torch.equal(first.latents, kept)
+
+
+def test_long_bf16_attention_compiles_with_the_measured_sdpa_backend():
+    """Wan 1.3B at 480x832x33 is 14k tokens of head_dim 128: the table puts cuDNN first on an H100/H200."""
+    engine = Engine.from_card("tiny-wan", device="cuda", opt_level=1, compile_config=CompileConfig(backend="aot_eager"))
+    step = engine.executor.steps["denoise_cfg"]
+    step.attention_shape = lambda inputs: (14040, 128, torch.bfloat16)  # the 1.3B shape, without its weights
+    state = engine.start(_requests()[0])
+    engine.step(state)  # text encode
+    signature = engine.compiler.signature(engine.loop.next(state), 1, step)
+    expected = "CUDNN_ATTENTION" if torch.cuda.get_device_capability() == (9, 0) else "FLASH_ATTENTION"
+    assert signature.attention.split(",")[0] == expected
+
+
+def test_capture_cache_serves_graphs_on_cuda_with_zero_compiles(tiny_card, tmp_path):
+    """AOTInductor packages load on the GPU and are captured into CUDA graphs like in-process compiles."""
+    warm_up = _graph_engine(cache_dir=tmp_path)
+    reference = warm_up.warmup(_requests()[:1])
+    served = _graph_engine(cache_dir=tmp_path)
+    with served.counters.expect(compiles=0, cache_hits=3):
+        results = served.warmup(_requests()[:1])
+    assert served.counters.captures >= 3 and served.counters.replays > 0
+    torch.testing.assert_close(results[0].latents, reference[0].latents, atol=0, rtol=0)
+
+
+def test_o3_fp8_on_cuda_stays_within_the_fp8_tolerance(tiny_card):
+    eager = Engine.from_card("tiny-wan", device="cuda").generate(_requests())
+    engine = Engine.from_card("tiny-wan", device="cuda", opt_level=3, compile_config=CompileConfig(backend="inductor"))
+    tol = tiny_card.parity.tolerance("fp8", "loop")
+    for a, b in zip(eager, engine.generate(_requests())):
+        assert b.ok, b.error
+        torch.testing.assert_close(b.latents, a.latents, atol=tol.atol, rtol=tol.rtol)

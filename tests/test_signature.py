@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fvgraph.loop import ShapeSignature
 from fvgraph.signature import RuntimeFactors, StepSignature
@@ -29,6 +30,7 @@ CHANGES = {
     "backend": "aot_eager",
     "mode": "max-autotune-no-cudagraphs",
     "runtime": RuntimeFactors(torch="2.11.0", triton=None, cuda=None, gpu=None),
+    "attention": "CUDNN_ATTENTION,FLASH_ATTENTION",
 }
 
 
@@ -64,3 +66,11 @@ def test_str_prints_every_factor():
     text = str(StepSignature(**BASE))
     for name in ("card_id", "weights_version", "pass_pipeline", "backend", "runtime.torch", "runtime.gpu", "shape.latents"):
         assert name in text
+
+
+def test_denoise_steps_declare_their_attention_shape(tiny_engine):
+    """The SDPA backend choice is made per (tokens, head_dim, dtype): Wan patches latents 1x2x2."""
+    step = tiny_engine.executor.steps["denoise_cfg"]
+    inputs = {"latents": torch.zeros(1, 16, 9, 60, 104), "prompt_embeds": torch.zeros(1, 32, 32, dtype=torch.bfloat16)}
+    head_dim = tiny_engine.loop.components.transformer.config.attention_head_dim
+    assert step.attention_shape(inputs) == (9 * 30 * 52, head_dim, torch.bfloat16)
