@@ -89,14 +89,15 @@ class Engine:
         backend, passes and step kinds) and runs compatible steps of different requests as one
         padded batch (`buckets`); 2 also replays them as CUDA graphs on a GPU (`cuda_graphs=False`
         turns that off alone); 3 adds FP8 weights for the denoiser's eligible linears (the card's
-        `quantization.fp8_exclude` aside) and the quantize pass that runs them on FP8 kernels. `enforce_eager` overrides the level, as in vLLM. `max_running` caps
-        the requests in flight (the rest wait, FIFO); `debug` checks static buffer addresses at
-        every replay. When running eagerly, request-constant projections go through an
-        ExactProjectionCache of `projection_cache_bytes` (0 turns it off); compiled steps hoist them.
-        `cache_dir` is the on-disk capture cache (see fvgraph.capture_cache): compiled steps are
-        loaded from it when this process's fingerprint has them, and compiled into it otherwise;
-        `warmup` then freezes the engine (fail_on_recompile). `taps`
-        builds the parity variant: denoise steps also return named intermediates ("tap.*").
+        `quantization.fp8_exclude` aside) and the quantize pass that runs them on FP8 kernels.
+        `enforce_eager` overrides the level, as in vLLM. `max_running` caps the requests in flight
+        (the rest wait, FIFO); `debug` checks static buffer addresses at every replay. When running
+        eagerly, request-constant projections go through an ExactProjectionCache of
+        `projection_cache_bytes` (0 turns it off); compiled steps hoist them. `cache_dir` is the
+        on-disk capture cache (docs/capture_cache.md): compiled steps are loaded from it when this
+        process's fingerprint has them, and compiled into it otherwise; `warmup` then freezes the
+        engine (fail_on_recompile). `taps` builds the parity variant: denoise steps also return
+        named intermediates ("tap.*").
         """
         card = get_card(card) if isinstance(card, str) else card
         if opt_level not in OPT_LEVELS:
@@ -221,18 +222,18 @@ class Engine:
             for state in tick.finished:
                 done(self.loop.finalize(state))
             for group in tick.groups:
-                for state, err in self._run_group(group, on_step, on_result):
-                    self._scheduler.running.remove(state)
+                for state, err in self._run_group(group.members, on_step, on_result, group.lane):
+                    self._scheduler.remove([state])
                     done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err)))
         return [rejected.get(i) or results[r.request_id] for i, r in enumerate(requests)]
 
     def _run_group(self, group: list[tuple[T2VState, WorkPlan]], on_step: StepCallback | None,
-                   on_result: ResultCallback | None = None) -> list[tuple]:  # fmt: skip
+                   on_result: ResultCallback | None = None, lane: int = 0) -> list[tuple]:  # fmt: skip
         """Execute one group and fold the results back; returns the (state, error) pairs that failed."""
         plans = [plan for _, plan in group]
         began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
         try:
-            results = self.executor.run_batch(plans)
+            results = self.executor.run_batch(plans, lane)
         except Exception as err:  # one request's failure must not take the others down
             if len(group) > 1:  # retry alone, so only the request at fault fails
                 return [failure for member in group for failure in self._run_group([member], on_step, on_result)]

@@ -51,7 +51,7 @@ class EagerExecutor:
         with torch.no_grad():
             return step(**plan.inputs)
 
-    def run_batch(self, plans: list[WorkPlan]) -> list[StepResult]:
+    def run_batch(self, plans: list[WorkPlan], lane: int = 0) -> list[StepResult]:
         """Eager runs stay batch 1: a request's numerics never depend on its neighbours."""
         return [self.run(plan) for plan in plans]
 
@@ -69,8 +69,9 @@ class CompiledExecutor:
         self.counters = eager.counters
         self._fallback_logged: set[tuple] = set()
 
-    def run_batch(self, plans: list[WorkPlan]) -> list[StepResult]:
-        """`plans` share one signature and fit the largest batch bucket."""
+    def run_batch(self, plans: list[WorkPlan], lane: int = 0) -> list[StepResult]:
+        """`plans` share one signature and fit the largest batch bucket; `lane` picks the static
+        buffers (one set per concurrent group of a signature)."""
         first = plans[0]
         if not self.compiler.wants(first.kind):
             return self.eager.run_batch(plans)
@@ -81,7 +82,7 @@ class CompiledExecutor:
         bucket = self.buckets.batch_for(len(plans))
         stance = "fail_on_recompile" if self.compiler.frozen else "default"
         with torch.no_grad(), torch.compiler.set_stance(stance):
-            results = self.runner.run(self.steps[first.kind], plans, bucket)
+            results = self.runner.run(self.steps[first.kind], plans, bucket, lane)
         self.counters.compiled_steps += len(plans)
         self.counters.batches += 1
         return results

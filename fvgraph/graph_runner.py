@@ -26,6 +26,7 @@ from fvgraph.counters import Counters
 from fvgraph.loop import StepResult, WorkPlan
 
 log = logging.getLogger(__name__)
+_UNWRITTEN = object()  # a row no request or padding has been written into yet
 
 
 @dataclass
@@ -38,7 +39,11 @@ class BucketGraph:
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
     addresses: tuple[int, ...] = ()  # data_ptr of every static buffer at capture (debug checks)
-    hoisted_for: tuple[int, ...] = ()  # whose hoisted values the buffers hold (ids of request caches)
+    storages: frozenset[int] = frozenset()  # storage of every static argument (an output aliasing one is copied out)
+    # Per row: whose request constants the input buffers hold, and whose hoisted values (the owner is
+    # the request's cache object, held so its identity cannot be reused; None: a padding row).
+    input_owners: list = field(default_factory=list)
+    hoisted_for: list = field(default_factory=list)
 
     def base_args(self) -> list[torch.Tensor]:
         """What the prologue takes: parameters, then the step inputs."""
@@ -61,31 +66,42 @@ class GraphRunner:
         self._pool = None
         self._capture_failed: set[tuple] = set()
 
-    def run(self, step: nn.Module, plans: list[WorkPlan], bucket: int) -> list[StepResult]:
-        """Run `plans` (same signature, len <= bucket) as one batch; one result per plan."""
-        entry = self._graphs.get((plans[0].signature, bucket))
+    def run(self, step: nn.Module, plans: list[WorkPlan], bucket: int, lane: int = 0) -> list[StepResult]:
+        """Run `plans` (same signature, len <= bucket) as one batch; one result per plan. Each `lane`
+        has its own static buffers (and graph), sharing the compiled step."""
+        entry = self._graphs.get((plans[0].signature, bucket, lane))
         if entry is None:
-            entry = self._prepare(step, plans, bucket)
-        self._fill_inputs(entry, plans)
+            entry = self._prepare(step, plans, bucket, lane)
+        owners = [plan.request_cache for plan in plans] + [None] * (bucket - len(plans))
+        self._fill_inputs(entry, plans, owners)
         if entry.compiled.prologue_fn is not None:
-            self._fill_hoisted(entry, plans)
-        outputs = self._replay(entry)
+            self._fill_hoisted(entry, plans, owners)
+        outputs = self._copied_out(entry, self._replay(entry))
         names = entry.compiled.output_names
         return [{name: _rows(out, entry.bucket, i) for name, out in zip(names, outputs)} for i in range(len(plans))]
 
+    def _copied_out(self, entry: BucketGraph, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Outputs no later run can overwrite, copied once per batch (not once per request): a graph's
+        static outputs, and any output that is a static input buffer passed through."""
+        if entry.graph is not None:
+            return tuple(out.clone() for out in outputs)
+        return tuple(out.clone() if out.untyped_storage().data_ptr() in entry.storages else out for out in outputs)
+
     # -- preparing a bucket --------------------------------------------------------------------------
 
-    def _prepare(self, step: nn.Module, plans: list[WorkPlan], bucket: int) -> BucketGraph:
+    def _prepare(self, step: nn.Module, plans: list[WorkPlan], bucket: int, lane: int) -> BucketGraph:
         inputs = {name: self._padded_like(t, bucket) for name, t in plans[0].inputs.items()}
         example = WorkPlan(plans[0].request_id, plans[0].kind, inputs)
         entry = BucketGraph(self.compiler.get(step, example, batch=bucket), bucket, inputs)
-        self._fill_inputs(entry, plans)
+        entry.input_owners = entry.hoisted_for = [_UNWRITTEN] * bucket
+        self._fill_inputs(entry, plans, [plan.request_cache for plan in plans] + [None] * (bucket - len(plans)))
         device = next(iter(inputs.values())).device
         entry.hoisted = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in entry.compiled.hoisted_like
         ]
         entry.rows_per_request = [t.shape[0] // bucket for t in entry.hoisted]
-        key = (plans[0].signature, bucket)
+        entry.storages = frozenset(t.untyped_storage().data_ptr() for t in entry.args())
+        key = (plans[0].signature, bucket, lane)
         self._graphs[key] = entry
         if self.cuda_graphs and key not in self._capture_failed:
             self._capture(entry, key)
@@ -120,17 +136,23 @@ class GraphRunner:
 
     # -- one run ---------------------------------------------------------------------------------------
 
-    def _fill_inputs(self, entry: BucketGraph, plans: list[WorkPlan]) -> None:
+    def _fill_inputs(self, entry: BucketGraph, plans: list[WorkPlan], owners: list) -> None:
+        """Step inputs into the first rows, padding after. Inputs that are constant for a request
+        (its embeddings, its guidance scale) are written only into rows that changed hands."""
         n = len(plans)
         for name, buffer in entry.inputs.items():
+            if name in plans[0].constants:
+                self._refill_rows(buffer, 1, entry.bucket, owners, entry.input_owners, lambda i: plans[i].inputs[name])
+                continue
             if n == 1:
                 buffer[:1].copy_(plans[0].inputs[name])
             else:
                 torch.cat([plan.inputs[name] for plan in plans], dim=0, out=buffer[:n])
             if n < entry.bucket:
                 buffer[n:].fill_(self.pad_value if buffer.is_floating_point() else 0)
+        entry.input_owners = list(owners)
 
-    def _fill_hoisted(self, entry: BucketGraph, plans: list[WorkPlan]) -> None:
+    def _fill_hoisted(self, entry: BucketGraph, plans: list[WorkPlan], owners: list) -> None:
         key = entry.compiled.signature.key()
         missing = [i for i, p in enumerate(plans) if key not in p.request_cache]
         if missing:  # new requests: one prologue over the group, kept per request
@@ -141,18 +163,25 @@ class GraphRunner:
                 plans[i].request_cache[key] = [
                     v.view(m, entry.bucket, *v.shape[1:])[:, i].clone() for v, m in zip(values, entry.rows_per_request)
                 ]
-        # Same live requests in the same rows as last time: the buffers already hold their values. (An id
-        # can be reused once a request is gone, but a new request always arrives missing, above.)
-        owners = () if missing else tuple(id(p.request_cache) for p in plans)
-        if owners and owners == entry.hoisted_for:
-            return
-        entry.hoisted_for = owners
+        # The scheduler keeps requests in their rows, so usually only the rows of requests that came
+        # or went are copied; a request whose values were just computed is always copied.
         for j, (buffer, m) in enumerate(zip(entry.hoisted, entry.rows_per_request)):
-            rows = buffer.view(m, entry.bucket, *buffer.shape[1:])
-            for i, plan in enumerate(plans):
-                rows[:, i].copy_(plan.request_cache[key][j])
-            if len(plans) < entry.bucket:
-                rows[:, len(plans) :].fill_(self.pad_value if buffer.is_floating_point() else 0)
+            value_of = lambda i: plans[i].request_cache[key][j]  # noqa: E731
+            self._refill_rows(buffer, m, entry.bucket, owners, entry.hoisted_for, value_of, force=missing)
+        entry.hoisted_for = list(owners)
+
+    def _refill_rows(self, buffer: torch.Tensor, m: int, bucket: int, owners: list, previous: list, value_of,
+                     force: list[int] = ()) -> None:  # fmt: skip
+        """Write row i (m rows per request, branch-major) where its owner changed: value_of(i) for a
+        request, pad_value for padding."""
+        rows = buffer.view(m, bucket, *buffer.shape[1:])
+        for i, owner in enumerate(owners):
+            if owner is previous[i] and i not in force:
+                continue
+            if owner is None:
+                rows[:, i].fill_(self.pad_value if buffer.is_floating_point() else 0)
+            else:
+                rows[:, i].copy_(value_of(i))
 
     def _replay(self, entry: BucketGraph) -> tuple[torch.Tensor, ...]:
         if entry.graph is None:
@@ -167,7 +196,8 @@ class GraphRunner:
 
 
 def _rows(out: torch.Tensor, bucket: int, i: int) -> torch.Tensor:
-    """Request i's rows of a batched output, copied out: row i, or rows i, bucket + i, ... when the
-    output holds several rows per request branch-major (a fused-CFG tap)."""
-    m = out.shape[0] // bucket
-    return out.view(m, bucket, *out.shape[1:])[:, i].clone()
+    """Request i's rows of a batch's (copied-out) output, as a view: row i, or rows i, bucket + i, ...
+    when the output holds several rows per request branch-major (a fused-CFG tap)."""
+    if out.shape[0] == bucket:
+        return out[i : i + 1]
+    return out.view(-1, bucket, *out.shape[1:])[:, i]

@@ -49,10 +49,16 @@ class WorkPlan:
     # prologue outputs). It lives in the request's state, never in the runtime.
     request_cache: dict = field(default_factory=dict)
     pixel_shape: tuple[int, int, int] | None = None  # (frames, height, width) of the video it serves
-    signature: ShapeSignature = field(init=False)
+    # Inputs whose value is the same at every step of this request (embeddings, guidance scale): a
+    # batch runner may keep them in place while the request keeps its row.
+    constants: frozenset[str] = frozenset()
+    # Computed from `inputs` when not given. A loop whose inputs keep their shapes from step to step
+    # may pass the one it computed at the first step: the scheduler reads it for every plan.
+    signature: ShapeSignature | None = None
 
     def __post_init__(self) -> None:
-        self.signature = ShapeSignature.of(self.kind, self.inputs)
+        if self.signature is None:
+            self.signature = ShapeSignature.of(self.kind, self.inputs)
 
 
 @dataclass(frozen=True)
@@ -75,7 +81,7 @@ class SerializableState:
 
     def save(self, path: str | Path) -> None:
         """Fields marked `metadata={"transient": True}` hold derived data and are rebuilt on resume."""
-        payload = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
+        payload = {f.name: _compact(getattr(self, f.name)) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
         torch.save({"type": type(self).__name__, "fields": payload}, path)
 
     @classmethod
@@ -84,3 +90,13 @@ class SerializableState:
         if blob.get("type") != cls.__name__:
             raise ValueError(f"{path}: holds a {blob.get('type')!r}, expected a {cls.__name__}")
         return cls(**blob["fields"])
+
+
+def _compact(value: Any) -> Any:
+    """A tensor that views a larger one (a request's rows of a batch output) saved as its own copy:
+    torch.save writes a view's whole storage."""
+    if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.nbytes:
+        return value.clone()
+    if isinstance(value, list):
+        return [_compact(v) for v in value]
+    return value

@@ -3,7 +3,7 @@
 Each tick: admit waiting requests FIFO while there is room (running requests always keep their
 place), drop cancelled ones at the step boundary, ask every running loop for its next WorkPlan, and
 group the plans that can share one graph: same step kind and same shapes past the batch dim. A group
-larger than the biggest batch bucket is split. Requests at different timesteps, with different
+larger than the biggest batch bucket is split into lanes. Requests at different timesteps, with different
 guidance scales, seeds and step counts fall into one group: those are [B] tensors, not shapes.
 """
 
@@ -18,10 +18,20 @@ from fvgraph.t2v_loop import T2VState, TextToVideoLoop
 
 
 @dataclass
+class Group:
+    """Compatible steps that run as one batch. `lane` numbers the groups of one signature in a tick:
+    each lane keeps its own static buffers, so two groups of one signature do not overwrite each
+    other's rows every step."""
+
+    members: list[tuple[T2VState, WorkPlan]]
+    lane: int = 0
+
+
+@dataclass
 class Tick:
     finished: list[T2VState] = field(default_factory=list)
     cancelled: list[T2VState] = field(default_factory=list)
-    groups: list[list[tuple[T2VState, WorkPlan]]] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
 
 
 class Scheduler:
@@ -45,27 +55,41 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def remove(self, gone: list[T2VState]) -> None:
+        """Take these requests out of the running list. Each hole is filled by the last running request
+        rather than closed up, so every other request keeps its place, and with it its row in the
+        batch (the graph runner then refills only the rows whose request changed)."""
+        gone_ids = {id(state) for state in gone}
+        i = 0
+        while i < len(self.running):
+            if id(self.running[i]) in gone_ids:
+                last = self.running.pop()
+                if i < len(self.running):
+                    self.running[i] = last  # checked again at i: it may be leaving too
+            else:
+                i += 1
+
     def tick(self) -> Tick:
         tick = Tick()
-        for queue in (self.waiting, self.running):
-            for state in [s for s in queue if s.request_id in self.cancel_requested]:
-                queue.remove(state)
-                tick.cancelled.append(state)
+        cancelled = [s for s in self.waiting if s.request_id in self.cancel_requested]
+        for state in cancelled:
+            self.waiting.remove(state)
+        running_cancelled = [s for s in self.running if s.request_id in self.cancel_requested]
+        self.remove(running_cancelled)
+        tick.cancelled += cancelled + running_cancelled
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.popleft())
+        plans = [(state, self.loop.next(state)) for state in self.running]
+        tick.finished = [state for state, plan in plans if isinstance(plan, Done)]
+        self.remove(tick.finished)
+        plan_of = {id(state): plan for state, plan in plans}
         groups: OrderedDict[object, list] = OrderedDict()
-        still_running = []
-        for state in self.running:
-            plan = self.loop.next(state)
-            if isinstance(plan, Done):
-                tick.finished.append(state)
-                continue
-            still_running.append(state)
+        for state in self.running:  # in row order, after the finished requests' rows were refilled
+            plan = plan_of[id(state)]
             groups.setdefault(plan.signature, []).append((state, plan))
-        self.running = still_running
         for members in groups.values():
             start = 0
-            for size in self.buckets.chunks(len(members)):
-                tick.groups.append(members[start : start + size])
+            for lane, size in enumerate(self.buckets.chunks(len(members))):
+                tick.groups.append(Group(members[start : start + size], lane))
                 start += size
         return tick

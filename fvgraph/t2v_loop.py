@@ -19,6 +19,8 @@ from fvgraph.request import Request, Result
 from fvgraph.samplers import build_sampler, num_coeffs
 
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
+# Denoise inputs that stay the same at every step of a request.
+REQUEST_CONSTANTS = frozenset({"prompt_embeds", "negative_prompt_embeds", "guidance_scale"})
 
 
 @dataclass
@@ -152,7 +154,11 @@ class TextToVideoLoop:
             kind = DENOISE_CFG if state.cfg else DENOISE
             _, _, frames, h, w = state.latents.shape
             pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
-            return WorkPlan(state.request_id, kind, inputs, i, request_cache=state.step_cache, pixel_shape=pixels)
+            # Every denoise step of a request has the same input shapes: compute the signature once.
+            signature = state.step_cache.get("shape_signature")
+            plan = WorkPlan(state.request_id, kind, inputs, i, state.step_cache, pixels, REQUEST_CONSTANTS, signature)
+            state.step_cache["shape_signature"] = plan.signature
+            return plan
         if state.phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
         return Done()

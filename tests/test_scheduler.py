@@ -103,8 +103,8 @@ def test_scheduler_groups_by_signature_and_splits_at_the_largest_bucket(tiny_eng
         request = Request(prompt_embeds=torch.zeros(4, 32), guidance_scale=1.0, seed=i, width=width, num_frames=1)
         scheduler.submit(tiny_engine.start(request))  # no text to encode: the first step is a denoise
     tick = scheduler.tick()
-    assert [len(g) for g in tick.groups] == [4, 2, 3]
-    assert all(len({plan.signature for _, plan in g}) == 1 for g in tick.groups)
+    assert [(len(g.members), g.lane) for g in tick.groups] == [(4, 0), (2, 1), (3, 0)]
+    assert all(len({plan.signature for _, plan in g.members}) == 1 for g in tick.groups)
 
 
 def test_bucket_spec_rules():
@@ -122,3 +122,43 @@ def test_warmup_prepares_every_bucket_largest_first():
     with engine.counters.expect(compiles=0):
         results = engine.generate(_mix())
     assert all(r.ok for r in results)
+
+
+def test_a_leaving_request_hands_its_row_to_the_last_one_and_the_rest_stay(batched):
+    """Rows are stable: hoisted values are only copied for rows whose request changed."""
+    from fvgraph.scheduler import Scheduler
+
+    scheduler = Scheduler(batched.loop, batched.buckets, max_running=8)
+    states = [batched.start(Request(prompt=f"p{i}", seed=i, num_frames=5)) for i in range(5)]
+    scheduler.running = list(states)
+    scheduler.remove([states[1]])
+    assert scheduler.running == [states[0], states[4], states[2], states[3]]
+    scheduler.remove([states[0], states[3]])  # the last one leaving too
+    assert scheduler.running == [states[2], states[4]]
+    scheduler.remove([states[4], states[2]])
+    assert scheduler.running == []
+
+
+def test_rows_whose_request_stayed_are_not_refilled(batched, monkeypatch):
+    """Hoisted values are copied into a row only when the row changes hands: 3 arrivals, then the
+    last request moving into each of the two rows that requests leave (the _mix steps 4, 3, 5)."""
+    runner = batched.executor.runner
+    inside, copies = {"on": False}, {"n": 0}
+    fill, original = runner._fill_hoisted, torch.Tensor.copy_
+
+    def counting_fill(*args):
+        inside["on"] = True
+        try:
+            return fill(*args)
+        finally:
+            inside["on"] = False
+
+    def counting_copy(self, src, *args, **kwargs):
+        copies["n"] += inside["on"]
+        return original(self, src, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "_fill_hoisted", counting_fill)
+    monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+    assert all(r.ok for r in batched.generate(_mix()))
+    [entry] = [e for e in runner._graphs.values() if e.compiled.prologue_fn is not None]
+    assert copies["n"] == (3 + 1 + 1) * len(entry.hoisted)
