@@ -158,11 +158,16 @@ class StepCompiler:
             output_names=captured.output_names + ctx.extra_outputs, passes_changed=dict(ctx.changed),
             hoisted_like=[dict(shape=list(t.shape), stride=list(t.stride()), dtype=str(t.dtype)) for t in hoisted],
         )  # fmt: skip
-        if self.cache is None:
+        compiled = None
+        if self.cache is not None:
+            try:
+                compiled = self._compile_through_cache(signature, gm, ctx.prologue, base_args, hoisted, meta, began)
+            except Exception as err:  # a graph AOTInductor cannot package is still served, compiled in process
+                log.warning("capture cache: could not store %s, compiling it in process instead: %r", plan.kind, err)
+        if compiled is None:
             prologue_fn = None if ctx.prologue is None else self._backend_compile(ctx.prologue, base_args)
-            step_fn = self._backend_compile(gm, base_args + hoisted)
-        else:
-            step_fn, prologue_fn = self._compile_through_cache(signature, gm, ctx.prologue, base_args, hoisted, meta, began)
+            compiled = self._backend_compile(gm, base_args + hoisted), prologue_fn, meta
+        step_fn, prologue_fn, meta = compiled
         seconds = time.perf_counter() - began
         self.counters.compiles += 1
         self.counters.compile_seconds += seconds
@@ -179,7 +184,8 @@ class StepCompiler:
     # -- through the capture cache -----------------------------------------------------------------
 
     def _compile_through_cache(self, signature, gm, prologue, base_args, hoisted, meta, began):
-        """Compile each graph to a file, publish the files, and run what was published."""
+        """Compile each graph to a file, publish the files, and run what was published (another
+        process's entry, when it published this signature first). Returns (step_fn, prologue_fn, meta)."""
         backend, patches = self.config.backend, self._inductor_patches()
         with self.cache.staging_dir() as staging:
             files = {"step": Path(staging) / "step.pt2"}
@@ -190,7 +196,7 @@ class StepCompiler:
             meta["compile_seconds"] = time.perf_counter() - began
             entry = self.cache.publish(signature.key(), signature.factors(), files, meta)
         self.counters.cache_stores += 1
-        return self._load_entry(entry, base_args)
+        return (*self._load_entry(entry, base_args), entry.meta)
 
     def _load_cached(self, step: nn.Module, plan: WorkPlan, signature: StepSignature) -> CompiledStep | None:
         entry = self.cache.find(signature.key())

@@ -221,3 +221,14 @@ def test_two_warmups_racing_on_one_directory_leave_a_valid_cache(tmp_path):
 def test_warmup_rejects_bad_options_naming_them(tmp_path, args, message):
     done = fvgraph_cli("warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", *args)
     assert done.returncode == 2 and message in done.stdout
+
+
+def test_a_graph_that_cannot_be_stored_is_still_served(tmp_path, monkeypatch, caplog):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("this graph cannot be packaged")
+
+    monkeypatch.setattr("fvgraph.compiler.save_graph", refuse)
+    served = engine(tmp_path)
+    with caplog.at_level(logging.WARNING, "fvgraph.compiler"), served.counters.expect(compiles=1, cache_stores=0):
+        assert served.generate([Request(**REQUEST)])[0].ok
+    assert "cannot be packaged" in caplog.text and verify(tmp_path) == [] and not step_artifacts(tmp_path)
