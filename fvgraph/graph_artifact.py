@@ -14,6 +14,7 @@ same code as the one that warmed the cache.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,7 +44,9 @@ def load_graph(path: Path, backend: str, device: torch.device, compile_fn: Calla
     if backend == "inductor":
         # run_single_threaded: no locking around a run, which CUDA graph capture needs (and a
         # GraphRunner never runs one graph from two threads).
-        index = device.index if device.type == "cuda" and device.index is not None else -1
-        return torch._inductor.aoti_load_package(str(path), run_single_threaded=True, device_index=index)
+        options = {"run_single_threaded": True}
+        if "device_index" in inspect.signature(torch._inductor.aoti_load_package).parameters:
+            options["device_index"] = device.index if device.type == "cuda" and device.index is not None else -1
+        return torch._inductor.aoti_load_package(str(path), **options)
     gm = torch.export.load(str(path)).module()
     return compile_fn(gm, example_args or [])

@@ -139,10 +139,10 @@ class GraphRunner:
     def _fill_inputs(self, entry: BucketGraph, plans: list[WorkPlan], owners: list) -> None:
         """Step inputs into the first rows, padding after. Inputs that are constant for a request
         (its embeddings, its guidance scale) are written only into rows that changed hands."""
-        n = len(plans)
+        n, changed = len(plans), _changed_rows(owners, entry.input_owners)
         for name, buffer in entry.inputs.items():
             if name in plans[0].constants:
-                self._refill_rows(buffer, 1, entry.bucket, owners, entry.input_owners, lambda i: plans[i].inputs[name])
+                self._write_rows(buffer, 1, entry.bucket, changed, owners, lambda i: plans[i].inputs[name])
                 continue
             if n == 1:
                 buffer[:1].copy_(plans[0].inputs[name])
@@ -165,23 +165,20 @@ class GraphRunner:
                 ]
         # The scheduler keeps requests in their rows, so usually only the rows of requests that came
         # or went are copied; a request whose values were just computed is always copied.
+        changed = sorted(set(_changed_rows(owners, entry.hoisted_for)) | set(missing))
         for j, (buffer, m) in enumerate(zip(entry.hoisted, entry.rows_per_request)):
-            value_of = lambda i: plans[i].request_cache[key][j]  # noqa: E731
-            self._refill_rows(buffer, m, entry.bucket, owners, entry.hoisted_for, value_of, force=missing)
+            self._write_rows(buffer, m, entry.bucket, changed, owners, lambda i: plans[i].request_cache[key][j])
         entry.hoisted_for = list(owners)
 
-    def _refill_rows(self, buffer: torch.Tensor, m: int, bucket: int, owners: list, previous: list, value_of,
-                     force: list[int] = ()) -> None:  # fmt: skip
-        """Write row i (m rows per request, branch-major) where its owner changed: value_of(i) for a
-        request, pad_value for padding."""
-        rows = buffer.view(m, bucket, *buffer.shape[1:])
-        for i, owner in enumerate(owners):
-            if owner is previous[i] and i not in force:
-                continue
-            if owner is None:
-                rows[:, i].fill_(self.pad_value if buffer.is_floating_point() else 0)
+    def _write_rows(self, buffer: torch.Tensor, m: int, bucket: int, rows: list[int], owners: list, value_of) -> None:
+        """Write each of `rows` (m buffer rows per request, branch-major): value_of(i) for a request,
+        pad_value for a padding row (owner None)."""
+        view = buffer.view(m, bucket, *buffer.shape[1:])
+        for i in rows:
+            if owners[i] is None:
+                view[:, i].fill_(self.pad_value if buffer.is_floating_point() else 0)
             else:
-                rows[:, i].copy_(value_of(i))
+                view[:, i].copy_(value_of(i))
 
     def _replay(self, entry: BucketGraph) -> tuple[torch.Tensor, ...]:
         if entry.graph is None:
@@ -193,6 +190,11 @@ class GraphRunner:
         entry.graph.replay()
         self.counters.replays += 1
         return entry.outputs
+
+
+def _changed_rows(owners: list, previous: list) -> list[int]:
+    """Rows whose owner (a request's cache object, None for padding) is not the one they held."""
+    return [i for i, (owner, before) in enumerate(zip(owners, previous)) if owner is not before]
 
 
 def _rows(out: torch.Tensor, bucket: int, i: int) -> torch.Tensor:
