@@ -181,6 +181,18 @@ class CaptureCache:
             self._remove_unreferenced(key, manifest)
         return CacheEntry(key, record)
 
+    def annotate(self, key: str, **facts: float) -> None:
+        """Add facts measured after publishing (CUDA graph capture seconds) to `key`'s meta. Best
+        effort: a cache this process may only read stays as it is."""
+        try:
+            with self._locked():
+                manifest = self._read_manifest(self.dir)
+                if key in manifest.get("entries", {}):
+                    manifest["entries"][key]["meta"].update(facts)
+                    self._write_manifest(manifest)
+        except OSError as err:
+            log.info("capture cache: could not record %s for %s: %s", sorted(facts), key, err)
+
     def _write_manifest(self, manifest: dict) -> None:
         staged = self.dir / f".{MANIFEST}.{os.getpid()}.tmp"
         staged.write_text(json.dumps(manifest, indent=1, sort_keys=True))

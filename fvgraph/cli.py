@@ -208,14 +208,16 @@ def cache_ls(
         title = (f"{cache.dir.name}: {fp.get('card_id')} -O{fp.get('opt_level')} {fp.get('backend')} torch {fp.get('torch')} "
                  f"gpu {fp.get('gpu')} passes {fp.get('pass_pipeline')}")  # fmt: skip
         table = Table(title=title)
-        for column in ("signature", "step", "batch", "latents", "MB", "compile s"):
+        for column in ("signature", "step", "batch", "latents", "MB", "compile s", "capture s"):
             table.add_column(column)
         for key, record in sorted(cache.entries().items(), key=lambda kv: (kv[1]["factors"]["step_kind"], kv[1]["factors"]["batch"])):
             factors = record["factors"]
             latents = next((i[1] for i in factors["shape"]["inputs"] if i[0] == "latents"), "-")
             size = sum(a["bytes"] for a in record["artifacts"].values()) / 1e6
-            compile_s = record["meta"].get("compile_seconds", 0.0)
-            table.add_row(key, factors["step_kind"], str(factors["batch"]), str(latents), f"{size:.1f}", f"{compile_s:.1f}")
+            meta = record["meta"]
+            capture = f"{meta['capture_seconds']:.3f}" if "capture_seconds" in meta else "-"
+            table.add_row(key, factors["step_kind"], str(factors["batch"]), str(latents), f"{size:.1f}",
+                          f"{meta.get('compile_seconds', 0.0):.1f}", capture)  # fmt: skip
         console.print(table)
 
 

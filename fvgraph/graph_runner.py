@@ -16,6 +16,7 @@ a value is `m` rows per request with `m = rows / bucket`.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +113,7 @@ class GraphRunner:
 
     def _capture(self, entry: BucketGraph, key: tuple) -> None:
         """Warm up on a side stream, then capture into the shared pool; failure means no graph, logged once."""
+        began = time.perf_counter()
         try:
             args = entry.args()
             side = torch.cuda.Stream()
@@ -128,6 +130,8 @@ class GraphRunner:
             entry.graph = graph
             entry.addresses = tuple(t.data_ptr() for t in args)
             self.counters.captures += 1
+            if self.compiler.cache is not None and key[2] == 0:  # the manifest records lane 0's capture time
+                self.compiler.cache.annotate(entry.compiled.signature.key(), capture_seconds=time.perf_counter() - began)
         except Exception as err:  # a capture failure costs the graph, never the request
             self._capture_failed.add(key)
             entry.graph, entry.outputs = None, ()

@@ -155,6 +155,14 @@ def test_a_truncated_or_missing_or_escaping_artifact_is_rejected(tmp_path):
     assert "outside" in cache.check(escaping, FACTORS)
 
 
+def test_capture_times_are_recorded_beside_an_entry_without_touching_its_checks(tmp_path):
+    cache, entry = published(tmp_path)
+    cache.annotate("k1", capture_seconds=0.25)
+    cache.annotate("not-there", capture_seconds=1.0)  # nothing to annotate: no error, no entry made
+    assert cache.entries()["k1"]["meta"] == {"param_names": [], "capture_seconds": 0.25}
+    assert set(cache.entries()) == {"k1"} and verify(tmp_path) == []
+
+
 def test_an_unreadable_manifest_is_ignored_and_rewritten(tmp_path, caplog):
     cache, _ = published(tmp_path)
     (cache.dir / "manifest.json").write_text("{not json")

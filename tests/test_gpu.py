@@ -94,6 +94,7 @@ def test_capture_cache_serves_graphs_on_cuda_with_zero_compiles(tiny_card, tmp_p
     with served.counters.expect(compiles=0, cache_hits=3):
         results = served.warmup(_requests()[:1])
     assert served.counters.captures >= 3 and served.counters.replays > 0
+    assert all("capture_seconds" in record["meta"] for record in served.compiler.cache.entries().values())
     torch.testing.assert_close(results[0].latents, reference[0].latents, atol=0, rtol=0)
 
 
