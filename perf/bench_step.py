@@ -1,5 +1,6 @@
 """Per-step denoise time, side by side in one run: diffusers eager, diffusers compile_repeated_blocks,
-fvgraph -O0 and fvgraph -O1 (inductor, CFG fusion + hoisting), same weights, shapes and inputs.
+fvgraph -O0 and fvgraph -O1 (inductor, CFG fusion + hoisting), and with --levels also -O2 (CUDA graphs)
+and -O3 (FP8), same weights, shapes and inputs.
 
     python perf/bench_step.py                        # tiny-wan on the CPU
     python perf/bench_step.py --gpu                  # Wan 1.3B config, bf16, 480x832x33 and 256x256x17
@@ -80,7 +81,8 @@ def fvgraph_step_runner(engine: Engine, request: Request):
     return run_one
 
 
-def bench_shape(card: str, device: torch.device, height: int, width: int, frames: int, steps: int, warmup: int) -> dict:
+def bench_shape(card: str, device: torch.device, height: int, width: int, frames: int, steps: int, warmup: int,
+                levels: tuple[int, ...] = (1,)) -> dict:  # fmt: skip
     eager = Engine.from_card(card, device=device)  # fvgraph -O0, with its projection cache
     # diffusers runs on an untouched copy of the same seeded weights (no fvgraph cache in its forward)
     c = Engine.from_card(card, device=device, projection_cache_bytes=0).loop.components
@@ -95,14 +97,16 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     pe_d, ne_d = pe.to(device, dtype), ne.to(device, dtype)
     sampler = eager.card.recipe.sampler
 
-    compiled = Engine.from_card(card, device=device, opt_level=1, compile_config=CompileConfig(backend="inductor"))
+    engines = {level: Engine.from_card(card, device=device, opt_level=level, compile_config=CompileConfig(backend="inductor"))
+               for level in sorted({1, *levels})}  # fmt: skip
+    compiled = engines[1]
     # seeded cards rebuild bit-identical weights; the version is their content hash
     assert compiled.loop.components.weights_version == c.weights_version == eager.loop.components.weights_version
 
     runners = {
         "diffusers_eager": diffusers_step_runner(c.transformer, sampler, latents, pe_d, ne_d, 5.0, num_steps),
         "fvgraph_O0": fvgraph_step_runner(eager, request),
-        "fvgraph_O1": fvgraph_step_runner(compiled, request),
+        **{f"fvgraph_O{level}": fvgraph_step_runner(engine, request) for level, engine in engines.items()},
     }
     results, compile_s = {}, {}
     for name, run_one in runners.items():
@@ -142,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="*", help="HxWxF each (default: 64x64x9 on CPU; 480x832x33 256x256x17 on GPU)")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--levels", default="1", help="fvgraph opt levels to time besides -O0, e.g. 1,2,3 (2: CUDA graphs, 3: FP8)")
     args = parser.parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA device; run without --gpu for the CPU (tiny-wan) mode")
@@ -151,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (10 if args.gpu else 8)
     for shape in shapes:
         height, width, frames = (int(v) for v in shape.split("x"))
-        print(json.dumps(bench_shape(card, device, height, width, frames, steps, args.warmup)), flush=True)
+        levels = tuple(int(v) for v in args.levels.split(","))
+        print(json.dumps(bench_shape(card, device, height, width, frames, steps, args.warmup, levels)), flush=True)
 
 
 if __name__ == "__main__":
