@@ -1,16 +1,18 @@
 """GraphRunner: a group of compatible steps as one padded batch on static buffers, replayed as a CUDA graph.
 
-For each (signature, batch bucket) the runner owns one `BucketGraph`: static input buffers allocated
-when the bucket is first used, the compiled step built at that batch, and on CUDA a graph captured
-over the compiled step (warm-up on a side stream, one memory pool shared by every graph). A run
-copies the group's inputs into the first rows, fills the padding rows with `pad_value`, replays, and
-copies each request's rows out before anything can replay again. On CPU the same code calls the
-compiled step on the same static buffers, so batching, padding and scatter are exercised without a GPU.
+For each (signature, batch bucket, lane) the runner owns one `BucketGraph`: static input buffers
+allocated when the bucket is first used, the compiled step built at that batch (shared by the
+lanes), and on CUDA a graph captured over the compiled step (warm-up on a side stream, one memory
+pool shared by every graph). A run copies the group's inputs into the first rows, fills the padding
+rows with `pad_value`, replays, and copies the outputs out once before anything can replay again;
+each request gets a view of its rows. On CPU the same code calls the compiled step on the same static
+buffers, so batching, padding and scatter are exercised without a GPU.
 
 Hoisted prologue values are per request: they are computed by the bucket's prologue when a request
-in the group has none yet, kept in that request's `request_cache`, and copied into static buffers
-every step. They carry the batch in dim 0, branch-major (rows `k * bucket + i` for CFG branch k), so
-a value is `m` rows per request with `m = rows / bucket`.
+in the group has none yet and kept in that request's `request_cache`. They carry the batch in dim 0,
+branch-major (rows `k * bucket + i` for CFG branch k), so a value is `m` rows per request with
+`m = rows / bucket`. A row of the static buffers (hoisted values, and inputs that are constant for a
+request) is rewritten only when it changes hands; the scheduler keeps requests in their rows.
 """
 
 from __future__ import annotations
