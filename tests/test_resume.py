@@ -36,3 +36,16 @@ def test_loading_a_non_state_file_is_refused(tmp_path):
     torch.save({"type": "Something", "fields": {}}, tmp_path / "x.pt")
     with pytest.raises(ValueError, match="expected a T2VState"):
         T2VState.load(tmp_path / "x.pt")
+
+
+def test_a_state_holding_rows_of_a_batch_saves_only_its_own_rows(tmp_path, tiny_engine):
+    """Compiled batches hand each request a view of its rows; a saved state must not carry the batch."""
+    state = tiny_engine.start(Request(prompt="a fox", seed=3, num_frames=5))
+    tiny_engine.step(state)  # text encode
+    batch = torch.randn(64, *state.latents.shape[1:])
+    batch[5:6] = state.latents
+    state.latents = batch[5:6]  # what a batch of 64 leaves in a request's state
+    state.save(tmp_path / "state.pt")
+    own = T2VState.load(tmp_path / "state.pt")
+    assert torch.equal(own.latents, state.latents)
+    assert own.latents.untyped_storage().nbytes() == own.latents.nbytes
