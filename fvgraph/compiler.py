@@ -107,7 +107,9 @@ class StepCompiler:
         return self.config.step_kinds is None or kind in self.config.step_kinds
 
     def signature(self, plan: WorkPlan, batch: int = 1, step: nn.Module | None = None) -> StepSignature:
-        backends = self._sdpa_backends(step, plan)
+        return self._signature(plan, batch, self._sdpa_backends(step, plan))
+
+    def _signature(self, plan: WorkPlan, batch: int, backends: list | None) -> StepSignature:
         return StepSignature(
             component=STEP_COMPONENT.get(plan.kind, plan.kind), step_kind=plan.kind, shape=plan.signature,
             batch=batch, pass_pipeline=self.pass_manager.uuid(), backend=self.config.backend,
@@ -124,12 +126,12 @@ class StepCompiler:
 
     def get(self, step: nn.Module, plan: WorkPlan, batch: int = 1) -> CompiledStep:
         """The compiled step for `plan`'s signature at `batch` (plan inputs already have that batch)."""
-        signature = self.signature(plan, batch, step)
+        backends = self._sdpa_backends(step, plan)
+        signature = self._signature(plan, batch, backends)
         compiled = self._compiled.get(signature)
         if compiled is None:
             # Attention kernels are picked while inductor traces (and again if aot_eager re-traces a
             # loaded graph), so the chosen SDPA backends hold around both.
-            backends = self._sdpa_backends(step, plan)
             with contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True):
                 if self.cache is not None:
                     compiled = self._load_cached(step, plan, signature)

@@ -8,6 +8,7 @@ imported once `use_triton(...)` said yes, or by a test that runs them under TRIT
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 import torch
@@ -16,13 +17,17 @@ log = logging.getLogger("fvgraph.kernels")
 
 
 @functools.cache
-def triton_available() -> bool:
-    """True when `import triton` succeeds (cached: the answer cannot change within a process)."""
+def optional_module(name: str):
+    """The module if it imports, else None (cached: installs do not change within a process). Every
+    optional kernel package (triton, flashinfer, the CUTLASS DSL) is probed through this."""
     try:
-        import triton  # noqa: F401
-    except Exception:  # a broken install (or sys.modules["triton"] = None) counts as absent
-        return False
-    return True
+        return importlib.import_module(name)
+    except Exception:  # absent, or present but broken (no CUDA, ABI mismatch, sys.modules[name] = None)
+        return None
+
+
+def triton_available() -> bool:
+    return optional_module("triton") is not None
 
 
 def use_triton(op: str, *tensors: torch.Tensor) -> bool:

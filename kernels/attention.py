@@ -14,12 +14,13 @@
 
 import dataclasses
 import functools
-import importlib
 import logging
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fvgraph.kernels._triton import optional_module
 
 log = logging.getLogger("fvgraph.kernels")
 
@@ -80,22 +81,13 @@ def sdpa_bshd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out.transpose(1, 2).contiguous()
 
 
-@functools.cache
-def _optional_module(name: str):
-    """The module if it imports, else None (cached per process: installs do not change mid-run)."""
-    try:
-        return importlib.import_module(name)
-    except Exception:  # absent, or present but broken (no CUDA, ABI mismatch): treat as absent
-        return None
-
-
 def flashinfer_available() -> bool:
-    return _optional_module("flashinfer") is not None
+    return optional_module("flashinfer") is not None
 
 
 def cutlass_dsl_available() -> bool:
     """True when the CUTLASS Python DSL (pip nvidia-cutlass-dsl: `import cutlass.cute`) imports."""
-    return _optional_module("cutlass.cute") is not None
+    return optional_module("cutlass.cute") is not None
 
 
 @functools.cache
@@ -109,7 +101,7 @@ def flashinfer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"flashinfer_attention: expected q [B, Sq, H, Dh] and k, v [B, Skv, H, Dh], got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    flashinfer = _optional_module("flashinfer")
+    flashinfer = optional_module("flashinfer")
     if flashinfer is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
         _log_sdpa_fallback("flashinfer is not importable" if flashinfer is None else "inputs are not fp16/bf16 on CUDA")
         return sdpa_bshd(q, k, v)
