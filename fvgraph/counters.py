@@ -31,6 +31,10 @@ class Counters:
     def snapshot(self) -> dict[str, float]:
         return dataclasses.asdict(self)
 
+    def since(self, before: dict[str, float]) -> dict[str, float]:
+        """How much each counter grew since `before` (a snapshot)."""
+        return {name: value - before[name] for name, value in self.snapshot().items()}
+
     @contextmanager
     def expect(self, **deltas: int):
         """Assert that exactly these counters change by exactly these amounts inside the block."""
@@ -39,7 +43,7 @@ class Counters:
             raise ValueError(f"unknown counters {sorted(unknown)}; known: {sorted(self.snapshot())}")
         before = self.snapshot()
         yield self
-        after = self.snapshot()
-        got = {name: after[name] - before[name] for name in deltas}
+        grew = self.since(before)
+        got = {name: grew[name] for name in deltas}
         if got != deltas:
             raise AssertionError(f"counter deltas {got} != expected {deltas}")

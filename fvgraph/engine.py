@@ -145,6 +145,7 @@ class Engine:
             if value is not None:
                 setattr(state, name, value.to(device))
         state.carry = [t.to(device) for t in state.carry]
+        state.step_cache.clear()  # derived on the other engine's device; rebuilt here on demand
         return state
 
     def step(self, state: T2VState, on_step: StepCallback | None = None) -> bool:
@@ -152,7 +153,8 @@ class Engine:
         plan = self.loop.next(state)
         if isinstance(plan, Done):
             return False
-        failures = self._run_group([(state, plan)], on_step)
+        with torch.compiler.set_stance(self._stance()):
+            failures = self._run_group([(state, plan)], on_step)
         if failures:
             raise failures[0][1]
         return True
@@ -178,6 +180,12 @@ class Engine:
         compiled in this process nor in the capture cache fails with RecompileError naming it."""
         if self.compiler is not None:
             self.compiler.frozen = True
+
+    def _stance(self) -> str:
+        """torch's compile stance while serving. Compiled steps are called directly, not through
+        dynamo, and a frozen compiler refuses new signatures itself (RecompileError); the stance
+        makes any dynamo compile that slipped past it fail as well."""
+        return "fail_on_recompile" if self.compiler is not None and self.compiler.frozen else "default"
 
     def finish(self, state: T2VState) -> Result:
         while self.step(state):
@@ -215,16 +223,18 @@ class Engine:
             result.timings["total"] = time.perf_counter() - began
             results[result.request_id] = result
 
-        while self._scheduler.has_work():
-            tick = self._scheduler.tick()
-            for state in tick.cancelled:
-                done(Result(state.request_id, "cancelled", seed=state.seed, timings=dict(state.timings)))
-            for state in tick.finished:
-                done(self.loop.finalize(state))
-            for group in tick.groups:
-                for state, err in self._run_group(group.members, on_step, on_result, group.lane):
-                    self._scheduler.remove([state])
-                    done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err)))
+        with torch.compiler.set_stance(self._stance()):  # entered once per call: it costs ~50 us
+            while self._scheduler.has_work():
+                tick = self._scheduler.tick()
+                for state in tick.cancelled:
+                    done(Result(state.request_id, "cancelled", seed=state.seed, timings=dict(state.timings)))
+                for state in tick.finished:
+                    done(self.loop.finalize(state))
+                for group in tick.groups:
+                    for state, err in self._run_group(group.members, on_step, on_result, group.lane):
+                        self._scheduler.remove([state])
+                        done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
+                                    error=repr(err)))  # fmt: skip
         return [rejected.get(i) or results[r.request_id] for i, r in enumerate(requests)]
 
     def _run_group(self, group: list[tuple[T2VState, WorkPlan]], on_step: StepCallback | None,

@@ -17,6 +17,7 @@ request) is rewritten only when it changes hands; the scheduler keeps requests i
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,13 +48,21 @@ class BucketGraph:
     # the request's cache object, held so its identity cannot be reused; None: a padding row).
     input_owners: list = field(default_factory=list)
     hoisted_for: list = field(default_factory=list)
+    # The input buffers by role, fixed at preparation: each run refills the per-step ones and only
+    # the changed rows of the per-request constants.
+    per_step: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    constants: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    input_at: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)  # input buffers by data_ptr
+    pad_from: int = 0  # the per-step buffers' rows from here on hold padding (bucket: none written yet)
 
     def base_args(self) -> list[torch.Tensor]:
         """What the prologue takes: parameters, then the step inputs."""
         return [*self.compiled.params, *(self.inputs[name] for name in self.compiled.input_names)]
 
+    @functools.cached_property
     def args(self) -> list[torch.Tensor]:
-        """What the step takes: the base arguments, then the hoisted values."""
+        """What the step takes: the base arguments, then the hoisted values. The buffers never move,
+        so the list is built once."""
         return [*self.base_args(), *self.hoisted]
 
 
@@ -64,10 +73,22 @@ class GraphRunner:
         self.counters = counters
         self.cuda_graphs = cuda_graphs
         self.debug = debug
-        self.pad_value = pad_value  # tests poison padding with NaN to prove it never reaches a result
         self._graphs: dict[tuple, BucketGraph] = {}
+        self.pad_value = pad_value
         self._pool = None
         self._capture_failed: set[tuple] = set()
+
+    @property
+    def pad_value(self) -> float:
+        """What padding rows hold (tests poison them with NaN to prove padding never reaches a result)."""
+        return self._pad_value
+
+    @pad_value.setter
+    def pad_value(self, value: float) -> None:
+        self._pad_value = value
+        for entry in self._graphs.values():  # padding rows already written hold the old value
+            entry.input_owners = entry.hoisted_for = [_UNWRITTEN] * entry.bucket
+            entry.pad_from = entry.bucket
 
     def run(self, step: nn.Module, plans: list[WorkPlan], bucket: int, lane: int = 0) -> list[StepResult]:
         """Run `plans` (same signature, len <= bucket) as one batch; one result per plan. Each `lane`
@@ -79,16 +100,20 @@ class GraphRunner:
         self._fill_inputs(entry, plans, owners)
         if entry.compiled.prologue_fn is not None:
             self._fill_hoisted(entry, plans, owners)
-        outputs = self._copied_out(entry, self._replay(entry))
-        names = entry.compiled.output_names
-        return [{name: _rows(out, entry.bucket, i) for name, out in zip(names, outputs)} for i in range(len(plans))]
+        columns = [self._scatter(entry, plans, out) for out in self._replay(entry)]
+        return [dict(zip(entry.compiled.output_names, row)) for row in zip(*columns)]
 
-    def _copied_out(self, entry: BucketGraph, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Outputs no later run can overwrite, copied once per batch (not once per request): a graph's
-        static outputs, and any output that is a static input buffer passed through."""
-        if entry.graph is not None:
-            return tuple(out.clone() for out in outputs)
-        return tuple(out.clone() if out.untyped_storage().data_ptr() in entry.storages else out for out in outputs)
+    def _scatter(self, entry: BucketGraph, plans: list[WorkPlan], out: torch.Tensor) -> list | tuple:
+        """One output, one value per request. An output that is an input buffer passed through (a
+        sampler's history shifting by one) is each request's own input tensor, as it came in: no copy.
+        Any other output a later run could overwrite (a graph's static output, an alias of a static
+        argument) is copied out once per batch, not once per request, and each request gets a view."""
+        source = entry.input_at.get(out.data_ptr())
+        if source is not None and out.shape == source[1].shape and out.stride() == source[1].stride():
+            return [plan.inputs[source[0]] for plan in plans]
+        if entry.graph is not None or out.untyped_storage().data_ptr() in entry.storages:
+            out = out.clone()
+        return _request_rows(out, entry.bucket, len(plans))
 
     # -- preparing a bucket --------------------------------------------------------------------------
 
@@ -97,13 +122,17 @@ class GraphRunner:
         example = WorkPlan(plans[0].request_id, plans[0].kind, inputs)
         entry = BucketGraph(self.compiler.get(step, example, batch=bucket), bucket, inputs)
         entry.input_owners = entry.hoisted_for = [_UNWRITTEN] * bucket
+        entry.pad_from = bucket
+        for name, buffer in inputs.items():
+            (entry.constants if name in plans[0].constants else entry.per_step).append((name, buffer))
         self._fill_inputs(entry, plans, [plan.request_cache for plan in plans] + [None] * (bucket - len(plans)))
         device = next(iter(inputs.values())).device
         entry.hoisted = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in entry.compiled.hoisted_like
         ]
         entry.rows_per_request = [t.shape[0] // bucket for t in entry.hoisted]
-        entry.storages = frozenset(t.untyped_storage().data_ptr() for t in entry.args())
+        entry.storages = frozenset(t.untyped_storage().data_ptr() for t in entry.args)
+        entry.input_at = {buffer.data_ptr(): (name, buffer) for name, buffer in inputs.items()}
         key = (plans[0].signature, bucket, lane)
         self._graphs[key] = entry
         if self.cuda_graphs and key not in self._capture_failed:
@@ -117,7 +146,7 @@ class GraphRunner:
         """Warm up on a side stream, then capture into the shared pool; failure means no graph, logged once."""
         began = time.perf_counter()
         try:
-            args = entry.args()
+            args = entry.args
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.no_grad(), torch.cuda.stream(side):
@@ -145,18 +174,20 @@ class GraphRunner:
     def _fill_inputs(self, entry: BucketGraph, plans: list[WorkPlan], owners: list) -> None:
         """Step inputs into the first rows, padding after. Inputs that are constant for a request
         (its embeddings, its guidance scale) are written only into rows that changed hands."""
-        n, changed = len(plans), _changed_rows(owners, entry.input_owners)
-        for name, buffer in entry.inputs.items():
-            if name in plans[0].constants:
-                self._write_rows(buffer, 1, entry.bucket, changed, owners, lambda i: plans[i].inputs[name])
-                continue
+        n = len(plans)
+        for name, buffer in entry.per_step:
             if n == 1:
                 buffer[:1].copy_(plans[0].inputs[name])
             else:
-                torch.cat([plan.inputs[name] for plan in plans], dim=0, out=buffer[:n])
-            if n < entry.bucket:
-                buffer[n:].fill_(self.pad_value if buffer.is_floating_point() else 0)
-        entry.input_owners = list(owners)
+                torch.cat([plan.inputs[name] for plan in plans], dim=0, out=buffer if n == entry.bucket else buffer[:n])
+            if n < entry.pad_from:  # rows from pad_from on still hold padding from an earlier run
+                buffer[n : entry.pad_from].fill_(self.pad_value if buffer.is_floating_point() else 0)
+        entry.pad_from = n
+        changed = _changed_rows(owners, entry.input_owners)
+        if changed:
+            for name, buffer in entry.constants:
+                self._write_rows(buffer, 1, entry.bucket, changed, owners, lambda i: plans[i].inputs[name])
+            entry.input_owners = owners
 
     def _fill_hoisted(self, entry: BucketGraph, plans: list[WorkPlan], owners: list) -> None:
         key = entry.compiled.signature.key()
@@ -172,9 +203,10 @@ class GraphRunner:
         # The scheduler keeps requests in their rows, so usually only the rows of requests that came
         # or went are copied; a request whose values were just computed is always copied.
         changed = sorted(set(_changed_rows(owners, entry.hoisted_for)) | set(missing))
-        for j, (buffer, m) in enumerate(zip(entry.hoisted, entry.rows_per_request)):
-            self._write_rows(buffer, m, entry.bucket, changed, owners, lambda i: plans[i].request_cache[key][j])
-        entry.hoisted_for = list(owners)
+        if changed:
+            for j, (buffer, m) in enumerate(zip(entry.hoisted, entry.rows_per_request)):
+                self._write_rows(buffer, m, entry.bucket, changed, owners, lambda i: plans[i].request_cache[key][j])
+            entry.hoisted_for = owners
 
     def _write_rows(self, buffer: torch.Tensor, m: int, bucket: int, rows: list[int], owners: list, value_of) -> None:
         """Write each of `rows` (m buffer rows per request, branch-major): value_of(i) for a request,
@@ -189,9 +221,9 @@ class GraphRunner:
     def _replay(self, entry: BucketGraph) -> tuple[torch.Tensor, ...]:
         if entry.graph is None:
             with torch.no_grad():
-                return tuple(entry.compiled.step_fn(*entry.args()))
+                return tuple(entry.compiled.step_fn(*entry.args))
         if self.debug:
-            now = tuple(t.data_ptr() for t in entry.args())
+            now = tuple(t.data_ptr() for t in entry.args)
             assert now == entry.addresses, "a static buffer moved since capture: the graph would read stale memory"
         entry.graph.replay()
         self.counters.replays += 1
@@ -203,9 +235,10 @@ def _changed_rows(owners: list, previous: list) -> list[int]:
     return [i for i, (owner, before) in enumerate(zip(owners, previous)) if owner is not before]
 
 
-def _rows(out: torch.Tensor, bucket: int, i: int) -> torch.Tensor:
-    """Request i's rows of a batch's (copied-out) output, as a view: row i, or rows i, bucket + i, ...
-    when the output holds several rows per request branch-major (a fused-CFG tap)."""
+def _request_rows(out: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, ...]:
+    """The first n requests' rows of a batch's (copied-out) output, as views: row i for request i, or
+    rows i, bucket + i, ... when the output holds several rows per request branch-major (a fused-CFG
+    tap). One unbind rather than n slices: this runs for every output of every batch."""
     if out.shape[0] == bucket:
-        return out[i : i + 1]
-    return out.view(-1, bucket, *out.shape[1:])[:, i]
+        return out[:n].unsqueeze(1).unbind(0)
+    return out.view(-1, bucket, *out.shape[1:])[:, :n].unbind(1)

@@ -14,6 +14,7 @@ can stop between any two steps and resume elsewhere with the same result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,6 +31,13 @@ class ShapeSignature:
 
     kind: str
     inputs: tuple[tuple[str, tuple[int, ...], str], ...]
+
+    def __hash__(self) -> int:
+        return self._hash  # the scheduler groups every plan of every tick by signature
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.kind, self.inputs))
 
     @classmethod
     def of(cls, kind: str, inputs: dict[str, torch.Tensor]) -> ShapeSignature:

@@ -9,7 +9,7 @@ guidance scales, seeds and step counts fall into one group: those are [B] tensor
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from fvgraph.buckets import BucketSpec
@@ -71,22 +71,24 @@ class Scheduler:
 
     def tick(self) -> Tick:
         tick = Tick()
-        cancelled = [s for s in self.waiting if s.request_id in self.cancel_requested]
-        for state in cancelled:
-            self.waiting.remove(state)
-        running_cancelled = [s for s in self.running if s.request_id in self.cancel_requested]
-        self.remove(running_cancelled)
-        tick.cancelled += cancelled + running_cancelled
+        if self.cancel_requested:
+            tick.cancelled = [s for s in self.waiting if s.request_id in self.cancel_requested]
+            for state in tick.cancelled:
+                self.waiting.remove(state)
+            running_cancelled = [s for s in self.running if s.request_id in self.cancel_requested]
+            self.remove(running_cancelled)
+            tick.cancelled += running_cancelled
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.popleft())
-        plans = [(state, self.loop.next(state)) for state in self.running]
-        tick.finished = [state for state, plan in plans if isinstance(plan, Done)]
-        self.remove(tick.finished)
-        plan_of = {id(state): plan for state, plan in plans}
-        groups: OrderedDict[object, list] = OrderedDict()
-        for state in self.running:  # in row order, after the finished requests' rows were refilled
-            plan = plan_of[id(state)]
-            groups.setdefault(plan.signature, []).append((state, plan))
+        plans = [self.loop.next(state) for state in self.running]
+        tick.finished = [state for state, plan in zip(self.running, plans) if isinstance(plan, Done)]
+        if tick.finished:  # their rows are refilled by the last running requests
+            plan_of = {id(state): plan for state, plan in zip(self.running, plans)}
+            self.remove(tick.finished)
+            plans = [plan_of[id(state)] for state in self.running]
+        groups: dict[object, list] = {}
+        for member in zip(self.running, plans):  # in row order
+            groups.setdefault(member[1].signature, []).append(member)
         for members in groups.values():
             start = 0
             for lane, size in enumerate(self.buckets.chunks(len(members))):

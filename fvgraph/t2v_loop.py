@@ -8,19 +8,32 @@ a time and folds each step's tensors back into the request's T2VState.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 
 from fvgraph.card import ModelCard
 from fvgraph.components import Components
-from fvgraph.loop import Done, SerializableState, StepResult, WorkPlan
+from fvgraph.loop import Done, SerializableState, ShapeSignature, StepResult, WorkPlan
 from fvgraph.request import Request, Result
 from fvgraph.samplers import build_sampler, num_coeffs
 
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
 # Denoise inputs that stay the same at every step of a request.
 REQUEST_CONSTANTS = frozenset({"prompt_embeds", "negative_prompt_embeds", "guidance_scale"})
+CARRY_NAMES = tuple(f"carry_{k}" for k in range(8))  # the step's inputs/outputs for the sampler's history
+
+
+class DenoiseFacts(NamedTuple):
+    """Derived once per request from its state (kept in `step_cache`, never saved)."""
+
+    kind: str
+    timesteps: tuple[torch.Tensor, ...]  # [1] per step, on the device
+    coeffs: tuple[torch.Tensor, ...]  # [1, num_coeffs] per step, on the device
+    constants: dict[str, torch.Tensor]  # inputs equal at every step: embeddings, guidance scale
+    pixels: tuple[int, int, int]  # (frames, height, width) of the video
+    signature: ShapeSignature | None  # set from the first step's plan
 
 
 @dataclass
@@ -67,6 +80,7 @@ class TextToVideoLoop:
         self.spatial_scale = 2 ** len(vae_cfg.temperal_downsample)
         self.latent_channels = components.transformer.config.in_channels
         self.embed_dtype = next(components.transformer.parameters()).dtype
+        self._signatures: dict[ShapeSignature, ShapeSignature] = {}
 
     # -- init ------------------------------------------------------------------------------------
 
@@ -140,37 +154,35 @@ class TextToVideoLoop:
             inputs = {"input_ids": state.input_ids.to(device), "attention_mask": state.attention_mask.to(device)}
             return WorkPlan(state.request_id, TEXT_ENCODE, inputs)
         if state.phase == "denoise":
+            facts = state.step_cache.get("denoise") or self._denoise_facts(state)
             i = state.step_index
-            inputs = {
-                "latents": state.latents,
-                "timestep": state.timesteps[i : i + 1].to(device),
-                "prompt_embeds": state.prompt_embeds,
-                "coeffs": state.coeffs[i : i + 1].to(device),
-            }
-            if state.cfg:
-                inputs["negative_prompt_embeds"] = state.negative_prompt_embeds
-                inputs["guidance_scale"] = self._guidance_tensor(state)
-            inputs.update({f"carry_{k}": t for k, t in enumerate(state.carry)})
-            kind = DENOISE_CFG if state.cfg else DENOISE
-            _, _, frames, h, w = state.latents.shape
-            pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
-            # Every denoise step of a request has the same input shapes: compute the signature once.
-            signature = state.step_cache.get("shape_signature")
-            plan = WorkPlan(state.request_id, kind, inputs, i, state.step_cache, pixels, REQUEST_CONSTANTS, signature)
-            state.step_cache["shape_signature"] = plan.signature
+            inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i],
+                      **facts.constants, **dict(zip(CARRY_NAMES, state.carry))}  # fmt: skip
+            plan = WorkPlan(state.request_id, facts.kind, inputs, i, state.step_cache, facts.pixels, REQUEST_CONSTANTS,
+                            facts.signature)  # fmt: skip
+            if facts.signature is None:  # the first step; every later one has the same input shapes
+                # One object per distinct signature: grouping and graph lookups then match by identity.
+                plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
+                state.step_cache["denoise"] = facts._replace(signature=plan.signature)
             return plan
         if state.phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
         return Done()
 
-    def _guidance_tensor(self, state: T2VState) -> torch.Tensor:
-        """The [1] guidance tensor, made once per request (a step reads it, never writes it)."""
-        cached = state.step_cache.get("guidance_scale")
-        if cached is None:
-            cached = state.step_cache["guidance_scale"] = torch.tensor(
-                [state.guidance_scale], dtype=torch.float32, device=self.components.device
-            )
-        return cached
+    def _denoise_facts(self, state: T2VState) -> DenoiseFacts:
+        """What every denoise step of a request shares, worked out at its first one: the schedule as
+        per-step views of one device tensor (no per-step slicing or host-to-device copy) and the
+        inputs that never change."""
+        device = self.components.device
+        constants = {"prompt_embeds": state.prompt_embeds}
+        if state.cfg:
+            constants["negative_prompt_embeds"] = state.negative_prompt_embeds
+            constants["guidance_scale"] = torch.tensor([state.guidance_scale], dtype=torch.float32, device=device)
+        _, _, frames, h, w = state.latents.shape
+        pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
+        kind = DENOISE_CFG if state.cfg else DENOISE
+        timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
+        return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, signature=None)
 
     def advance(self, state: T2VState, result: StepResult) -> T2VState:
         if state.phase == "encode":
@@ -182,7 +194,7 @@ class TextToVideoLoop:
             state.phase = "denoise"
         elif state.phase == "denoise":
             state.latents = result["latents"]
-            state.carry = [result[f"carry_{k}"] for k in range(len(state.carry))]
+            state.carry = [result[name] for name in CARRY_NAMES[: len(state.carry)]]
             state.step_index += 1
             if state.step_index == state.num_steps:
                 state.carry = []  # history and hoisted values are dead weight once the last step ran

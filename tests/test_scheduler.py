@@ -47,6 +47,34 @@ def test_padding_is_inert(batched):
     for a, b in zip(clean, poisoned):
         assert not torch.isnan(b.latents).any() and not torch.isnan(torch.from_numpy(b.frames).float()).any()
         assert torch.equal(a.latents, b.latents)
+    # The poison did reach the batch: the last row (3 requests in a bucket of 4) of every per-step
+    # input buffer held NaN when the step ran, though it held zero padding from the clean run.
+    [entry] = batched.executor.runner._graphs.values()
+    assert all(torch.isnan(buffer[-1]).all() for name, buffer in entry.per_step if buffer.is_floating_point())
+
+
+def test_an_input_passed_through_comes_back_as_the_requests_own_tensor(batched):
+    """UniPC's history shifts by one each step (carry_2 out is carry_1 in): the graph returns that
+    input buffer, and each request gets back the tensor it passed in rather than a copy of its row."""
+    passed = []
+
+    def on_result(state, plan, result):
+        if plan.kind == "denoise_cfg":
+            passed.append(result["carry_2"] is plan.inputs["carry_1"])
+
+    assert all(r.ok for r in batched.generate(_mix(), on_result=on_result))
+    assert passed and all(passed)
+
+
+def test_requests_of_one_shape_share_one_signature_object(batched):
+    """Plans are grouped (and graphs found) by signature at every step: equal signatures are one
+    object, so those lookups match by identity."""
+    states = [batched.start(r) for r in _mix()]
+    for state in states:
+        state.phase = "denoise"  # embeddings are not needed to plan a step
+        state.prompt_embeds = state.negative_prompt_embeds = torch.zeros(1, 32, 32)
+    first, second, third = (batched.loop.next(s).signature for s in states)
+    assert first is second is third
 
 
 def test_no_recompiles_while_serving(batched):
