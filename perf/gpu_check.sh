@@ -40,7 +40,7 @@ part tests && run pytest_gpu 400 python3 -m pytest -m gpu -q -p no:cacheprovider
 part tests && run parity_o2 130 python3 -m fvgraph parity --card tiny-wan -O2 --against 0 --device cuda --report "$OUT/parity_o2.jsonl"
 part step && run bench_step 570 python3 perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3
 part serving && run bench_serving 480 python3 perf/bench_serving.py --gpu
-part serving && run bench_scheduler_overhead 60 python3 perf/bench_scheduler_overhead.py
+part serving && run bench_scheduler_overhead 120 python3 perf/bench_scheduler_overhead.py --gpu
 part cache && run bench_projection_cache 150 python3 perf/bench_projection_cache.py --gpu
 part coldstart && run bench_coldstart 570 python3 perf/bench_coldstart.py --gpu --skip-cold-jit --timeout 540
 part kernels && run bench_kernels 540 python3 perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
