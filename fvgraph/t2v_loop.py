@@ -22,7 +22,6 @@ from fvgraph.samplers import build_sampler, num_coeffs
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
 # Denoise inputs that stay the same at every step of a request.
 REQUEST_CONSTANTS = frozenset({"prompt_embeds", "negative_prompt_embeds", "guidance_scale"})
-CARRY_NAMES = tuple(f"carry_{k}" for k in range(8))  # the step's inputs/outputs for the sampler's history
 
 
 class DenoiseFacts(NamedTuple):
@@ -33,6 +32,7 @@ class DenoiseFacts(NamedTuple):
     coeffs: tuple[torch.Tensor, ...]  # [1, num_coeffs] per step, on the device
     constants: dict[str, torch.Tensor]  # inputs equal at every step: embeddings, guidance scale
     pixels: tuple[int, int, int]  # (frames, height, width) of the video
+    carry_names: tuple[str, ...]  # the step's inputs and outputs for the sampler's history
     signature: ShapeSignature | None  # set from the first step's plan
 
 
@@ -157,7 +157,7 @@ class TextToVideoLoop:
             facts = state.step_cache.get("denoise") or self._denoise_facts(state)
             i = state.step_index
             inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i],
-                      **facts.constants, **dict(zip(CARRY_NAMES, state.carry))}  # fmt: skip
+                      **facts.constants, **dict(zip(facts.carry_names, state.carry))}  # fmt: skip
             plan = WorkPlan(state.request_id, facts.kind, inputs, i, state.step_cache, facts.pixels, REQUEST_CONSTANTS,
                             facts.signature)  # fmt: skip
             if facts.signature is None:  # the first step; every later one has the same input shapes
@@ -182,7 +182,8 @@ class TextToVideoLoop:
         pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
         kind = DENOISE_CFG if state.cfg else DENOISE
         timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
-        return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, signature=None)
+        carry_names = tuple(f"carry_{k}" for k in range(len(state.carry)))
+        return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names, signature=None)
 
     def advance(self, state: T2VState, result: StepResult) -> T2VState:
         if state.phase == "encode":
@@ -194,7 +195,7 @@ class TextToVideoLoop:
             state.phase = "denoise"
         elif state.phase == "denoise":
             state.latents = result["latents"]
-            state.carry = [result[name] for name in CARRY_NAMES[: len(state.carry)]]
+            state.carry = [result[name] for name in state.step_cache["denoise"].carry_names]  # set by next()
             state.step_index += 1
             if state.step_index == state.num_steps:
                 state.carry = []  # history and hoisted values are dead weight once the last step ran
