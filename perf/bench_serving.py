@@ -6,7 +6,9 @@ request at a time (eager, and with compile_repeated_blocks), same weights, side 
 
 The mix: N requests with different seeds, guidance scales and step counts, at two resolutions.
 Prompt embeddings are given (the text encoder is not what is measured); outputs are latents.
-Compile and capture happen in an untimed warmup over the same shapes. Prints JSON.
+Compile and capture happen in an untimed warmup over the same shapes. Also reports the denoise step
+time at batch 1 and at the largest bucket (`denoise_step_ms_O1/O2`: per batch and per request-step,
+measured as a difference of two run lengths). Prints JSON.
 """
 
 from __future__ import annotations
@@ -74,6 +76,29 @@ def run_pipeline(pipe, requests: list[Request], device: torch.device) -> dict:
             "p95_s": waits[min(len(waits) - 1, int(0.95 * len(waits)))]}  # fmt: skip
 
 
+def denoise_step_ms(engine: Engine, request: Request, batches: tuple[int, ...], device: torch.device,
+                    short: int = 4, long: int = 16) -> dict:  # fmt: skip
+    """Milliseconds per denoise step with `b` copies of `request` (other seeds) in lockstep, one batch
+    per step, for each b in `batches`. Measured as a difference: b requests of `long` steps minus b
+    requests of `short` steps, over `long - short` steps, so admission, the per-request prologue and
+    finalize cancel out and what is left is the step as served (replay, scheduling, scatter)."""
+    out = {}
+    for b in batches:
+        walls = {}
+        for steps in (short, long, short, long):  # the first pair warms up every graph it touches
+            group = [request.model_copy(update={"seed": i, "num_inference_steps": steps, "request_id": f"r{i}"})
+                     for i in range(b)]
+            _sync(device)
+            began = time.perf_counter()
+            results = engine.generate(group)
+            _sync(device)
+            walls[steps] = time.perf_counter() - began
+            assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+        per_step = (walls[long] - walls[short]) / (long - short)
+        out[str(b)] = {"per_step_ms": round(per_step * 1e3, 3), "per_request_step_ms": round(per_step / b * 1e3, 3)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     from diffusers import WanPipeline
 
@@ -107,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         report[f"warmup_s_O{level}"] = round(time.perf_counter() - warm, 2)
         report["results"][f"fvgraph_O{level}"] = run_fvgraph(engine, requests, device)
         report[f"compiles_O{level}"] = engine.counters.compiles
+        # batch 1 and the largest bucket, at the first shape, on the graphs warmed above
+        report[f"denoise_step_ms_O{level}"] = denoise_step_ms(engine, requests[0], (1, buckets.max_batch), device)
 
     # diffusers runs on an untouched copy of the same seeded weights (no fvgraph cache in its forward)
     c = Engine.from_card(card, device=device, projection_cache_bytes=0).loop.components

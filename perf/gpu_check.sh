@@ -7,7 +7,7 @@
 # H200, so the check comes in parts that each fit one 10-minute call:
 #   FVGRAPH_GPU_PART=tests    bash perf/gpu_check.sh   # env, pytest -m gpu, -O2 vs -O0 parity (tiny-wan on CUDA), up to 9.5 min
 #   FVGRAPH_GPU_PART=step     bash perf/gpu_check.sh   # bench_step at 480x832x33, ~6 min
-#   FVGRAPH_GPU_PART=serving  bash perf/gpu_check.sh   # bench_serving (3 buckets) + scheduler overhead, ~8 min
+#   FVGRAPH_GPU_PART=serving  bash perf/gpu_check.sh   # bench_serving (3 buckets; step at batch 1 and 8) + scheduler overhead, ~8 min
 #   FVGRAPH_GPU_PART=cache    bash perf/gpu_check.sh   # bench_projection_cache, ~2 min
 #   FVGRAPH_GPU_PART=kernels  bash perf/gpu_check.sh   # bench_kernels (Wan-1.3B / 14B kernel shapes), not yet timed (limit 9 min)
 #   FVGRAPH_GPU_PART=coldstart bash perf/gpu_check.sh  # bench_coldstart: cold vs warm start, 3 buckets, ~9 min
