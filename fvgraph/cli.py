@@ -1,4 +1,5 @@
-"""The `fvgraph` command line: generate videos, warm the capture cache, diff settings, report the environment."""
+"""The `fvgraph` command line: generate videos, warm the capture cache, diff settings, run the benchmarks,
+report the environment."""
 
 from __future__ import annotations
 
@@ -295,6 +296,23 @@ def parity(
         console.print(f"[red]failed[/red]: {summary['failed']} of {summary['comparisons']}; first divergence {summary['first_divergence']}")
         raise typer.Exit(1)
     console.print(f"passed: {summary['comparisons']} comparisons within atol={result.config['atol']} rtol={result.config['rtol']}")
+
+
+BENCHMARKS = {
+    "step": "bench_step", "serving": "bench_serving", "scheduler": "bench_scheduler_overhead",
+    "projection-cache": "bench_projection_cache", "coldstart": "bench_coldstart", "kernels": "bench_kernels",
+}  # fmt: skip
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(ctx: typer.Context, name: str = typer.Argument(..., help=f"One of: {', '.join(BENCHMARKS)}.")) -> None:
+    """Run one of the perf/ benchmarks; it prints JSON. Everything after NAME is its own options
+    (`fvgraph bench step --gpu`; its own help: `fvgraph bench kernels -- --help`)."""
+    import importlib
+
+    if name not in BENCHMARKS:
+        raise typer.BadParameter(f"{name!r} is not a benchmark; choose one of {', '.join(BENCHMARKS)}", param_hint="NAME")
+    importlib.import_module(f"fvgraph.perf.{BENCHMARKS[name]}").main(ctx.args)
 
 
 @app.command()

@@ -51,13 +51,13 @@ def start(args: dict, scratch: Path, timeout: float) -> dict:
     return report
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--buckets", default=None, help="Comma-separated batch buckets.")
     parser.add_argument("--skip-cold-jit", action="store_true", help="Leave out the start without capture cache.")
     parser.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per start.")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     frames, height, width = (17, 256, 256) if args.gpu else (5, 64, 64)
     child = {
         "card": "wan2.1-1.3b-bench" if args.gpu else "tiny-wan",

@@ -1,4 +1,5 @@
-"""The command line: generate writes a video a person can open; env reports versions and packages."""
+"""The command line: generate writes a video a person can open; env reports versions and packages;
+bench runs a perf/ benchmark by name."""
 
 import json
 
@@ -39,3 +40,18 @@ def test_env_reports_versions_and_optional_kernels():
     assert report["torch"] and report["diffusers"]
     assert set(report["optional_kernels"]) == {"triton", "flashinfer", "cutlass", "nsight"}
     assert "tiny-wan" in report["cards"]
+
+
+def test_bench_runs_a_perf_benchmark_and_passes_its_options_through():
+    result = runner.invoke(app, ["bench", "kernels", "--cpu"])
+    assert result.exit_code == 0, result.output
+    lines = [json.loads(line) for line in result.output.splitlines() if line.startswith("{")]
+    timed = [line for line in lines if "ms" in line]  # one line says why Nsight metrics were skipped
+    assert {"linear", "norm_modulate", "qk_norm_rope", "guidance_euler"} <= {t["kernel"].split(".")[0] for t in timed}
+    assert all(t["device"] == "cpu" and t["ms"] > 0 for t in timed)
+
+
+def test_bench_names_the_benchmarks_when_given_an_unknown_one():
+    result = runner.invoke(app, ["bench", "nope"])
+    assert result.exit_code == 2
+    assert "'nope' is not a benchmark" in result.output and "scheduler" in result.output
