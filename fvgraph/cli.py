@@ -123,6 +123,51 @@ def generate(
         raise typer.Exit(1)
 
 
+@app.command()
+def serve(
+    requests: str = typer.Option("-", "--requests", "-r", help="JSON-lines file of requests; '-' reads standard input."),
+    output_dir: Path = typer.Option(Path("outputs/serve"), "--output-dir", "-o", help="Where each request's video or latents go."),
+    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    opt_level: int = typer.Option(1, "-O", "--opt-level", help="0 eager, 1 compiled + batched steps, 2 + CUDA graphs, 3 + FP8 kernels."),
+    no_cudagraph: bool = typer.Option(False, "--no-cudagraph", help="At -O2, keep everything but the CUDA graphs."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
+    compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
+    disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
+    max_running: int = typer.Option(16, help="Requests in flight at once; the rest wait, FIFO."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
+    fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
+    video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 needs imageio-ffmpeg)."),
+    fps: int = typer.Option(8),
+) -> None:
+    """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
+    JSON result line per request as it ends. Requests arriving mid-run join the running batch."""
+    import sys
+
+    from fvgraph.engine import Engine
+    from fvgraph.jsonl_server import JsonlServer
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        config = _compile_config(compile_backend, disable_pass)
+        engine = Engine.from_card(
+            card, checkpoint=checkpoint, opt_level=opt_level, device=device, compile_config=config,
+            enforce_eager=enforce_eager, cuda_graphs=not no_cudagraph, cache_dir=cache_dir, max_running=max_running,
+        )  # fmt: skip
+        if fail_on_recompile:
+            engine.freeze()
+        emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
+        server = JsonlServer(engine, output_dir, emit, video_format=video_format, fps=fps)
+        source = sys.stdin if requests == "-" else open(requests, encoding="utf-8")  # noqa: SIM115
+    except Exception as err:  # bad card, checkpoint, option or requests file: say why and stop
+        Console(stderr=True).print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    with source:
+        counts = server.serve(source)
+    Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
+
+
 def _shape(text: str) -> tuple[int, int, int]:
     try:
         frames, height, width = (int(v) for v in text.lower().split("x"))

@@ -7,8 +7,10 @@ Each tick the scheduler admits requests, collects every running loop's next Work
 compatible ones; the executor runs each group (eagerly one by one at -O0, as one padded compiled
 batch at -O1/-O2) and the results are folded back into each loop. A request that is rejected (bad
 input for this card), fails (an error in one of its steps) or is cancelled gets a Result saying so;
-the other requests carry on. The engine holds no per-request state: that is all in each request's
-loop state, which `start` / `step` / `finish` / `resume` expose for saving and resuming.
+the other requests carry on. `generate` runs a list of requests to the end; `submit` + `tick` is the
+same machinery for serving, where requests arrive while others are mid-run. The engine holds no
+per-request state beyond its queue: that is all in each request's loop state, which `start` / `step`
+/ `finish` / `resume` expose for saving and resuming.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ class Engine:
         self.buckets = buckets
         self.max_running = max_running
         self._scheduler = Scheduler(loop, buckets, max_running)
+        self._in_flight: dict[str, float] = {}  # submitted, not yet handed back: id -> submit time
+        self._outbox: list[Result] = []  # ended, not yet handed back
         self.loop = loop
         self.executor = executor
         self.opt_level = opt_level
@@ -192,50 +196,91 @@ class Engine:
             pass
         return self.loop.finalize(state)
 
-    def cancel(self, request_id: str) -> None:
-        """Cancel a request of the running `generate` at its next step boundary (status 'cancelled')."""
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request in flight (submitted, not yet handed back) at its next step boundary; it
+        comes back with status 'cancelled'. Returns False, and changes nothing, for an id not in flight."""
+        if request_id not in self._in_flight:
+            return False
         self._scheduler.cancel(request_id)
+        return True
 
     # -- many requests, interleaved ----------------------------------------------------------------
+
+    def submit(self, request: Request) -> str:
+        """Queue `request` for the next tick (FIFO behind the others) and return its id. Raises
+        RequestRejected, naming the field and the rule, when the card cannot serve it or its id is
+        still in flight; nothing is queued then and the engine serves on."""
+        if request.request_id in self._in_flight:
+            raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
+        self._scheduler.submit(self.start(request))
+        self._in_flight[request.request_id] = time.perf_counter()
+        return request.request_id
+
+    def has_work(self) -> bool:
+        """Whether some submitted request has not come back from tick() yet."""
+        return bool(self._in_flight)
+
+    def tick(self, on_step: StepCallback | None = None, on_result: ResultCallback | None = None) -> list[Result]:
+        """One scheduler round: admit waiting requests, run every group of compatible steps once and
+        fold the results back. Returns the requests that ended in it (done, failed or cancelled).
+        With `submit` this is the serving loop: requests join while others are mid-run."""
+        with torch.compiler.set_stance(self._stance()):
+            self._tick(on_step, on_result)
+        return self._take_results()
 
     def generate(self, requests: Sequence[Request], on_step: StepCallback | None = None,
                  on_result: ResultCallback | None = None) -> list[Result]:  # fmt: skip
         """Run every request to completion, interleaved step by step; results in request order.
 
         Each tick the scheduler groups the compatible steps of the running requests; a compiled
-        engine runs each group as one padded batch, an eager one runs its members one by one."""
-        began = time.perf_counter()
-        results: dict[str, Result] = {}
-        self._scheduler = Scheduler(self.loop, self.buckets, self.max_running)
+        engine runs each group as one padded batch, an eager one runs its members one by one. A
+        request the card cannot serve comes back 'rejected'. Requests submitted earlier keep running
+        alongside; their results wait for the next tick()."""
         rejected: dict[int, Result] = {}  # by position: a duplicate id must not shadow the original's result
-        seen: set[str] = set()
+        pending: set[str] = set()
         for position, request in enumerate(requests):
             try:
-                if request.request_id in seen:
+                if request.request_id in pending:
                     raise RequestRejected("request_id", f"{request.request_id!r} appears twice in one generate() call")
-                self._scheduler.submit(self.start(request))
-                seen.add(request.request_id)
+                pending.add(self.submit(request))
             except (RequestRejected, ValidationError) as err:
                 log.warning("request %s rejected: %s", request.request_id, err)
                 rejected[position] = Result(request.request_id, "rejected", seed=request.seed, error=str(err))
-
-        def done(result: Result) -> None:
-            result.timings["total"] = time.perf_counter() - began
-            results[result.request_id] = result
-
+        results: dict[str, Result] = {}
         with torch.compiler.set_stance(self._stance()):  # entered once per call: it costs ~50 us
-            while self._scheduler.has_work():
-                tick = self._scheduler.tick()
-                for state in tick.cancelled:
-                    done(Result(state.request_id, "cancelled", seed=state.seed, timings=dict(state.timings)))
-                for state in tick.finished:
-                    done(self.loop.finalize(state))
-                for group in tick.groups:
-                    for state, err in self._run_group(group.members, on_step, on_result, group.lane):
-                        self._scheduler.remove([state])
-                        done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
-                                    error=repr(err)))  # fmt: skip
+            while pending:
+                if not self._scheduler.has_work():
+                    raise RuntimeError(f"requests {sorted(pending)} neither ran nor ended")  # a bug, never a hang
+                self._tick(on_step, on_result)
+                for result in self._take_results(pending):
+                    results[result.request_id] = result
+                    pending.discard(result.request_id)
         return [rejected.get(i) or results[r.request_id] for i, r in enumerate(requests)]
+
+    def _tick(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
+        tick = self._scheduler.tick()
+        for state in tick.cancelled:
+            self._done(Result(state.request_id, "cancelled", seed=state.seed, timings=dict(state.timings)))
+        for state in tick.finished:
+            self._done(self.loop.finalize(state))
+        for group in tick.groups:
+            for state, err in self._run_group(group.members, on_step, on_result, group.lane):
+                self._scheduler.remove([state])
+                self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
+                                  error=repr(err)))  # fmt: skip
+
+    def _done(self, result: Result) -> None:
+        result.timings["total"] = time.perf_counter() - self._in_flight[result.request_id]
+        self._scheduler.cancel_requested.discard(result.request_id)
+        self._outbox.append(result)
+
+    def _take_results(self, ids: set[str] | None = None) -> list[Result]:
+        """Hand back the ended results (those of `ids` only, when given); a handed-back id is free again."""
+        taken = [r for r in self._outbox if ids is None or r.request_id in ids]
+        self._outbox = [r for r in self._outbox if ids is not None and r.request_id not in ids]
+        for result in taken:
+            del self._in_flight[result.request_id]
+        return taken
 
     def _run_group(self, group: list[tuple[T2VState, WorkPlan]], on_step: StepCallback | None,
                    on_result: ResultCallback | None = None, lane: int = 0) -> list[tuple]:  # fmt: skip
