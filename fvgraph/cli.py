@@ -36,6 +36,22 @@ def _compile_config(compile_backend: str, disable_pass: list[str], compile_steps
     )
 
 
+def _serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
+                    compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
+                    fail_on_recompile: bool, compile_steps: str = "denoise", max_running: int = 16):  # fmt: skip
+    """The engine `generate` and `serve` run, from their shared options."""
+    from fvgraph.engine import Engine
+
+    engine = Engine.from_card(
+        card, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
+        compile_config=_compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
+        cache_dir=cache_dir, max_running=max_running,
+    )  # fmt: skip
+    if fail_on_recompile:
+        engine.freeze()
+    return engine
+
+
 @app.command()
 def generate(
     prompt: list[str] = typer.Option(["a red fox running through fresh snow"], "--prompt", "-p", help="Repeat for several interleaved requests."),
@@ -61,20 +77,14 @@ def generate(
     fps: int = typer.Option(8),
 ) -> None:
     """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
-    from fvgraph.engine import Engine
     from fvgraph.request import Request
     from fvgraph.video_io import write_video
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
     try:
-        config = _compile_config(compile_backend, disable_pass, compile_steps)
-        engine = Engine.from_card(
-            card, checkpoint=checkpoint, opt_level=opt_level, device=device, compile_config=config,
-            enforce_eager=enforce_eager, cuda_graphs=not no_cudagraph, cache_dir=cache_dir,
-        )  # fmt: skip
-        if fail_on_recompile:
-            engine.freeze()
+        engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
+                                 device, cache_dir, fail_on_recompile, compile_steps)  # fmt: skip
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
@@ -145,18 +155,12 @@ def serve(
     JSON result line per request as it ends. Requests arriving mid-run join the running batch."""
     import sys
 
-    from fvgraph.engine import Engine
     from fvgraph.jsonl_server import JsonlServer
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
-        config = _compile_config(compile_backend, disable_pass)
-        engine = Engine.from_card(
-            card, checkpoint=checkpoint, opt_level=opt_level, device=device, compile_config=config,
-            enforce_eager=enforce_eager, cuda_graphs=not no_cudagraph, cache_dir=cache_dir, max_running=max_running,
-        )  # fmt: skip
-        if fail_on_recompile:
-            engine.freeze()
+        engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
+                                 device, cache_dir, fail_on_recompile, max_running=max_running)  # fmt: skip
         emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
         server = JsonlServer(engine, output_dir, emit, video_format=video_format, fps=fps)
         source = sys.stdin if requests == "-" else open(requests, encoding="utf-8")  # noqa: SIM115
