@@ -262,7 +262,12 @@ class Engine:
         for state in tick.cancelled:
             self._done(Result(state.request_id, "cancelled", seed=state.seed, timings=dict(state.timings)))
         for state in tick.finished:
-            self._done(self.loop.finalize(state))
+            try:
+                result = self.loop.finalize(state)
+            except Exception as err:  # its result could not be built; the others carry on
+                log.exception("request %s failed in finalize", state.request_id)
+                result = Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err))
+            self._done(result)
         for group in tick.groups:
             for state, err in self._run_group(group.members, on_step, on_result, group.lane):
                 self._scheduler.remove([state])

@@ -94,3 +94,19 @@ def test_a_late_request_batches_with_the_running_one_without_recompiling(tiny_ca
     tol = tiny_card.parity.tolerance("fp32", "component")
     for name, result in results.items():
         torch.testing.assert_close(result.latents, solo[name].latents, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_a_failing_finalize_fails_only_its_request_and_the_engine_goes_idle(tiny_engine, monkeypatch):
+    finalize = tiny_engine.loop.finalize
+
+    def flaky(state):
+        if state.request_id == "broken":
+            raise RuntimeError("simulated decode-to-frames failure")
+        return finalize(state)
+
+    monkeypatch.setattr(tiny_engine.loop, "finalize", flaky)
+    tiny_engine.submit(_request("broken", 1, steps=2))
+    tiny_engine.submit(_request("fine", 2, steps=2))
+    results = _drain(tiny_engine)  # ends: nothing is left in flight
+    assert results["broken"].status == "failed" and "simulated decode-to-frames failure" in results["broken"].error
+    assert results["fine"].ok
