@@ -1,7 +1,7 @@
 # The README's first two commands. Both start with `setup`, so each works on a fresh machine.
 PYTHON ?= python3
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-gpu-torch
 
 # torch first: a plain `torch` requirement pulls a multi-GB CUDA build on a CPU machine, so install the
 # pinned CPU release where no torch is present, and keep whatever torch a GPU machine already has.
@@ -17,3 +17,13 @@ demo: setup
 
 test: setup
 	$(PYTHON) -m pytest -m "not gpu" -q
+
+# The CPU suite under the torch and triton of the reference GPU machine (torch 2.11, triton 3.6), in a
+# venv of its own (about 5 GB: PyPI's torch 2.11 is a CUDA build, which runs on the CPU too). Run it
+# before a GPU check, so the GPU's minutes are not spent on an API that moved between torch releases.
+COMPAT_VENV ?= .venv-torch2.11
+test-gpu-torch:
+	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q "torch==2.11.0" "triton==3.6.0"
+	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[test]"
+	$(COMPAT_VENV)/bin/python -m pytest -m "not gpu" -q -p no:cacheprovider

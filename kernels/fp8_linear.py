@@ -2,9 +2,10 @@
 
     y = (x_q * x_scale) @ (w_q * w_scale).T + bias       x_scale [M, 1], w_scale [N], both float32
 
-The GEMM is `torch._scaled_mm` with rowwise scales (cuBLASLt / CUTLASS on an H200, a reference kernel on
-the CPU), so there is no Triton kernel here; the activation quantization can be fused into the
-preceding norm (see norm_modulate.py), which is what `fp8_linear_prequant` takes.
+The GEMM is `torch._scaled_mm`: with rowwise scales on CUDA (cuBLASLt / CUTLASS on an H200), at unit
+scales on the CPU with the scales applied to its fp32 result. So there is no Triton kernel here; the
+activation quantization can be fused into the preceding norm (see norm_modulate.py), which is what
+`fp8_linear_prequant` takes.
 
 Device rules of `_scaled_mm`, handled here so callers need not:
 - on CUDA, rowwise scaling only produces bf16 and the bias must be bf16: the GEMM runs with bf16 out
@@ -80,7 +81,9 @@ def _scaled_mm_rows(x_q, x_scale, w_q, w_scale, bias, out_dtype: torch.dtype) ->
     """The rowwise-scaled GEMM on [..., K] x [N, K] -> [..., N] in `out_dtype` (device rules above)."""
     _check_operands(x_q, x_scale, w_q, w_scale)
     lead, k, n = x_q.shape[:-1], x_q.shape[-1], w_q.shape[0]
-    mm_dtype = torch.bfloat16 if x_q.is_cuda else out_dtype
+    if not x_q.is_cuda:
+        return _scaled_mm_rows_cpu(x_q.reshape(-1, k), x_scale.reshape(-1, 1), w_q, w_scale, bias, out_dtype).reshape(*lead, n)
+    mm_dtype = torch.bfloat16
     y = torch._scaled_mm(
         x_q.reshape(-1, k).contiguous(),
         w_q.t(),  # column-major view of the row-major weight, as cuBLASLt wants
@@ -90,6 +93,15 @@ def _scaled_mm_rows(x_q, x_scale, w_q, w_scale, bias, out_dtype: torch.dtype) ->
         out_dtype=mm_dtype,
     )
     return y.to(out_dtype).reshape(*lead, n)
+
+
+def _scaled_mm_rows_cpu(x_q, x_scale, w_q, w_scale, bias, out_dtype: torch.dtype) -> torch.Tensor:
+    """The CPU GEMM at unit scales (fp32 accumulate), the row and channel scales applied to the fp32
+    result: the same product. torch's CPU `_scaled_mm` takes per-tensor scales only before 2.13."""
+    one = torch.ones((), dtype=torch.float32)
+    acc = torch._scaled_mm(x_q.contiguous(), w_q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    y = acc * x_scale.float() * w_scale.reshape(1, -1).float()
+    return (y if bias is None else y + bias.float()).to(out_dtype)
 
 
 @torch.library.custom_op("fvgraph::fp8_linear", mutates_args=())
