@@ -14,7 +14,8 @@
 #   FVGRAPH_GPU_PART=all      bash perf/gpu_check.sh   # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}"
+REPO="$(pwd)"
+OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/fvgraph-inductor}"
@@ -25,6 +26,11 @@ if compgen -G "wheels/*.whl" >/dev/null; then
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$site" . || exit 1
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+# Run from outside the checkout: `python -m` puts the working directory first on sys.path, and the
+# checkout's fvgraph/ folder would shadow the installed package (whose passes/, kernels/, cards/ and
+# perf/ install as fvgraph.passes, ... and are not inside that folder).
+mkdir -p /tmp/fvgraph-run && cd /tmp/fvgraph-run || exit 1
+python3 -c "import fvgraph.cards, fvgraph.passes, fvgraph.kernels, fvgraph.perf" || exit 1
 
 run() {  # run NAME TIMEOUT_S COMMAND...: output to $OUT/NAME.log, keep going on failure
   local name=$1 limit=$2; shift 2
@@ -36,13 +42,13 @@ run() {  # run NAME TIMEOUT_S COMMAND...: output to $OUT/NAME.log, keep going on
 part() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 
 part tests && run env 60 python3 -m fvgraph env --json
-part tests && run pytest_gpu 400 python3 -m pytest -m gpu -q -p no:cacheprovider tests
+part tests && run pytest_gpu 400 python3 -m pytest -m gpu -q -p no:cacheprovider "$REPO/tests"
 part tests && run parity_o2 130 python3 -m fvgraph parity --card tiny-wan -O2 --against 0 --device cuda --report "$OUT/parity_o2.jsonl"
-part step && run bench_step 570 python3 perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3
-part serving && run bench_serving 480 python3 perf/bench_serving.py --gpu
-part serving && run bench_scheduler_overhead 120 python3 perf/bench_scheduler_overhead.py --gpu
-part cache && run bench_projection_cache 150 python3 perf/bench_projection_cache.py --gpu
-part coldstart && run bench_coldstart 570 python3 perf/bench_coldstart.py --gpu --skip-cold-jit --timeout 540
-part kernels && run bench_kernels 540 python3 perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
+part step && run bench_step 570 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3
+part serving && run bench_serving 480 python3 "$REPO"/perf/bench_serving.py --gpu
+part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu
+part cache && run bench_projection_cache 150 python3 "$REPO"/perf/bench_projection_cache.py --gpu
+part coldstart && run bench_coldstart 570 python3 "$REPO"/perf/bench_coldstart.py --gpu --skip-cold-jit --timeout 540
+part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
 cat "$OUT"/bench_*.log 2>/dev/null | grep -h '^{' >"$OUT/results.jsonl"
 echo "results in $OUT"

@@ -6,7 +6,7 @@ from diffusers import WanPipeline
 
 from fvgraph.request import Request
 from fvgraph.samplers import diffusers_scheduler
-from tests.conftest import embeds
+from conftest import embeds
 
 SHAPE = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 6}
 

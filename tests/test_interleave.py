@@ -3,7 +3,7 @@
 import torch
 
 from fvgraph.request import Request
-from tests.conftest import embeds
+from conftest import embeds
 
 
 def _requests(card):

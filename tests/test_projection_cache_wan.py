@@ -24,7 +24,7 @@ from fvgraph.projection_cache_wan import (
 )
 from fvgraph.request import Request
 from fvgraph.t2v_loop import DENOISE_CFG
-from tests.conftest import embeds
+from conftest import embeds
 
 
 @pytest.fixture(scope="module")

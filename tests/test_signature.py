@@ -3,6 +3,7 @@
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,11 +55,12 @@ def test_each_runtime_factor_changes_the_key(field):
 
 
 def test_key_is_stable_across_processes():
-    code = (
-        "import tests.test_signature as t; from fvgraph.signature import StepSignature;"
-        "print(StepSignature(**t.BASE).key())"
-    )
-    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() for _ in range(2)}
+    code = "import test_signature as t; from fvgraph.signature import StepSignature; print(StepSignature(**t.BASE).key())"
+    here = Path(__file__).parent  # importable from there, wherever the suite runs from
+    keys = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=here).stdout.strip()
+        for _ in range(2)
+    }
     assert keys == {StepSignature(**BASE).key()}
 
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Fetch, on a machine with a package index, the wheels the reference GPU machine lacks into ./wheels/
+# (git-ignored), for perf/gpu_check.sh to install there. That machine (Python 3.12, torch 2.11, CUDA 13)
+# already has transformers, tokenizers, safetensors, huggingface-hub, accelerate, typer, rich, numpy
+# and pillow; it lacks diffusers and pydantic and what they need beyond that list. One version of each,
+# all pure Python or manylinux x86_64, well under the 64 MiB a GPU call can carry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(
+  diffusers==0.42.1 importlib-metadata==8.7.0
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.7.0 typing-inspection==0.4.5
+)
+rm -rf wheels && mkdir -p wheels
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d wheels "${WHEELS[@]}"
+ls -1 wheels
+du -sh wheels
