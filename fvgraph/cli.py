@@ -1,5 +1,5 @@
-"""The `fvgraph` command line: generate videos, warm the capture cache, diff settings, run the benchmarks,
-report the environment."""
+"""The `fvgraph` command line: generate videos, serve JSON-lines requests, warm the capture cache, diff
+settings, run the benchmarks, report the environment."""
 
 from __future__ import annotations
 
