@@ -8,13 +8,17 @@ The mix: N requests with different seeds, guidance scales and step counts, at tw
 Prompt embeddings are given (the text encoder is not what is measured); outputs are latents.
 Compile and capture happen in an untimed warmup over the same shapes. Also reports the denoise step
 time at batch 1 and at the largest bucket (`denoise_step_ms_O1/O2`: per batch and per request-step,
-measured as a difference of two run lengths). Prints JSON.
+measured as a difference of two run lengths), and `online`: the same mix arriving over time (Poisson,
+at `--load` times the rate diffusers eager serves one at a time), fed to -O2 through Engine.submit /
+tick as it arrives, against a FIFO server running diffusers' measured per-request times at the same
+arrival times; latency is from arrival to result. Prints JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import time
 
@@ -52,13 +56,56 @@ def run_fvgraph(engine: Engine, requests: list[Request], device: torch.device) -
     _sync(device)
     wall = time.perf_counter() - began
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-    latency = sorted(r.timings["total"] for r in results)
-    return {"requests_per_s": len(results) / wall, "wall_s": wall, "p50_s": statistics.median(latency),
-            "p95_s": latency[min(len(latency) - 1, int(0.95 * len(latency)))]}  # fmt: skip
+    return {"requests_per_s": len(results) / wall, "wall_s": wall, **_percentiles([r.timings["total"] for r in results])}
+
+
+def _percentiles(latencies: list[float]) -> dict:
+    ordered = sorted(latencies)
+    return {"p50_s": statistics.median(ordered), "p95_s": ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]}
+
+
+def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds from the start at which each of n requests arrives: a Poisson process of `rate` per second."""
+    rng, t, times = random.Random(seed), 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        times.append(t)
+    return times
+
+
+def run_online(engine: Engine, requests: list[Request], arrivals: list[float], device: torch.device) -> dict:
+    """Each request submitted once its arrival time has passed, between ticks; latency runs from its
+    arrival (not its submit) to its result, so time spent waiting for a tick counts."""
+    arrived_at = {r.request_id: t for r, t in zip(requests, arrivals)}
+    queue = sorted(zip(arrivals, range(len(requests))))
+    latencies, i = [], 0
+    _sync(device)
+    began = time.perf_counter()
+    while i < len(queue) or engine.has_work():
+        now = time.perf_counter() - began
+        while i < len(queue) and queue[i][0] <= now:
+            engine.submit(requests[queue[i][1]].model_copy())
+            i += 1
+        if not engine.has_work():
+            time.sleep(queue[i][0] - now)
+            continue
+        for result in engine.tick():  # finalize copies the latents to the host: the device is done with it
+            assert result.ok, result.error
+            latencies.append(time.perf_counter() - began - arrived_at[result.request_id])
+    return _percentiles(latencies)
+
+
+def fifo_latencies(service_s: list[float], arrivals: list[float]) -> dict:
+    """A server that runs one request at a time, in arrival order, each taking its measured time."""
+    free_at, latencies = 0.0, []
+    for arrival, service in sorted(zip(arrivals, service_s)):
+        free_at = max(free_at, arrival) + service
+        latencies.append(free_at - arrival)
+    return _percentiles(latencies)
 
 
 def run_pipeline(pipe, requests: list[Request], device: torch.device) -> dict:
-    """diffusers' WanPipeline, one request at a time (its serving model)."""
+    """diffusers' WanPipeline, one request at a time (its serving model); `service_s` is each request's time."""
     dtype = next(pipe.transformer.parameters()).dtype
     latencies = []
     began = time.perf_counter()
@@ -71,9 +118,8 @@ def run_pipeline(pipe, requests: list[Request], device: torch.device) -> dict:
         latencies.append(time.perf_counter() - start)
     wall = time.perf_counter() - began
     # one at a time: request i waits for every request before it
-    waits = sorted(sum(latencies[: i + 1]) for i in range(len(latencies)))
-    return {"requests_per_s": len(requests) / wall, "wall_s": wall, "p50_s": statistics.median(waits),
-            "p95_s": waits[min(len(waits) - 1, int(0.95 * len(waits)))]}  # fmt: skip
+    waits = [sum(latencies[: i + 1]) for i in range(len(latencies))]
+    return {"requests_per_s": len(requests) / wall, "wall_s": wall, **_percentiles(waits), "service_s": latencies}
 
 
 def denoise_step_ms(engine: Engine, request: Request, batches: tuple[int, ...], device: torch.device,
@@ -107,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--shapes", nargs="*", help="FxHxW each (default: 5x64x64 5x64x96 on CPU; 17x256x256 on GPU)")
     parser.add_argument("--buckets", nargs="*", type=int, help="batch buckets (default: 1 2 4 8 on CPU; 1 4 8 on GPU)")
+    parser.add_argument("--load", type=float, default=0.9,
+                        help="online arrival rate, as a fraction of diffusers eager's one-at-a-time requests/s")  # fmt: skip
     args = parser.parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA device; run without --gpu for the CPU (tiny-wan) mode")
@@ -124,8 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     report = {"card": card, "device": torch.cuda.get_device_name(device) if args.gpu else "cpu", "requests": n,
               "shapes": shapes, "results": {}}  # fmt: skip
     report["results"]["fvgraph_O0"] = run_fvgraph(eager, requests, device)
+    engines = {}
     for level in (1, 2):
-        engine = Engine.from_card(card, device=device, opt_level=level, compile_config=CompileConfig(backend="inductor"), buckets=buckets)
+        engine = engines[level] = Engine.from_card(card, device=device, opt_level=level, compile_config=CompileConfig(backend="inductor"), buckets=buckets)
         warm = time.perf_counter()
         # every bucket of every shape, largest first; afterwards serving refuses to compile
         engine.warmup([r.model_copy(update={"num_inference_steps": 2}) for r in requests[: len(shapes)]])
@@ -141,6 +190,13 @@ def main(argv: list[str] | None = None) -> None:
                        scheduler=diffusers_scheduler(eager.card.recipe.sampler))  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
     report["results"]["diffusers_eager"] = run_pipeline(pipe, requests, device)
+    rate = args.load * report["results"]["diffusers_eager"]["requests_per_s"]
+    arrivals = arrival_times(n, rate)
+    online = {"fvgraph_O2": run_online(engines[2], requests, arrivals, device),
+              "diffusers_eager_fifo": fifo_latencies(report["results"]["diffusers_eager"]["service_s"], arrivals)}  # fmt: skip
+    report["online"] = {"load": args.load, "arrivals_per_s": round(rate, 4), **{
+        name: {k: round(v, 4) for k, v in r.items()} for name, r in online.items()}}  # fmt: skip
+    report["online"]["p95_ratio_diffusers_eager_vs_O2"] = round(online["diffusers_eager_fifo"]["p95_s"] / online["fvgraph_O2"]["p95_s"], 3)
     c.transformer.compile_repeated_blocks(fullgraph=True)
     run_pipeline(pipe, requests[: len(shapes)], device)  # compile, untimed
     report["results"]["diffusers_compile_repeated_blocks"] = run_pipeline(pipe, requests, device)
@@ -148,6 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     rps = {name: r["requests_per_s"] for name, r in report["results"].items()}
     report["throughput_ratio_vs_diffusers_eager"] = {k: round(v / rps["diffusers_eager"], 3) for k, v in rps.items()}
     for r in report["results"].values():
+        r.pop("service_s", None)
         for key in r:
             r[key] = round(r[key], 4)
     print(json.dumps(report))
