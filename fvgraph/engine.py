@@ -220,6 +220,11 @@ class Engine:
         """Whether some submitted request has not come back from tick() yet."""
         return bool(self._in_flight)
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted and not yet handed back: running, waiting, or ended in the outbox."""
+        return len(self._in_flight)
+
     def tick(self, on_step: StepCallback | None = None, on_result: ResultCallback | None = None) -> list[Result]:
         """One scheduler round: admit waiting requests, run every group of compatible steps once and
         fold the results back. Returns the requests that ended in it (done, failed or cancelled).

@@ -39,9 +39,14 @@ _END = object()
 
 class JsonlServer:
     def __init__(self, engine: Engine, output_dir: str | Path, emit: Callable[[dict], None],
-                 video_format: str = "gif", fps: int = 8):  # fmt: skip
+                 video_format: str = "gif", fps: int = 8, max_in_flight: int | None = None):  # fmt: skip
+        """`max_in_flight` (default: 4x the engine's max_running) caps the requests taken into the
+        engine; later lines wait as text, so a long input does not hold every request's state at once."""
         if video_format not in ("gif", "mp4"):
             raise ValueError(f"video_format={video_format!r} must be 'gif' or 'mp4'")
+        self.max_in_flight = 4 * engine.max_running if max_in_flight is None else max_in_flight
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight} must be at least 1")
         self.engine = engine
         self.output_dir = Path(output_dir)
         self.emit = emit
@@ -64,7 +69,7 @@ class JsonlServer:
         ended = False
         while not ended or self.engine.has_work():
             # Wait for input only when there is nothing to run; otherwise take what has arrived and tick.
-            while not ended:
+            while not ended and self.engine.in_flight < self.max_in_flight:
                 try:
                     item = inbox.get(block=not self.engine.has_work())
                 except queue.Empty:

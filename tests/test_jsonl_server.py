@@ -87,6 +87,17 @@ def test_a_cancel_line_cancels_a_request_in_flight(tiny_engine, tmp_path, monkey
     assert counts == {"cancelled": 1} and by_id["fox"]["output"] is None
 
 
+def test_lines_beyond_max_in_flight_wait_until_a_request_comes_back(tiny_engine, tmp_path, monkeypatch):
+    before_submit = []
+    submit = tiny_engine.submit
+    monkeypatch.setattr(tiny_engine, "submit", lambda r: (before_submit.append(tiny_engine.in_flight), submit(r))[1])
+    lines = [json.dumps({**SEA, "request_id": f"r{i}", "num_inference_steps": 2}) for i in range(4)]
+    emitted = []
+    counts = JsonlServer(tiny_engine, tmp_path, emitted.append, max_in_flight=2).serve(lines)
+    assert counts == {"ok": 4}
+    assert before_submit and max(before_submit) < 2  # never a third request in the engine
+
+
 def test_serve_command_reads_a_requests_file_and_prints_json_lines(tmp_path):
     requests = tmp_path / "requests.jsonl"
     requests.write_text(json.dumps(SEA) + "\n" + json.dumps({"prompt": "x", "height": 20}) + "\n")
