@@ -27,6 +27,7 @@ import torch
 from fvgraph.buckets import BucketSpec
 from fvgraph.compiler import CompileConfig
 from fvgraph.engine import Engine
+from fvgraph.perf import sync
 from fvgraph.request import Request
 from fvgraph.samplers import diffusers_scheduler
 
@@ -44,16 +45,12 @@ def request_mix(n: int, shapes: list[tuple[int, int, int]], text_len: int, text_
     return requests
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def run_fvgraph(engine: Engine, requests: list[Request], device: torch.device) -> dict:
-    _sync(device)
+    sync(device)
     began = time.perf_counter()
     results = engine.generate([r.model_copy() for r in requests])
-    _sync(device)
+    sync(device)
     wall = time.perf_counter() - began
     assert all(r.ok for r in results), [r.error for r in results if not r.ok]
     return {"requests_per_s": len(results) / wall, "wall_s": wall, **_percentiles([r.timings["total"] for r in results])}
@@ -79,7 +76,7 @@ def run_online(engine: Engine, requests: list[Request], arrivals: list[float], d
     arrived_at = {r.request_id: t for r, t in zip(requests, arrivals)}
     queue = sorted(zip(arrivals, range(len(requests))))
     latencies, i = [], 0
-    _sync(device)
+    sync(device)
     began = time.perf_counter()
     while i < len(queue) or engine.has_work():
         now = time.perf_counter() - began
@@ -114,7 +111,7 @@ def run_pipeline(pipe, requests: list[Request], device: torch.device) -> dict:
         pipe(prompt_embeds=r.prompt_embeds[None].to(device, dtype), negative_prompt_embeds=r.negative_prompt_embeds[None].to(device, dtype),
              guidance_scale=r.guidance_scale, num_inference_steps=r.num_inference_steps, num_frames=r.num_frames,
              height=r.height, width=r.width, generator=torch.Generator().manual_seed(r.seed), output_type="latent")  # fmt: skip
-        _sync(device)
+        sync(device)
         latencies.append(time.perf_counter() - start)
     wall = time.perf_counter() - began
     # one at a time: request i waits for every request before it
@@ -134,10 +131,10 @@ def denoise_step_ms(engine: Engine, request: Request, batches: tuple[int, ...], 
         for steps in (short, long, short, long):  # the first pair warms up every graph it touches
             group = [request.model_copy(update={"seed": i, "num_inference_steps": steps, "request_id": f"r{i}"})
                      for i in range(b)]
-            _sync(device)
+            sync(device)
             began = time.perf_counter()
             results = engine.generate(group)
-            _sync(device)
+            sync(device)
             walls[steps] = time.perf_counter() - began
             assert all(r.ok for r in results), [r.error for r in results if not r.ok]
         per_step = (walls[long] - walls[short]) / (long - short)

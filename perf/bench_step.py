@@ -22,23 +22,19 @@ import torch
 
 from fvgraph.compiler import CompileConfig
 from fvgraph.engine import Engine
+from fvgraph.perf import sync
 from fvgraph.request import Request
 from fvgraph.samplers import diffusers_scheduler
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _time_steps(run_one, steps: int, device: torch.device) -> float:
     """Median seconds per step over `steps` calls, after the caller's warmup."""
     times = []
     for _ in range(steps):
-        _sync(device)
+        sync(device)
         began = time.perf_counter()
         run_one()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - began)
     return statistics.median(times)
 
