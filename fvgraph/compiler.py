@@ -18,11 +18,12 @@ from typing import Literal
 
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.nn.attention import sdpa_kernel
 
 from fvgraph.capture_cache import CacheEntry, CaptureCache
 from fvgraph.counters import Counters
-from fvgraph.graph_artifact import load_graph, save_graph
+from fvgraph.graph_artifact import load_graph, load_in_child, save_graph
 from fvgraph.kernels.attention import sdpa_backends
 from fvgraph.loop import WorkPlan
 from fvgraph.signature import RuntimeFactors, StepSignature
@@ -44,6 +45,24 @@ INDUCTOR_CONFIG = {
 
 class RecompileError(RuntimeError):
     """A new signature showed up after warmup, while serving under fail_on_recompile."""
+
+
+class AttentionChoice(CustomGraphPass):
+    """Carries a step's SDPA backend choice into inductor's cache keys; changes no graph.
+
+    The choice is applied with `sdpa_kernel(...)` while AOTAutograd traces, which picks the attention
+    op; but AOTAutograd's and inductor's caches key on the dynamo graph and inductor's config, where the
+    choice does not appear, so after a change of the backend table a cached graph could come back with
+    the old kernel. A custom pass's uuid is part of both keys."""
+
+    def __init__(self, backends: str):
+        self.backends = backends
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return f"fvgraph-sdpa:{self.backends}"
 
 
 @dataclass(frozen=True)
@@ -167,8 +186,9 @@ class StepCompiler:
             except Exception as err:  # a graph AOTInductor cannot package is still served, compiled in process
                 log.warning("capture cache: could not store %s, compiling it in process instead: %r", plan.kind, err)
         if compiled is None:
-            prologue_fn = None if ctx.prologue is None else self._backend_compile(ctx.prologue, base_args)
-            compiled = self._backend_compile(gm, base_args + hoisted), prologue_fn, meta
+            attention = signature.attention
+            prologue_fn = None if ctx.prologue is None else self._backend_compile(ctx.prologue, base_args, attention)
+            compiled = self._backend_compile(gm, base_args + hoisted, attention), prologue_fn, meta
         step_fn, prologue_fn, meta = compiled
         seconds = time.perf_counter() - began
         self.counters.compiles += 1
@@ -188,7 +208,7 @@ class StepCompiler:
     def _compile_through_cache(self, signature, gm, prologue, base_args, hoisted, meta, began):
         """Compile each graph to a file, publish the files, and run what was published (another
         process's entry, when it published this signature first). Returns (step_fn, prologue_fn, meta)."""
-        backend, patches = self.config.backend, self._inductor_patches()
+        backend, patches = self.config.backend, self._inductor_patches(signature.attention)
         with self.cache.staging_dir() as staging:
             files = {"step": Path(staging) / "step.pt2"}
             save_graph(gm, base_args + hoisted, backend, files["step"], patches)
@@ -196,6 +216,10 @@ class StepCompiler:
                 files["prologue"] = Path(staging) / "prologue.pt2"
                 save_graph(prologue, base_args, backend, files["prologue"], patches)
             meta["compile_seconds"] = time.perf_counter() - began
+            if backend == "inductor" and self.device.type == "cuda":  # see graph_artifact: never crash here
+                problem = load_in_child(files.values(), backend, self.device)
+                if problem is not None:
+                    raise RuntimeError(f"the built package does not load: {problem}")
             entry = self.cache.publish(signature.key(), signature.factors(), files, meta)
         self.counters.cache_stores += 1
         return (*self._load_entry(entry, base_args), entry.meta)
@@ -231,7 +255,7 @@ class StepCompiler:
         step_fn = load_graph(self.cache.path(entry, "step"), backend, self.device, compile_fn, base_args + hoisted)
         return step_fn, prologue_fn
 
-    def _backend_compile(self, gm: torch.fx.GraphModule, example_args: list[torch.Tensor]):
+    def _backend_compile(self, gm: torch.fx.GraphModule, example_args: list[torch.Tensor], attention: str = "default"):
         backend = self.config.backend
         if backend == "eager":
             return gm
@@ -240,14 +264,18 @@ class StepCompiler:
         from torch._inductor.compile_fx import compile_fx
 
         with torch.no_grad():
-            return compile_fx(gm, example_args, config_patches=self._inductor_patches())
+            return compile_fx(gm, example_args, config_patches=self._inductor_patches(attention))
 
-    def _inductor_patches(self) -> dict:
-        patches = dict(INDUCTOR_CONFIG)
+    def _inductor_patches(self, attention: str = "default") -> dict:
+        """Inductor config for one compile. The mode's options come first and fvgraph's settings after,
+        so a mode cannot turn back on what fvgraph turns off ("max-autotune" and "reduce-overhead"
+        both set triton.cudagraphs). `attention` is the signature's SDPA choice (see AttentionChoice)."""
+        patches = {} if self.config.mode == "default" else dict(torch._inductor.list_mode_options(self.config.mode))
+        patches.update(INDUCTOR_CONFIG)
         if self.pass_manager.inductor:
             patches["post_grad_custom_post_pass"] = self.pass_manager.inductor
-        if self.config.mode != "default":
-            patches.update(torch._inductor.list_mode_options(self.config.mode))
+        if attention != "default":
+            patches["post_grad_custom_pre_pass"] = AttentionChoice(attention)
         return patches
 
     def _refusal(self, signature: StepSignature) -> str:

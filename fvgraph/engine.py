@@ -32,6 +32,7 @@ from fvgraph.compiler import CompileConfig, StepCompiler
 from fvgraph.components import load_components
 from fvgraph.counters import Counters
 from fvgraph.executor import CompiledExecutor, EagerExecutor, build_steps
+from fvgraph.fp32_math import math_mode
 from fvgraph.fp8_weights import apply_fp8_weights
 from fvgraph.graph_runner import GraphRunner
 from fvgraph.loop import Done, WorkPlan
@@ -65,6 +66,7 @@ class Engine:
         self.opt_level = opt_level
         self.counters = counters
         self.projection_cache: ExactProjectionCache | None = None  # set by from_card when eager
+        self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/fp32_math.py)
 
     @property
     def compiler(self) -> StepCompiler | None:
@@ -172,7 +174,8 @@ class Engine:
                 state = self.start(request)
                 while not isinstance(plan := self.loop.next(state), Done):
                     if self.compiler.wants(plan.kind):
-                        self.executor.prepare(plan, on_bucket)
+                        with self._math:
+                            self.executor.prepare(plan, on_bucket)
                         break
                     self.step(state)
         results = self.generate(requests)
@@ -298,7 +301,8 @@ class Engine:
         plans = [plan for _, plan in group]
         began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
         try:
-            results = self.executor.run_batch(plans, lane)
+            with self._math:
+                results = self.executor.run_batch(plans, lane)
         except Exception as err:  # one request's failure must not take the others down
             if len(group) > 1:  # retry alone, so only the request at fault fails
                 return [failure for member in group for failure in self._run_group([member], on_step, on_result)]

@@ -7,6 +7,10 @@
 - eager / aot_eager: the post-pass graph as a `torch.export` program. Loading it skips dynamo capture
   and the FX passes; the backend (cheap for these two) runs again on the loaded graph.
 
+On a GPU a freshly built package is first loaded in a child process (`load_in_child`): torch
+2.11's AOTInductor loader was seen to die of SIGSEGV on an H200 loading a package fvgraph had just
+built, and a crash there should cost the child and one logged in-process compile, not the server.
+
 Either way the graph's calling convention is kept: flat positional tensors in, a sequence of tensors out.
 The process that writes an artifact runs it through `load_graph` too, so a warm process runs the very
 same code as the one that warmed the cache.
@@ -15,7 +19,10 @@ same code as the one that warmed the cache.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -50,3 +57,29 @@ def load_graph(path: Path, backend: str, device: torch.device, compile_fn: Calla
         return torch._inductor.aoti_load_package(str(path), **options)
     gm = torch.export.load(str(path)).module()
     return compile_fn(gm, example_args or [])
+
+
+# What the child runs: load each artifact the way load_graph does, then exit 0.
+_CHILD = """
+import sys, torch
+from fvgraph.graph_artifact import load_graph
+backend, device = sys.argv[1], torch.device(sys.argv[2])
+for path in sys.argv[3:]:
+    load_graph(path, backend, device, lambda gm, args: gm)
+"""
+
+
+def load_in_child(paths: Iterable[Path], backend: str, device: torch.device, timeout_s: float = 300.0) -> str | None:
+    """Load the artifacts at `paths` in a fresh Python process. None when they all load; otherwise
+    what happened to the child (its exit code or the signal that killed it, and its last stderr)."""
+    command = [sys.executable, "-c", _CHILD, backend, str(device), *(str(p) for p in paths)]
+    try:
+        child = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"loading took over {timeout_s:.0f} s in a child process"
+    if child.returncode == 0:
+        return None
+    how = (f"killed by {signal.Signals(-child.returncode).name}" if child.returncode < 0
+           else f"exit code {child.returncode}")  # fmt: skip
+    tail = child.stderr.strip().splitlines()[-3:]
+    return f"a child process loading it ended with {how}" + (": " + " | ".join(tail) if tail else "")

@@ -27,6 +27,7 @@ from torch import nn
 
 from fvgraph.compiler import CompiledStep, StepCompiler
 from fvgraph.counters import Counters
+from fvgraph.graph_capture import capture_graph
 from fvgraph.loop import StepResult, WorkPlan
 
 log = logging.getLogger(__name__)
@@ -143,31 +144,24 @@ class GraphRunner:
         return torch.empty((bucket, *t.shape[1:]), dtype=t.dtype, device=t.device)
 
     def _capture(self, entry: BucketGraph, key: tuple) -> None:
-        """Warm up on a side stream, then capture into the shared pool; failure means no graph, logged once."""
+        """Capture into the shared pool; a failure means no graph for this key, logged once, and a fresh
+        pool for later captures (graph_capture leaves the failed one released)."""
         began = time.perf_counter()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         try:
-            args = entry.args
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.no_grad(), torch.cuda.stream(side):
-                for _ in range(2):
-                    entry.compiled.step_fn(*args)
-            torch.cuda.current_stream().wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(graph, pool=self._pool):
-                entry.outputs = tuple(entry.compiled.step_fn(*args))
-            entry.graph = graph
-            entry.addresses = tuple(t.data_ptr() for t in args)
-            self.counters.captures += 1
-            if self.compiler.cache is not None and key[2] == 0:  # the manifest records lane 0's capture time
-                self.compiler.cache.annotate(entry.compiled.signature.key(), capture_seconds=time.perf_counter() - began)
+            entry.graph, entry.outputs = capture_graph(entry.compiled.step_fn, entry.args, self._pool)
         except Exception as err:  # a capture failure costs the graph, never the request
             self._capture_failed.add(key)
+            self._pool = None
             entry.graph, entry.outputs = None, ()
             log.warning("CUDA graph capture failed for %s batch %d; running the compiled step instead: %s",
                         entry.compiled.signature.step_kind, entry.bucket, err)  # fmt: skip
+            return
+        entry.addresses = tuple(t.data_ptr() for t in entry.args)
+        self.counters.captures += 1
+        if self.compiler.cache is not None and key[2] == 0:  # the manifest records lane 0's capture time
+            self.compiler.cache.annotate(entry.compiled.signature.key(), capture_seconds=time.perf_counter() - began)
 
     # -- one run ---------------------------------------------------------------------------------------
 

@@ -18,6 +18,10 @@ def _requests():
 
 
 def test_cuda_eager_matches_cpu_eager(tiny_card):
+    """Both engines run fp32 math (TF32 off for cuDNN's patch-embedding Conv3d too: fvgraph/fp32_math.py),
+    so what remains is the order CPU and CUDA kernels reduce in. That ulp-level difference grows through
+    the guided steps (guidance multiplies the branch difference), hence ten times the loop tolerance."""
+    assert torch.backends.cudnn.allow_tf32  # torch's default: the engine, not this test, turns it off
     cpu = Engine.from_card("tiny-wan", device="cpu").generate(_requests())
     cuda = Engine.from_card("tiny-wan", device="cuda").generate(_requests())
     tol = tiny_card.parity.tolerance("fp32", "loop")
@@ -41,9 +45,9 @@ def test_cuda_inductor_step_matches_eager_with_no_recompiles(tiny_card):
 def _graph_engine(**kwargs):
     from fvgraph.buckets import BucketSpec
 
+    kwargs.setdefault("buckets", BucketSpec(batch_sizes=(1, 2, 4)))
     return Engine.from_card(
-        "tiny-wan", device="cuda", opt_level=2, compile_config=CompileConfig(backend="inductor"),
-        buckets=BucketSpec(batch_sizes=(1, 2, 4)), **kwargs,
+        "tiny-wan", device="cuda", opt_level=2, compile_config=CompileConfig(backend="inductor"), **kwargs,
     )  # fmt: skip
 
 
@@ -87,13 +91,17 @@ def test_long_bf16_attention_compiles_with_the_measured_sdpa_backend():
 
 
 def test_capture_cache_serves_graphs_on_cuda_with_zero_compiles(tiny_card, tmp_path):
-    """AOTInductor packages load on the GPU and are captured into CUDA graphs like in-process compiles."""
-    warm_up = _graph_engine(cache_dir=tmp_path)
+    """AOTInductor packages load on the GPU and are captured into CUDA graphs like in-process compiles.
+    One bucket: each package costs over a minute to build on an H200."""
+    from fvgraph.buckets import BucketSpec
+
+    one_bucket = BucketSpec(batch_sizes=(1,))
+    warm_up = _graph_engine(cache_dir=tmp_path, buckets=one_bucket)
     reference = warm_up.warmup(_requests()[:1])
-    served = _graph_engine(cache_dir=tmp_path)
-    with served.counters.expect(compiles=0, cache_hits=3):
+    served = _graph_engine(cache_dir=tmp_path, buckets=one_bucket)
+    with served.counters.expect(compiles=0, cache_hits=1):
         results = served.warmup(_requests()[:1])
-    assert served.counters.captures >= 3 and served.counters.replays > 0
+    assert served.counters.captures >= 1 and served.counters.replays > 0
     assert all("capture_seconds" in record["meta"] for record in served.compiler.cache.entries().values())
     torch.testing.assert_close(results[0].latents, reference[0].latents, atol=0, rtol=0)
 

@@ -1,0 +1,37 @@
+"""What an fp32 card means for torch's global math switches: IEEE fp32 products, not TF32.
+
+torch turns TF32 on for cuDNN convolutions by default (cuBLAS matmuls default to IEEE, unless the
+process changed that). A TF32 convolution rounds its inputs to 10 mantissa bits, so two fp32 runs
+whose latents differ by one ulp can round an input to different TF32 values and differ by ~1e-4
+after Wan's patch-embedding Conv3d: a jump, not a drift. The -O2 vs -O0 parity check on an H200
+(perf/results/2026-11-30-h200.jsonl) showed jumps of that kind (block 0 of one request went from
+1e-7 to 6e-5 apart in a single step, with its input latents 2e-7 apart).
+
+The engine holds `math_mode(precision)` around every step it runs, compiles or captures (the
+algorithm a captured convolution uses is fixed at capture), and gives the caller's settings back
+after. Other precisions leave the switches as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+class Fp32Math:
+    """TF32 off for cuDNN and cuBLAS while inside; the previous settings restored on the way out."""
+
+    def __enter__(self) -> None:
+        backends = torch.backends
+        self._saved = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32)
+        backends.cudnn.allow_tf32 = False
+        backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *exc) -> None:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self._saved
+
+
+def math_mode(precision: str) -> contextlib.AbstractContextManager:
+    """The context a step of this precision runs in (reusable, not reentrant)."""
+    return Fp32Math() if precision == "fp32" else contextlib.nullcontext()

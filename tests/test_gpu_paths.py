@@ -1,0 +1,157 @@
+"""GPU-path mechanisms exercised on a CPU: a failed CUDA graph capture, inductor's config order, the
+SDPA choice in inductor's cache key, loading a built artifact in a child process, and fp32 math."""
+
+import contextlib
+import itertools
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import fvgraph.graph_artifact as graph_artifact
+from fvgraph.compiler import AttentionChoice, CompileConfig
+from fvgraph.counters import Counters
+from fvgraph.engine import Engine
+from fvgraph.fp32_math import math_mode
+from fvgraph.graph_capture import CaptureError, capture_graph
+from fvgraph.graph_runner import GraphRunner
+from fvgraph.request import Request
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's capture API, faked: the graph context reacts to an error in its body the way
+    torch.cuda.graph's exit does (capture_end raises its own error). Records what cleanup calls."""
+    calls, pools = [], itertools.count(1)
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    previous = Stream()
+
+    @contextlib.contextmanager
+    def graph(cuda_graph, pool):
+        try:
+            yield
+        except Exception:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: previous)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: calls.append(("set_stream", s)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, next(pools)))
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", lambda d, p: calls.append(("end", d, p)), raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_releasePool", lambda d, p: calls.append(("release", d, p)), raising=False)
+    return SimpleNamespace(calls=calls, previous=previous)
+
+
+def _step_failing_at(call: int):
+    """A step function whose `call`-th call (1-based) raises, as an op that cannot be captured does."""
+    count = itertools.count(1)
+
+    def step(x):
+        if next(count) == call:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return (x + 1,)
+
+    return step
+
+
+def test_failed_capture_restores_the_stream_and_releases_the_pool(fake_cuda):
+    with pytest.raises(CaptureError) as caught:
+        capture_graph(_step_failing_at(3), [torch.zeros(2)], pool=(0, 7))  # calls 1-2 warm up, 3 is captured
+    message = str(caught.value)
+    assert "previous error during capture" in message and "not permitted when stream is capturing" in message
+    assert fake_cuda.calls == [("set_stream", fake_cuda.previous), ("end", 0, (0, 7)), ("release", 0, (0, 7))]
+
+
+def test_a_capture_that_ended_its_pool_routing_is_not_released_twice(fake_cuda, monkeypatch):
+    def already_ended(device, pool):
+        raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", already_ended, raising=False)
+    with pytest.raises(CaptureError):
+        capture_graph(_step_failing_at(3), [torch.zeros(2)], pool=(0, 7))
+    assert fake_cuda.calls == [("set_stream", fake_cuda.previous)]
+
+
+def test_after_a_failed_capture_the_next_bucket_captures_into_a_fresh_pool(fake_cuda):
+    runner = GraphRunner(compiler=SimpleNamespace(cache=None), counters=Counters(), cuda_graphs=True)
+
+    def entry(step_fn):
+        compiled = SimpleNamespace(step_fn=step_fn, signature=SimpleNamespace(step_kind="denoise"))
+        return SimpleNamespace(compiled=compiled, args=[torch.zeros(2)], bucket=1, graph=None, outputs=())
+
+    failing, fine = entry(_step_failing_at(3)), entry(_step_failing_at(0))
+    runner._capture(failing, ("a", 1, 0))
+    assert failing.graph is None and ("a", 1, 0) in runner._capture_failed and runner._pool is None
+    runner._capture(fine, ("b", 1, 0))
+    assert fine.graph == "graph" and runner._pool == (0, 2) and runner.counters.captures == 1
+    assert ("release", 0, (0, 1)) in fake_cuda.calls
+
+
+def _patches(mode="default", attention="default"):
+    from fvgraph.compiler import StepCompiler
+
+    compiler = StepCompiler(CompileConfig(mode=mode), "tiny-wan", "w", "t2v", "fp32", torch.device("cpu"), Counters())
+    return compiler._inductor_patches(attention)
+
+
+@pytest.mark.parametrize("mode", ["max-autotune", "reduce-overhead"])
+def test_a_compile_mode_cannot_turn_inductors_cuda_graphs_back_on(mode):
+    assert torch._inductor.list_mode_options(mode)["triton.cudagraphs"] is True  # what the mode would set
+    patches = _patches(mode)
+    assert patches["triton.cudagraphs"] is False
+    with torch._inductor.config.patch(patches):  # every key is a real inductor setting
+        assert torch._inductor.config.triton.cudagraphs is False
+
+
+def test_the_sdpa_choice_reaches_inductors_cache_key():
+    assert "post_grad_custom_pre_pass" not in _patches()
+    cudnn_first, flash_first = _patches(attention="CUDNN_ATTENTION,MATH"), _patches(attention="FLASH_ATTENTION,MATH")
+    assert isinstance(cudnn_first["post_grad_custom_pre_pass"], AttentionChoice)
+    assert cudnn_first["post_grad_custom_pre_pass"].uuid() != flash_first["post_grad_custom_pre_pass"].uuid()
+    # inductor folds a CustomGraphPass's uuid() into its cache keys (FX graph and AOTAutograd caches)
+    assert isinstance(cudnn_first["post_grad_custom_pre_pass"], CustomGraphPass)
+    with torch._inductor.config.patch(cudnn_first):
+        assert torch._inductor.config.post_grad_custom_pre_pass.uuid() == "fvgraph-sdpa:CUDNN_ATTENTION,MATH"
+
+
+def test_an_artifact_loads_in_a_child_process(tmp_path):
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 2))
+    path = tmp_path / "step.pt2"
+    graph_artifact.save_graph(gm, [torch.randn(1, 3)], "aot_eager", path, {})
+    assert graph_artifact.load_in_child([path], "aot_eager", torch.device("cpu")) is None
+    (tmp_path / "bad.pt2").write_bytes(b"not an artifact")
+    problem = graph_artifact.load_in_child([tmp_path / "bad.pt2"], "aot_eager", torch.device("cpu"))
+    assert problem is not None and "exit code 1" in problem
+
+
+def test_a_loader_that_crashes_takes_only_the_child_down(monkeypatch, tmp_path):
+    monkeypatch.setattr(graph_artifact, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    problem = graph_artifact.load_in_child([tmp_path / "step.pt2"], "inductor", torch.device("cpu"))
+    assert problem is not None and signal.Signals.SIGSEGV.name in problem
+
+
+def test_fp32_steps_run_without_tf32_and_the_callers_settings_come_back(tiny_card):
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    seen = []
+    try:
+        engine = Engine.from_card(tiny_card, device="cpu")
+        assert engine.card.recipe.precision == "fp32"
+        engine.loop.components.transformer.register_forward_pre_hook(
+            lambda module, args: seen.append((torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)))
+        engine.generate([Request(prompt="a", seed=0, num_inference_steps=1, num_frames=5)])
+        assert seen and all(flags == (False, False) for flags in seen)
+        assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (True, True)
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+    assert isinstance(math_mode("bf16"), contextlib.nullcontext)
