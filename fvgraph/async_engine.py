@@ -33,6 +33,7 @@ from fvgraph.t2v_loop import DENOISE, DENOISE_CFG
 
 log = logging.getLogger(__name__)
 Listener = Callable[[RequestEvent], None]
+BatchListener = Callable[[str, int, float], None]  # (step kind, requests in the batch, seconds it took)
 _TERMINAL_KIND = {"ok": "done", "failed": "failed", "rejected": "failed", "cancelled": "cancelled"}
 
 
@@ -50,6 +51,7 @@ class AsyncEngine:
             MemoryModel(engine), default_budget(engine.loop.components.device), max_queue, engine.max_running
         )
         self.listeners: list[Listener] = []
+        self.batch_listeners: list[BatchListener] = []
         self.accepting = False
         self.error: BaseException | None = None  # set if the engine thread died
         self._idle_wait_s = idle_wait_s
@@ -69,18 +71,21 @@ class AsyncEngine:
 
     # -- life cycle (event loop) -------------------------------------------------------------------
 
-    async def start(self, warmup: Sequence[Request] = ()) -> None:
-        """Start the engine thread; with `warmup` requests, run Engine.warmup on it first (compiles
-        every bucket of their shapes, then refuses recompiles) and return once that is done."""
+    async def start(self) -> None:
+        """Start the engine thread and accept requests."""
         self._loop = asyncio.get_running_loop()
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="fvgraph-engine", daemon=True)
         self._thread.start()
-        if warmup:
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.put(("warmup", list(warmup), done))
-            await asyncio.wrap_future(done)
         self.accepting = True
+
+    async def warmup(self, requests: Sequence[Request]) -> None:
+        """Run Engine.warmup on the engine thread (compile or load every bucket of these requests'
+        shapes, then refuse recompiles); requests accepted meanwhile wait until it is done."""
+        if requests:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            self._commands.put(("warmup", list(requests), done))
+            await asyncio.wrap_future(done)
 
     async def drain(self, timeout_s: float) -> None:
         """Take no new requests; let those accepted end for up to `timeout_s`, then cancel the rest
@@ -113,6 +118,10 @@ class AsyncEngine:
     @property
     def in_flight(self) -> int:
         return len(self._known)
+
+    def knows(self, request_id: str) -> bool:
+        """Whether the request was accepted and has not ended."""
+        return request_id in self._known
 
     def submit(self, request: Request, timeout_s: float | None = None) -> str:
         """Accept `request` (queued event) or raise: RequestRejected (bad for this card, or can never
@@ -194,6 +203,14 @@ class AsyncEngine:
         """From the engine thread to the event loop."""
         if events:
             self._loop.call_soon_threadsafe(self._deliver, events)
+
+    def _deliver_batches(self, batches: list[tuple[str, int, float]]) -> None:
+        for batch in batches:
+            for listener in self.batch_listeners:
+                try:
+                    listener(*batch)
+                except Exception:
+                    log.exception("batch listener failed")
 
     # -- the engine thread -------------------------------------------------------------------------
 
@@ -282,10 +299,17 @@ class AsyncEngine:
             seen[phase] = spent
 
         results = self.engine.tick(on_step)
+        # The members of one batch come one after another with the same kind and the same time.
+        batches: list[list] = []
+        for _, kind, _, _, seconds in steps:
+            if batches and batches[-1][0] == kind and batches[-1][2] == seconds:
+                batches[-1][1] += 1
+            else:
+                batches.append([kind, 1, seconds])
+        rows = {(kind, seconds): n for kind, n, seconds in batches}
         events = []
-        for i, (request_id, kind, index, total, seconds) in enumerate(steps):
-            # The members of one batch come one after another with the same kind and the same time.
-            batch = sum(1 for other in steps if other[1] == kind and other[4] == seconds)
+        for request_id, kind, index, total, seconds in steps:
+            batch = rows[(kind, seconds)]
             if request_id not in self._started:
                 self._started.add(request_id)
                 self.admission.started(request_id)
@@ -294,6 +318,8 @@ class AsyncEngine:
             events.append(RequestEvent(request_id, "step", step=index if denoise else None, total=total if denoise else None,
                                        step_kind=kind, step_seconds=seconds, batch=batch))  # fmt: skip
         self._send(events)
+        if batches and self.batch_listeners:
+            self._loop.call_soon_threadsafe(self._deliver_batches, [tuple(b) for b in batches])
         for result in results:
             self._end(result, self._reasons.pop(result.request_id, "client"))
 

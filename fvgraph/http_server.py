@@ -1,0 +1,96 @@
+"""`fvgraph serve --port`: the HTTP app on uvicorn, with a shutdown that loses nothing.
+
+    server = HttpServer(engine, HttpSettings(api_key="..."), storage_dir="outputs/http", port=8000)
+    server.run()                           # blocks; SIGTERM or Ctrl+C drains, a second one stops at once
+    with server.running() as base_url:     # in a thread (tests, benchmarks): "http://127.0.0.1:PORT"
+        ...
+
+On SIGTERM (or SIGINT) the server keeps answering: new requests get 503, /ready says draining, and
+running requests have `drain_timeout_s` to finish before they are cancelled; once every video's file
+is written (or its failure recorded) uvicorn stops. It binds 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import uvicorn
+
+from fvgraph.admission import Admission
+from fvgraph.async_engine import AsyncEngine
+from fvgraph.engine import Engine
+from fvgraph.http_app import HttpSettings, create_app
+from fvgraph.memory_reservation import MemoryModel, default_budget
+from fvgraph.video_store import VideoStore
+
+log = logging.getLogger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server whose first exit signal drains the engine before the sockets close."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[], Awaitable[None]]):
+        super().__init__(config)
+        self._drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.draining or self._loop is None:  # a second signal, or one before startup: stop now
+            self.force_exit = self.should_exit
+            self.should_exit = True
+            return
+        self.draining = True
+        log.warning("signal %s: draining (new requests get 503); a second signal stops at once", sig)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            await self._drain()
+        finally:
+            self.should_exit = True
+
+
+class HttpServer:
+    def __init__(self, engine: Engine, settings: HttpSettings, storage_dir: str | Path, host: str = "127.0.0.1",
+                 port: int = 8000, max_queue: int = 256, memory_budget: int | None = None):  # fmt: skip
+        """`port` 0 picks a free one (see `running()`); `memory_budget` in bytes defaults to the
+        device's (fvgraph.memory_reservation.default_budget)."""
+        budget = memory_budget if memory_budget is not None else default_budget(engine.loop.components.device)
+        admission = Admission(MemoryModel(engine), budget, max_queue, engine.max_running)
+        self.served = AsyncEngine(engine, admission)
+        self.store = VideoStore(storage_dir, settings.retention_s)
+        self.app = create_app(self.served, self.store, settings)
+        config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
+                                lifespan="on")  # fmt: skip
+        self.server = DrainingServer(config, self.app.state.drain)
+
+    def run(self) -> None:
+        self.server.run()
+
+    @contextmanager
+    def running(self, startup_timeout_s: float = 60.0) -> Iterator[str]:
+        """Serve on a thread of its own; yields the base URL, stops (draining) on exit."""
+        thread = threading.Thread(target=self.server.run, name="fvgraph-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + startup_timeout_s
+        while not self.server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        try:
+            yield f"http://{host}:{port}"
+        finally:
+            self.server.should_exit = True
+            thread.join()
