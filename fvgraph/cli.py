@@ -150,9 +150,19 @@ def serve(
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
     video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 needs imageio-ffmpeg)."),
     fps: int = typer.Option(8),
+    port: Optional[int] = typer.Option(None, help="Serve the OpenAI-style HTTP API on this port (0: any free one) instead of JSON lines."),
+    host: str = typer.Option("127.0.0.1", help="HTTP: the address to bind (0.0.0.0 to serve other machines)."),
+    api_key: Optional[str] = typer.Option(None, envvar="FVGRAPH_API_KEY", help="HTTP: every /v1 and /metrics call must send 'Authorization: Bearer KEY'."),
+    max_queue: int = typer.Option(256, help="HTTP: accepted requests not started yet; more get 429 with Retry-After."),
+    memory_budget: Optional[str] = typer.Option(None, help="HTTP: memory requests may reserve, e.g. 60GiB (default: 80% of free GPU memory, half of RAM on CPU)."),
+    retention_s: float = typer.Option(3600.0, help="HTTP: finished videos and their files are deleted this long after they end."),
+    drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
+    max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
+    warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
 ) -> None:
     """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
-    JSON result line per request as it ends. Requests arriving mid-run join the running batch."""
+    JSON result line per request as it ends; or, with --port, the OpenAI videos and images API over
+    HTTP (docs/serving.md). Requests arriving mid-run join the running batch."""
     import sys
 
     from fvgraph.jsonl_server import JsonlServer
@@ -161,15 +171,65 @@ def serve(
     try:
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running)  # fmt: skip
-        emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
-        server = JsonlServer(engine, output_dir, emit, video_format=video_format, fps=fps)
-        source = sys.stdin if requests == "-" else open(requests, encoding="utf-8")  # noqa: SIM115
+        if port is not None:
+            http = _http_server(engine, output_dir, port, host, api_key, max_queue, memory_budget, retention_s,
+                                drain_timeout, max_body_bytes, warmup_shape, cache_dir)  # fmt: skip
+        else:
+            emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
+            server = JsonlServer(engine, output_dir, emit, video_format=video_format, fps=fps)
+            source = sys.stdin if requests == "-" else open(requests, encoding="utf-8")  # noqa: SIM115
     except Exception as err:  # bad card, checkpoint, option or requests file: say why and stop
         Console(stderr=True).print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
+    if port is not None:
+        label = f"{engine.card.card_id} -O{engine.opt_level}"
+        http.run(on_started=lambda url: Console(stderr=True).print(f"serving {label} on {url}/v1", highlight=False))
+        return
     with source:
         counts = server.serve(source)
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
+
+
+def _http_server(engine, output_dir: Path, port: int, host: str, api_key: Optional[str], max_queue: int,
+                 memory_budget: Optional[str], retention_s: float, drain_timeout: float, max_body_bytes: int,
+                 warmup_shape: list[str], cache_dir: Optional[Path]):  # fmt: skip
+    """`serve --port`: the HTTP server from serve's options."""
+    from fvgraph.http_app import HttpSettings
+    from fvgraph.http_server import HttpServer
+
+    shapes = [_shape(text) for text in warmup_shape]
+    if cache_dir is not None and not shapes:
+        rules = engine.card.shapes
+        shapes = [(rules.default_frames, rules.default_height, rules.default_width)]
+    settings = HttpSettings(api_key=api_key, max_body_bytes=max_body_bytes, retention_s=retention_s,
+                            drain_timeout_s=drain_timeout, warmup=_warmup_requests(engine.card, shapes))  # fmt: skip
+    budget = None if memory_budget is None else _bytes(memory_budget, "--memory-budget")
+    return HttpServer(engine, settings, output_dir, host=host, port=port, max_queue=max_queue, memory_budget=budget)
+
+
+def _bytes(text: str, option: str) -> int:
+    """'8GiB', '512MiB', '2e9' or a plain number of bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.strip().lower()
+    unit = next((u for u in units if lowered.endswith(u)), "b")
+    try:
+        value = float(lowered[: len(lowered) - len(unit)] if lowered.endswith(unit) else lowered)
+    except ValueError:
+        raise ValueError(f"{option}={text!r} must be a size such as 8GiB, 512MiB or 2000000000") from None
+    if value <= 0:
+        raise ValueError(f"{option}={text!r} must be positive")
+    return int(value * units[unit])
+
+
+def _warmup_requests(model, shapes: list[tuple[int, int, int]]) -> tuple:
+    """One request per shape at the card's default guidance and fewest steps: what Engine.warmup compiles."""
+    from fvgraph.request import Request
+
+    return tuple(
+        Request(prompt="warmup", num_inference_steps=model.recipe.allowed_steps[0], num_frames=f, height=h, width=w,
+                guidance_scale=model.recipe.default_guidance_scale, seed=0, request_id=f"warmup-{f}x{h}x{w}")  # fmt: skip
+        for f, h, w in shapes
+    )
 
 
 def _shape(text: str) -> tuple[int, int, int]:

@@ -40,10 +40,19 @@ class DrainingServer(uvicorn.Server):
         self._drain = drain
         self._loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
+        self.on_started: Callable[[str], None] | None = None
+
+    @property
+    def base_url(self) -> str:
+        """http://HOST:PORT as bound (the real port when 0 was asked for)."""
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        return f"http://{host}:{port}"
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
+        if self.started and self.on_started is not None:
+            self.on_started(self.base_url)
 
     def handle_exit(self, sig, frame) -> None:
         if self.draining or self._loop is None:  # a second signal, or one before startup: stop now
@@ -75,7 +84,9 @@ class HttpServer:
                                 lifespan="on")  # fmt: skip
         self.server = DrainingServer(config, self.app.state.drain)
 
-    def run(self) -> None:
+    def run(self, on_started: Callable[[str], None] | None = None) -> None:
+        """Serve until a signal has drained it; `on_started(base_url)` is called once it listens."""
+        self.server.on_started = on_started
         self.server.run()
 
     @contextmanager
@@ -88,9 +99,8 @@ class HttpServer:
             if not thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("the HTTP server did not start")
             time.sleep(0.01)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
         try:
-            yield f"http://{host}:{port}"
+            yield self.server.base_url
         finally:
             self.server.should_exit = True
             thread.join()
