@@ -63,6 +63,7 @@ class AsyncEngine:
         self._idle = asyncio.Event()
         # engine-thread side only
         self._deadlines: dict[str, float] = {}
+        self._accepted_at: dict[str, float] = {}
         self._reasons: dict[str, CancelReason] = {}
         self._in_engine: set[str] = set()
         self._started: set[str] = set()
@@ -134,11 +135,17 @@ class AsyncEngine:
         if timeout_s is not None and not timeout_s > 0:
             raise RequestRejected("timeout", f"{timeout_s} must be a positive number of seconds")
         resolved = request.resolve(self.engine.card)
-        self.admission.offer(resolved)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        # The thread learns of the request before admission can hand it over, so its deadline and
+        # start time are known when it enters the engine.
+        self._commands.put(("accepted", resolved.request_id, deadline, time.perf_counter()))
+        try:
+            self.admission.offer(resolved)
+        except BaseException:
+            self._commands.put(("refused", resolved.request_id))
+            raise
         self._known.add(resolved.request_id)
         self._idle.clear()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        self._commands.put(("accepted", resolved.request_id, deadline))
         self._deliver([RequestEvent(resolved.request_id, "queued")])
         return resolved.request_id
 
@@ -250,9 +257,13 @@ class AsyncEngine:
     def _handle(self, command: tuple) -> None:
         name = command[0]
         if name == "accepted":
-            _, request_id, deadline = command
+            _, request_id, deadline, accepted_at = command
+            self._accepted_at[request_id] = accepted_at
             if deadline is not None:
                 self._deadlines[request_id] = deadline
+        elif name == "refused":
+            self._deadlines.pop(command[1], None)
+            self._accepted_at.pop(command[1], None)
         elif name == "cancel":
             _, request_id, reason, answer = command
             answer.set_result(self._cancel(request_id, reason))
@@ -330,6 +341,9 @@ class AsyncEngine:
             owned.discard(request_id)
         self._deadlines.pop(request_id, None)
         self._phase_seconds.pop(request_id, None)
+        accepted_at = self._accepted_at.pop(request_id, None)
+        if accepted_at is not None:  # from acceptance, not from entering the engine: waiting counts too
+            result.timings["total"] = time.perf_counter() - accepted_at
         kind = _TERMINAL_KIND[result.status]
         self._send([RequestEvent(request_id, kind, error=result.error, result=result,
                                  reason=reason if kind == "cancelled" else None)])  # fmt: skip

@@ -28,12 +28,14 @@ def client(url: str, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(api_key=key, base_url=url + "/v1", max_retries=0)
 
 
-def slow_steps(monkeypatch, engine, seconds: float = 0.05) -> None:
-    """Every denoise step of the engine takes `seconds` longer (so a test can act while one runs)."""
+def slow_steps(monkeypatch, engine, seconds: float = 0.05, only: set[str] | None = None) -> None:
+    """Every denoise step of the engine (of the requests in `only`, when given; the set may be filled
+    later) takes `seconds` longer, so a test can act while one runs."""
     run_batch = engine.executor.run_batch
 
     def run(plans, lane=0):
-        if plans[0].kind.startswith("denoise"):
+        chosen = only is None or any(plan.request_id in only for plan in plans)
+        if chosen and plans[0].kind.startswith("denoise"):
             time.sleep(seconds)
         return run_batch(plans, lane)
 
