@@ -410,6 +410,7 @@ def parity(
 BENCHMARKS = {
     "step": "bench_step", "serving": "bench_serving", "scheduler": "bench_scheduler_overhead",
     "projection-cache": "bench_projection_cache", "coldstart": "bench_coldstart", "kernels": "bench_kernels",
+    "http": "bench_http",
 }  # fmt: skip
 
 

@@ -1,9 +1,7 @@
 """Admission over HTTP: 400 for what never fits, 429 with Retry-After for a full queue, timeouts say so."""
 
-import httpx2 as httpx
-import openai
 import pytest
-from http_helpers import KEY, QUICK, client, live_server, slow_steps, wait_for
+from http_helpers import httpx, openai, KEY, QUICK, client, live_server, slow_steps, wait_for
 
 from fvgraph.memory_reservation import MemoryModel
 from fvgraph.request import Request

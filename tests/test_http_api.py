@@ -4,10 +4,8 @@ import base64
 import io
 import json
 
-import httpx2 as httpx
-import openai
 import pytest
-from http_helpers import KEY, QUICK, client, live_server, slow_steps, wait_for
+from http_helpers import httpx, openai, KEY, QUICK, client, live_server, slow_steps, wait_for
 from PIL import Image
 
 from fvgraph.media_encode import decode_mp4

@@ -8,9 +8,8 @@ import sys
 import threading
 import time
 
-import httpx2 as httpx
 import pytest
-from http_helpers import KEY, QUICK, client, live_server, slow_steps, wait_for
+from http_helpers import httpx, KEY, QUICK, client, live_server, slow_steps, wait_for
 
 from fvgraph.media_encode import decode_mp4
 from fvgraph.video_store import StoredVideo, VideoStore

@@ -8,10 +8,8 @@ import gc
 import os
 import random
 
-import httpx2 as httpx
-import openai
 import pytest
-from http_helpers import KEY, live_server
+from http_helpers import httpx, openai, KEY, live_server
 
 from fvgraph.media_encode import decode_mp4
 
