@@ -97,7 +97,7 @@ def _request(body: _Body, card: ModelCard, request_id: str, max_prompt_chars: in
     for name in ("prompt", "negative_prompt"):
         text = getattr(body, name)
         if text is not None and len(text) > max_prompt_chars:
-            raise RequestRejected(name, f"{len(text)} characters exceed the limit of {max_prompt_chars} (--max-prompt-chars)")
+            raise RequestRejected(name, f"{len(text)} characters exceed the limit of {max_prompt_chars} this server takes")
     try:
         return Request(prompt=body.prompt, negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
                        guidance_scale=body.guidance_scale, seed=body.seed, request_id=request_id, **shape)  # fmt: skip
