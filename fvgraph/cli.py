@@ -172,8 +172,13 @@ def serve(
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running)  # fmt: skip
         if port is not None:
-            http = _http_server(engine, output_dir, port, host, api_key, max_queue, memory_budget, retention_s,
-                                drain_timeout, max_body_bytes, warmup_shape, cache_dir)  # fmt: skip
+            from fvgraph.http_server import HttpServer
+
+            http = HttpServer.from_options(
+                engine, output_dir, host=host, port=port, api_key=api_key, max_queue=max_queue, memory_budget=memory_budget,
+                retention_s=retention_s, drain_timeout_s=drain_timeout, max_body_bytes=max_body_bytes,
+                warmup_shapes=[_shape(text) for text in warmup_shape], warm_default_shape=cache_dir is not None,
+            )  # fmt: skip
         else:
             emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
             server = JsonlServer(engine, output_dir, emit, video_format=video_format, fps=fps)
@@ -188,48 +193,6 @@ def serve(
     with source:
         counts = server.serve(source)
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
-
-
-def _http_server(engine, output_dir: Path, port: int, host: str, api_key: Optional[str], max_queue: int,
-                 memory_budget: Optional[str], retention_s: float, drain_timeout: float, max_body_bytes: int,
-                 warmup_shape: list[str], cache_dir: Optional[Path]):  # fmt: skip
-    """`serve --port`: the HTTP server from serve's options."""
-    from fvgraph.http_app import HttpSettings
-    from fvgraph.http_server import HttpServer
-
-    shapes = [_shape(text) for text in warmup_shape]
-    if cache_dir is not None and not shapes:
-        rules = engine.card.shapes
-        shapes = [(rules.default_frames, rules.default_height, rules.default_width)]
-    settings = HttpSettings(api_key=api_key, max_body_bytes=max_body_bytes, retention_s=retention_s,
-                            drain_timeout_s=drain_timeout, warmup=_warmup_requests(engine.card, shapes))  # fmt: skip
-    budget = None if memory_budget is None else _bytes(memory_budget, "--memory-budget")
-    return HttpServer(engine, settings, output_dir, host=host, port=port, max_queue=max_queue, memory_budget=budget)
-
-
-def _bytes(text: str, option: str) -> int:
-    """'8GiB', '512MiB', '2e9' or a plain number of bytes."""
-    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
-    lowered = text.strip().lower()
-    unit = next((u for u in units if lowered.endswith(u)), "b")
-    try:
-        value = float(lowered[: len(lowered) - len(unit)] if lowered.endswith(unit) else lowered)
-    except ValueError:
-        raise ValueError(f"{option}={text!r} must be a size such as 8GiB, 512MiB or 2000000000") from None
-    if value <= 0:
-        raise ValueError(f"{option}={text!r} must be positive")
-    return int(value * units[unit])
-
-
-def _warmup_requests(model, shapes: list[tuple[int, int, int]]) -> tuple:
-    """One request per shape at the card's default guidance and fewest steps: what Engine.warmup compiles."""
-    from fvgraph.request import Request
-
-    return tuple(
-        Request(prompt="warmup", num_inference_steps=model.recipe.allowed_steps[0], num_frames=f, height=h, width=w,
-                guidance_scale=model.recipe.default_guidance_scale, seed=0, request_id=f"warmup-{f}x{h}x{w}")  # fmt: skip
-        for f, h, w in shapes
-    )
 
 
 def _shape(text: str) -> tuple[int, int, int]:

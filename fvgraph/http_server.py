@@ -23,10 +23,12 @@ from pathlib import Path
 import uvicorn
 
 from fvgraph.admission import Admission
+from fvgraph.card import ModelCard
 from fvgraph.async_engine import AsyncEngine
 from fvgraph.engine import Engine
 from fvgraph.http_app import HttpSettings, create_app
 from fvgraph.memory_reservation import MemoryModel, default_budget
+from fvgraph.request import Request
 from fvgraph.video_store import VideoStore
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,23 @@ class HttpServer:
         self.app = create_app(self.served, self.store, settings)
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
                                 lifespan="on")  # fmt: skip
-        self.server = DrainingServer(config, self.app.state.drain)
+        self.server = DrainingServer(config, self.app.state.api.drain)
+
+    @classmethod
+    def from_options(cls, engine: Engine, storage_dir: str | Path, *, host: str, port: int, api_key: str | None,
+                     max_queue: int, memory_budget: str | None, retention_s: float, drain_timeout_s: float,
+                     max_body_bytes: int, warmup_shapes: list[tuple[int, int, int]], warm_default_shape: bool) -> HttpServer:  # fmt: skip
+        """The server `fvgraph serve --port` builds from its options. `memory_budget` is a size such as
+        '60GiB'; with no `warmup_shapes` and `warm_default_shape` (a capture cache was given), the
+        card's default shape is warmed before /ready."""
+        shapes = list(warmup_shapes)
+        if warm_default_shape and not shapes:
+            rules = engine.card.shapes
+            shapes = [(rules.default_frames, rules.default_height, rules.default_width)]
+        settings = HttpSettings(api_key=api_key, max_body_bytes=max_body_bytes, retention_s=retention_s,
+                                drain_timeout_s=drain_timeout_s, warmup=warmup_requests(engine.card, shapes))  # fmt: skip
+        budget = None if memory_budget is None else parse_bytes(memory_budget, "--memory-budget")
+        return cls(engine, settings, storage_dir, host=host, port=port, max_queue=max_queue, memory_budget=budget)
 
     def run(self, on_started: Callable[[str], None] | None = None) -> None:
         """Serve until a signal has drained it; `on_started(base_url)` is called once it listens."""
@@ -104,3 +122,27 @@ class HttpServer:
         finally:
             self.server.should_exit = True
             thread.join()
+
+
+def parse_bytes(text: str, option: str) -> int:
+    """'8GiB', '512MiB', '2e9' or a plain number of bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.strip().lower()
+    unit = next((u for u in units if lowered.endswith(u)), "")
+    try:
+        value = float(lowered[: len(lowered) - len(unit)])
+    except ValueError:
+        raise ValueError(f"{option}={text!r} must be a size such as 8GiB, 512MiB or 2000000000") from None
+    if not value > 0:
+        raise ValueError(f"{option}={text!r} must be positive")
+    return int(value * units.get(unit, 1))
+
+
+def warmup_requests(card: ModelCard, shapes: list[tuple[int, int, int]]) -> tuple[Request, ...]:
+    """One request per (frames, height, width) at the card's default guidance and fewest steps: what
+    Engine.warmup compiles (or loads) every batch bucket for."""
+    return tuple(
+        Request(prompt="warmup", num_inference_steps=card.recipe.allowed_steps[0], num_frames=f, height=h, width=w,
+                guidance_scale=card.recipe.default_guidance_scale, seed=0, request_id=f"warmup-{f}x{h}x{w}")  # fmt: skip
+        for f, h, w in shapes
+    )

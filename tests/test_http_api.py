@@ -161,5 +161,8 @@ def test_malformed_bodies_get_400_naming_the_field_and_rule_while_others_are_ser
         api.videos.create(prompt="x", input_reference=("ref.png", reference.getvalue(), "image/png"))
     too_big = httpx.post(url + "/v1/videos", headers=headers, data={"prompt": "x" * (13 << 20)}, timeout=30)
     assert too_big.status_code == 413 and "--max-body-bytes" in too_big.json()["error"]["message"]
+    chunks = (b" " * (1 << 20) for _ in range(13))  # no Content-Length: the limit holds as the bytes arrive
+    streamed = httpx.post(url + "/v1/videos", headers={**headers, "Content-Type": "application/json"}, content=chunks, timeout=30)
+    assert streamed.status_code == 413 and streamed.json()["error"]["param"] == "body"
     assert len(srv.store) == before  # nothing refused left a record
     assert api.videos.poll(bystander.id, poll_interval_ms=20).status == "completed"
