@@ -177,7 +177,7 @@ def serve(
             http = HttpServer.from_options(
                 engine, output_dir, host=host, port=port, api_key=api_key, max_queue=max_queue, memory_budget=memory_budget,
                 retention_s=retention_s, drain_timeout_s=drain_timeout, max_body_bytes=max_body_bytes,
-                warmup_shapes=[_shape(text) for text in warmup_shape], warm_default_shape=cache_dir is not None,
+                warmup_shapes=[_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
             )  # fmt: skip
         else:
             emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
@@ -195,11 +195,11 @@ def serve(
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def _shape(text: str, option: str = "--shape") -> tuple[int, int, int]:
     try:
         frames, height, width = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"--shape={text!r} must be FRAMESxHEIGHTxWIDTH, e.g. 5x64x64") from None
+        raise ValueError(f"{option}={text!r} must be FRAMESxHEIGHTxWIDTH, e.g. 5x64x64") from None
     return frames, height, width
 
 

@@ -57,6 +57,30 @@ def test_deleting_a_running_video_cancels_it_and_frees_its_reservation(server, t
     assert not list(srv.store.root.glob(f"{video.id}*"))
 
 
+def test_a_step_that_raises_fails_only_its_video(server, tiny_engine, monkeypatch):
+    _, url = server
+    broken: set[str] = set()
+    run_batch = tiny_engine.executor.run_batch
+
+    def run(plans, lane=0):
+        if any(plan.request_id in broken and plan.step_index >= 2 for plan in plans):
+            raise RuntimeError("injected step failure")
+        return run_batch(plans, lane)
+
+    monkeypatch.setattr(tiny_engine.executor, "run_batch", run)
+    slow_steps(monkeypatch, tiny_engine, 0.02)
+    api = client(url)
+    victim = api.videos.create(prompt="victim", size="32x32", extra_body={**QUICK, "num_inference_steps": 20})
+    broken.add(victim.id)
+    neighbour = api.videos.create(prompt="neighbour", size="32x32", extra_body={**QUICK, "num_inference_steps": 6})
+    failed = api.videos.poll(victim.id, poll_interval_ms=20)
+    assert failed.status == "failed" and failed.error.code == "generation_failed"
+    assert "injected step failure" in failed.error.message
+    assert api.videos.poll(neighbour.id, poll_interval_ms=20).status == "completed"
+    with pytest.raises(openai.NotFoundError, match="is failed"):
+        api.videos.download_content(victim.id)
+
+
 def test_list_pages_newest_first(server):
     _, url = server
     api = client(url)

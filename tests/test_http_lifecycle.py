@@ -62,6 +62,17 @@ def test_drain_finishes_running_videos_cancels_what_outlasts_it_and_refuses_new_
     assert sorted(p.name for p in srv.store.root.iterdir()) == [f"{short.id}.jpg", f"{short.id}.mp4"]
 
 
+def test_serve_port_refuses_bad_options_by_name(tmp_path):
+    from typer.testing import CliRunner
+
+    from fvgraph.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "-O0", "--port", "0", "--memory-budget", "lots", "-o", str(tmp_path)])
+    assert result.exit_code == 2 and "--memory-budget='lots' must be a size such as 8GiB" in result.output
+    result = CliRunner().invoke(app, ["serve", "-O0", "--port", "0", "--warmup-shape", "9x64", "-o", str(tmp_path)])
+    assert result.exit_code == 2 and "--warmup-shape='9x64' must be FRAMESxHEIGHTxWIDTH" in result.output
+
+
 def test_sigterm_stops_the_cli_server_cleanly(tmp_path):
     command = [sys.executable, "-m", "fvgraph", "serve", "-O0", "--port", "0", "-o", str(tmp_path), "--drain-timeout", "10"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "FVGRAPH_API_KEY": KEY})
