@@ -11,7 +11,8 @@
     fvgraph_compiles_total, fvgraph_recompiles_total (compiles after the server became ready),
     fvgraph_capture_cache_hits_total, fvgraph_cuda_graph_replays_total, fvgraph_eager_fallbacks_total
 
-`bucket` is the batch bucket a compiled batch ran at, or "eager" when steps run one by one (-O0).
+`bucket` is the batch bucket a compiled batch ran at, or "eager" for steps run one by one (at -O0, and
+the step kinds the compiler leaves eager, such as text encoding and VAE decoding).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ class ServingMetrics:
     def __init__(self, served: AsyncEngine):
         self.registry = registry = CollectorRegistry()
         admission = served.admission
-        self.compiled = served.engine.compiler is not None
+        self.compiler = served.engine.compiler
         self.buckets = served.engine.buckets
         self.compiles_at_ready: int | None = None
         Gauge("fvgraph_queue_depth", "Accepted requests not started yet.", registry=registry).set_function(
@@ -92,7 +93,7 @@ class ServingMetrics:
             self.cancellations.labels(event.reason or "client").inc()
 
     def on_batch(self, step_kind: str, rows: int, seconds: float) -> None:
-        if self.compiled:
+        if self.compiler is not None and self.compiler.wants(step_kind):
             bucket = self.buckets.batch_for(min(rows, self.buckets.max_batch))
             occupancy = rows / bucket
         else:
