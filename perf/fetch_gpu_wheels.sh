@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 WHEELS=(
   diffusers==0.42.1 importlib-metadata==8.7.0
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.7.0 typing-inspection==0.4.5
-  # fvgraph serve --port (bench_http): the HTTP stack, metrics and PyAV (about 40 MB of the total)
+  # fvgraph serve --port (bench_http): the HTTP stack, metrics and PyAV (its wheel alone is most of the 47 MB)
   fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 anyio==4.16.0 idna==3.20
   uvicorn==0.54.0 h11==0.16.0 python-multipart==0.0.34 prometheus-client==0.26.0 av==18.1.0
   # the official client the HTTP tests drive the server with (tests/test_http_gpu.py)
