@@ -11,7 +11,8 @@ QueueFull: 429; EngineClosed: 503) and never blocks. Everything else reaches the
 command; the thread admits requests as memory frees (fvgraph.admission), ticks the engine, cancels
 requests whose deadline passed, and sends each request's events (fvgraph.request_events) back to the
 event loop, where listeners (the HTTP front end's store and metrics) and per-request subscribers see
-them in order. Every accepted request ends with exactly one terminal event.
+them in order. Every accepted request ends with exactly one terminal event, whose Result's
+`timings["total"]` runs from acceptance (time spent waiting for memory counts) to the end.
 """
 
 from __future__ import annotations

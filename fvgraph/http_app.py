@@ -145,12 +145,15 @@ class VideoApi:
             self.store.finish(item.id, "failed", {"code": event.reason, "message": CANCELLED.get(event.reason, "cancelled")})
 
     async def _finish_video(self, event: RequestEvent, item: StoredVideo) -> None:
+        """Encode and write the files on a worker thread (the event loop keeps serving meanwhile)."""
         frames = event.result.frames
-        try:
-            content = await asyncio.to_thread(
-                lambda: {"video": encode_mp4(frames, item.fps), "thumbnail": encode_image(frames[0], "jpeg")}
-            )
+
+        def encode_and_store() -> None:
+            content = {"video": encode_mp4(frames, item.fps), "thumbnail": encode_image(frames[0], "jpeg")}
             self.store.finish(item.id, "completed", content=content)
+
+        try:
+            await asyncio.to_thread(encode_and_store)
         except Exception as err:  # the request ran; its file could not be written
             log.exception("video %s: encoding failed", item.id)
             self.store.finish(item.id, "failed", {"code": "encoding_failed", "message": f"writing the mp4: {err!r}"})
