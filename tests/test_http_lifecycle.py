@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 from http_helpers import httpx, KEY, QUICK, client, live_server, slow_steps, wait_for
