@@ -198,7 +198,10 @@ class VideoApi:
         reference = fields.pop("input_reference", None)
         body = parse_body(VideoBody, fields)
         if reference is not None:
-            check_input_reference(reference if isinstance(reference, bytes) else str(reference).encode(), self.card)
+            if not isinstance(reference, bytes):  # a URL or file id: fetching what a client names is not done here
+                raise RequestRejected("input_reference", "must be the image itself, uploaded as a file in a multipart "
+                                                         "form; this server fetches no URLs or file ids")  # fmt: skip
+            check_input_reference(reference, self.card)
         parsed = video_request(body, self.card, self.store.new_id("video"), self.settings.max_prompt_chars)
         request = parsed.request
         item = self.store.add(StoredVideo(request.request_id, "video", self.card.card_id, body.prompt, parsed.size,

@@ -164,6 +164,7 @@ MALFORMED = [
     ({"data": {"prompt": "x", "model": "sora-2"}}, "model", "not served here"),
     ({"data": {"prompt": "x" * (10 << 20)}}, "prompt", "exceed the limit"),
     ({"data": {"prompt": "x"}, "files": {"input_reference": ("ref.png", b"not an image", "image/png")}}, "input_reference", "not a decodable image"),
+    ({"json": {"prompt": "x", "input_reference": {"image_url": "http://169.254.169.254/"}}}, "input_reference", "fetches no URLs"),
 ]  # fmt: skip
 
 
