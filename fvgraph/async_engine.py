@@ -101,6 +101,7 @@ class AsyncEngine:
             await self._idle.wait()
 
     async def close(self, drain_timeout_s: float = 0.0) -> None:
+        """Drain (by default cancelling whatever is still in flight at once) and stop the engine thread."""
         if self._thread is None:
             return
         await self.drain(drain_timeout_s)
