@@ -42,13 +42,15 @@ def test_content_expires_after_the_retention_and_its_files_are_deleted(tiny_engi
 
 def test_drain_finishes_running_videos_cancels_what_outlasts_it_and_refuses_new_ones(tiny_engine, tmp_path, monkeypatch):
     slowed: set[str] = set()
-    slow_steps(monkeypatch, tiny_engine, 0.1, only=slowed)  # the long one needs 5 s
-    with live_server(tiny_engine, tmp_path, drain_timeout_s=2.5) as (srv, url):
+    slow_steps(monkeypatch, tiny_engine, 0.2, only=slowed)  # the long one needs 10 s, and each tick 0.2 s
+    with live_server(tiny_engine, tmp_path, drain_timeout_s=4.0) as (srv, url):
         api = client(url)
         long = api.videos.create(prompt="long", size="32x32", extra_body={**QUICK, "num_inference_steps": 50})
         slowed.add(long.id)
         short = api.videos.create(prompt="short", size="32x32", extra_body={**QUICK, "num_inference_steps": 4, "num_frames": 5})
-        wait_for(lambda: api.videos.retrieve(long.id).status == "in_progress", what="both to run")
+        # the signal comes when the short one is half done: it needs about 3 more ticks, the long one 45
+        wait_for(lambda: api.videos.retrieve(long.id).status == "in_progress" and api.videos.retrieve(short.id).progress >= 50,
+                 what="both to run")  # fmt: skip
         srv.server.handle_exit(signal.SIGTERM, None)  # what the signal handler calls
         wait_for(lambda: srv.server.draining, what="draining")
         refused = httpx.post(url + "/v1/videos", headers={"Authorization": f"Bearer {KEY}"}, data={"prompt": "late"})
