@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import http.client
 import json
 import re
@@ -142,11 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--card", default=None, help="default: tiny-wan on CPU, wan2.1-1.3b-bench on GPU")
     args = parser.parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
         raise SystemExit("--gpu needs a CUDA device; run without --gpu for the CPU (tiny-wan) mode")
     args.device = "cuda" if args.gpu else "cpu"
-    args.card = "wan2.1-1.3b-bench" if args.gpu else "tiny-wan"
+    args.card = args.card or ("wan2.1-1.3b-bench" if args.gpu else "tiny-wan")
     args.opt_level = (2 if args.gpu else 1) if args.opt_level is None else args.opt_level
     shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shapes or (["17x256x256"] if args.gpu else ["5x32x32", "1x32x48"]))]
     mix = request_mix(args.requests, shapes)
@@ -164,6 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     report["warmup_s"] = round(time.perf_counter() - warm, 2)
     report["engine"] = run_engine(engine, mix, device)
     del engine
+    gc.collect()
     if args.gpu:
         torch.cuda.empty_cache()  # the server process needs the memory
 
