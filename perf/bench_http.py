@@ -110,9 +110,9 @@ def start_server(args: argparse.Namespace, cache_dir: Path, out_dir: Path, shape
     command = [sys.executable, "-m", "fvgraph", "serve", "--port", "0", "-O", str(args.opt_level), "--card", args.card,
                "--device", args.device, "--compile-backend", args.compile_backend, "-o", str(out_dir),
                "--max-running", str(args.max_running), "--max-queue", str(len(shapes) + args.requests)]  # fmt: skip
+    command += [arg for f, h, w in shapes for arg in ("--warmup-shape", f"{f}x{h}x{w}")]  # warm as the engine side was
     if args.opt_level >= 1:
         command += ["--cache-dir", str(cache_dir), "--fail-on-recompile"]
-        command += [arg for f, h, w in shapes for arg in ("--warmup-shape", f"{f}x{h}x{w}")]
     server = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(server.stderr), daemon=True).start()
