@@ -150,9 +150,19 @@ def serve(
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
     video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 needs imageio-ffmpeg)."),
     fps: int = typer.Option(8),
+    port: Optional[int] = typer.Option(None, help="Serve the OpenAI-style HTTP API on this port (0: any free one) instead of JSON lines."),
+    host: str = typer.Option("127.0.0.1", help="HTTP: the address to bind (0.0.0.0 to serve other machines)."),
+    api_key: Optional[str] = typer.Option(None, envvar="FVGRAPH_API_KEY", help="HTTP: every /v1 and /metrics call must send 'Authorization: Bearer KEY'."),
+    max_queue: int = typer.Option(256, help="HTTP: accepted requests not started yet; more get 429 with Retry-After."),
+    memory_budget: Optional[str] = typer.Option(None, help="HTTP: memory requests may reserve, e.g. 60GiB (default: 80% of free GPU memory, half of RAM on CPU)."),
+    retention_s: float = typer.Option(3600.0, help="HTTP: finished videos and their files are deleted this long after they end."),
+    drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
+    max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
+    warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
 ) -> None:
     """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
-    JSON result line per request as it ends. Requests arriving mid-run join the running batch."""
+    JSON result line per request as it ends; or, with --port, the OpenAI videos and images API over
+    HTTP (docs/serving.md). Requests arriving mid-run join the running batch."""
     import sys
 
     from fvgraph.jsonl_server import JsonlServer
@@ -161,22 +171,35 @@ def serve(
     try:
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running)  # fmt: skip
-        emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
-        server = JsonlServer(engine, output_dir, emit, video_format=video_format, fps=fps)
-        source = sys.stdin if requests == "-" else open(requests, encoding="utf-8")  # noqa: SIM115
+        if port is not None:
+            from fvgraph.http_server import HttpServer
+
+            http = HttpServer.from_options(
+                engine, output_dir, host=host, port=port, api_key=api_key, max_queue=max_queue, memory_budget=memory_budget,
+                retention_s=retention_s, drain_timeout_s=drain_timeout, max_body_bytes=max_body_bytes,
+                warmup_shapes=[_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
+            )  # fmt: skip
+        else:
+            emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
+            server = JsonlServer(engine, output_dir, emit, video_format=video_format, fps=fps)
+            source = sys.stdin if requests == "-" else open(requests, encoding="utf-8")  # noqa: SIM115
     except Exception as err:  # bad card, checkpoint, option or requests file: say why and stop
         Console(stderr=True).print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
+    if port is not None:
+        label = f"{engine.card.card_id} -O{engine.opt_level}"
+        http.run(on_started=lambda url: Console(stderr=True).print(f"serving {label} on {url}/v1", highlight=False))
+        return
     with source:
         counts = server.serve(source)
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
 
 
-def _shape(text: str) -> tuple[int, int, int]:
+def _shape(text: str, option: str = "--shape") -> tuple[int, int, int]:
     try:
         frames, height, width = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise ValueError(f"--shape={text!r} must be FRAMESxHEIGHTxWIDTH, e.g. 5x64x64") from None
+        raise ValueError(f"{option}={text!r} must be FRAMESxHEIGHTxWIDTH, e.g. 5x64x64") from None
     return frames, height, width
 
 
@@ -350,6 +373,7 @@ def parity(
 BENCHMARKS = {
     "step": "bench_step", "serving": "bench_serving", "scheduler": "bench_scheduler_overhead",
     "projection-cache": "bench_projection_cache", "coldstart": "bench_coldstart", "kernels": "bench_kernels",
+    "http": "bench_http",
 }  # fmt: skip
 
 

@@ -12,6 +12,7 @@
 #   FVGRAPH_GPU_PART=cache    bash perf/gpu_check.sh   # bench_projection_cache, ~2 min
 #   FVGRAPH_GPU_PART=kernels  bash perf/gpu_check.sh   # bench_kernels (Wan-1.3B / 14B kernel shapes), not yet timed (limit 9 min)
 #   FVGRAPH_GPU_PART=coldstart bash perf/gpu_check.sh  # bench_coldstart: cold vs warm start, 3 buckets, ~9 min
+#   FVGRAPH_GPU_PART=http     bash perf/gpu_check.sh   # bench_http: engine vs fvgraph serve --port at -O2 (4 buckets compiled once), not yet timed (limit 9.5 min)
 #   FVGRAPH_GPU_PART=all      bash perf/gpu_check.sh   # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -54,6 +55,7 @@ part serving && run bench_serving 480 python3 "$REPO"/perf/bench_serving.py --gp
 part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu
 part cache && run bench_projection_cache 150 python3 "$REPO"/perf/bench_projection_cache.py --gpu
 part coldstart && run bench_coldstart 570 python3 "$REPO"/perf/bench_coldstart.py --gpu --skip-cold-jit --timeout 540
+part http && run bench_http 570 python3 "$REPO"/perf/bench_http.py --gpu --startup-timeout 300
 part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
 cat "$OUT"/bench_*.log 2>/dev/null | grep -h '^{' >"$OUT/results.jsonl"
 echo "results in $OUT"

@@ -1,0 +1,379 @@
+"""The HTTP API of `fvgraph serve --port`: OpenAI's videos and images endpoints on an AsyncEngine.
+
+    POST   /v1/videos                     create (multipart form as the OpenAI SDK sends it, or JSON)
+    GET    /v1/videos                     list, newest first (after, limit, order)
+    GET    /v1/videos/{id}                the Video object
+    GET    /v1/videos/{id}/content        the mp4; ?variant=thumbnail gives a JPEG of the first frame
+    GET    /v1/videos/{id}/events         Server-Sent Events: started, one per step, the end, the final Video
+    DELETE /v1/videos/{id}                cancel at the next step boundary and delete the content
+    POST   /v1/images/generations         one frame through the same engine; b64_json or a URL
+    GET    /v1/images/{id}/content        the PNG behind such a URL
+    GET    /health, /ready, /metrics      liveness, readiness (warm), Prometheus metrics
+
+Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}; `param` names the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.datastructures import UploadFile
+
+from fvgraph.admission import QueueFull
+from fvgraph.async_engine import AsyncEngine, EngineClosed
+from fvgraph.http_guard import BodyTooLarge, HttpGuard
+from fvgraph.media_encode import encode_image, encode_mp4
+from fvgraph.openai_requests import (
+    ImageBody,
+    Parsed,
+    VideoBody,
+    check_input_reference,
+    image_request,
+    parse_body,
+    video_request,
+)
+from fvgraph.request import Request, RequestRejected
+from fvgraph.request_events import RequestEvent
+from fvgraph.serving_metrics import ServingMetrics
+from fvgraph.video_store import StoredVideo, VideoStore
+
+log = logging.getLogger(__name__)
+CANCELLED = {  # what a video cancelled by the server says, by reason (a client's DELETE removes the video)
+    "timeout": "cancelled when its timeout passed (field timeout)",
+    "shutdown": "cancelled: the server shut down before it finished",
+}
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """What `fvgraph serve --port` configures besides the engine."""
+
+    api_key: str | None = None  # Bearer key every /v1 and /metrics call must carry; None: open
+    max_body_bytes: int = 16 << 20  # larger request bodies get 413
+    max_prompt_chars: int = 20_000
+    retention_s: float = 3600.0  # finished videos and their files are deleted this long after they end
+    drain_timeout_s: float = 30.0  # on shutdown, running requests get this long before they are cancelled
+    warmup: tuple[Request, ...] = ()  # run through Engine.warmup before /ready says ready
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):  # fmt: skip
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers
+
+
+def _error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class VideoApi:
+    """The endpoints and what they share: the served engine, the store, the metrics, ready / draining."""
+
+    def __init__(self, served: AsyncEngine, store: VideoStore, settings: HttpSettings):
+        self.served, self.store, self.settings = served, store, settings
+        self.card = served.engine.card
+        self.metrics = ServingMetrics(served)
+        self.ready = False
+        self.draining = False
+        self._encodes: set[asyncio.Task] = set()
+        served.listeners.append(self.track)
+
+    # -- life cycle --------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        await self.served.start()
+        background = [asyncio.ensure_future(self._expire_loop()), asyncio.ensure_future(self._warm())]
+        try:
+            yield
+        finally:
+            for task in background:
+                task.cancel()
+            await self.drain()
+            await self.served.close()
+
+    async def _warm(self) -> None:
+        """Compile (or load) the warmup shapes before /ready says ready; requests that arrive first wait."""
+        try:
+            await self.served.warmup(self.settings.warmup)
+        except Exception:
+            log.exception("warmup failed; the server stays not ready")
+            return
+        self.metrics.ready(self.served.engine.counters.compiles)
+        self.ready = True
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(min(30.0, self.settings.retention_s / 4))
+            self.store.expire()
+
+    async def drain(self) -> None:
+        """Refuse new requests (503), let the running ones end (up to the drain timeout), then cancel
+        the rest and wait for every video's file to be written or its failure recorded."""
+        self.draining = True
+        await self.served.drain(self.settings.drain_timeout_s)
+        while self._encodes:
+            await asyncio.gather(*list(self._encodes), return_exceptions=True)
+
+    # -- each video's status, from its engine events -----------------------------------------------
+
+    def track(self, event: RequestEvent) -> None:
+        item = self.store.get(event.request_id)
+        if item is None or item.object != "video":
+            return
+        if event.kind == "started":
+            self.store.update(item.id, status="in_progress")
+        elif event.kind == "step" and event.total:
+            self.store.update(item.id, progress=min(99, int(100 * event.step / event.total)))
+        elif event.kind == "done":
+            task = asyncio.ensure_future(self._finish_video(event, item))
+            self._encodes.add(task)
+            task.add_done_callback(self._encodes.discard)
+        elif event.kind == "failed":
+            self.store.finish(item.id, "failed", {"code": "generation_failed", "message": event.error or "failed"})
+        elif event.kind == "cancelled":
+            self.store.finish(item.id, "failed", {"code": event.reason, "message": CANCELLED.get(event.reason, "cancelled")})
+
+    async def _finish_video(self, event: RequestEvent, item: StoredVideo) -> None:
+        """Encode and write the files on a worker thread (the event loop keeps serving meanwhile)."""
+        frames = event.result.frames
+
+        def encode_and_store() -> None:
+            content = {"video": encode_mp4(frames, item.fps), "thumbnail": encode_image(frames[0], "jpeg")}
+            self.store.finish(item.id, "completed", content=content)
+
+        try:
+            await asyncio.to_thread(encode_and_store)
+        except Exception as err:  # the request ran; its file could not be written
+            log.exception("video %s: encoding failed", item.id)
+            self.store.finish(item.id, "failed", {"code": "encoding_failed", "message": f"writing the mp4: {err!r}"})
+
+    # -- request bodies ----------------------------------------------------------------------------
+
+    async def _fields(self, http: HttpRequest) -> dict:
+        kind = http.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind == "application/json":
+            try:
+                fields = json.loads(await http.body())
+            except ValueError as err:
+                raise RequestRejected("body", f"is not valid JSON: {err}") from None
+            if not isinstance(fields, dict):
+                raise RequestRejected("body", f"must be a JSON object, got {type(fields).__name__}")
+            return fields
+        if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+            form = await http.form(max_part_size=self.settings.max_body_bytes)
+            fields = {}
+            for name, value in form.multi_items():
+                if name in fields:
+                    raise RequestRejected(name, "is given twice")
+                fields[name] = await value.read() if isinstance(value, UploadFile) else value
+            return fields
+        raise RequestRejected("body", f"Content-Type {kind or '(none)'!r} must be multipart/form-data or application/json")
+
+    def _accept(self, parsed: Parsed) -> None:
+        if self.draining:
+            raise EngineClosed("the server is shutting down and takes no new requests")
+        self.served.submit(parsed.request, parsed.timeout)
+
+    def _find(self, video_id: str) -> StoredVideo:
+        item = self.store.get(video_id)
+        if item is None or item.object != "video":
+            raise ApiError(404, f"no video {video_id!r} (it never existed, was deleted, or expired)", "video_id", "not_found")
+        return item
+
+    # -- /v1/videos --------------------------------------------------------------------------------
+
+    async def create_video(self, http: HttpRequest):
+        fields = await self._fields(http)
+        reference = fields.pop("input_reference", None)
+        body = parse_body(VideoBody, fields)
+        if reference is not None:
+            if not isinstance(reference, bytes):  # a URL or file id: fetching what a client names is not done here
+                raise RequestRejected("input_reference", "must be the image itself, uploaded as a file in a multipart "
+                                                         "form; this server fetches no URLs or file ids")  # fmt: skip
+            check_input_reference(reference, self.card)
+        parsed = video_request(body, self.card, self.store.new_id("video"), self.settings.max_prompt_chars)
+        request = parsed.request
+        item = self.store.add(StoredVideo(request.request_id, "video", self.card.card_id, body.prompt, parsed.size,
+                                          parsed.seconds, request.num_frames, parsed.fps, int(time.time())))  # fmt: skip
+        try:
+            self._accept(parsed)
+        except Exception:
+            self.store.remove(item.id)
+            raise
+        return item.to_json()
+
+    async def list_videos(self, after: str | None = None, limit: int = 20, order: str = "desc"):
+        if not 1 <= limit <= 100:
+            raise RequestRejected("limit", f"{limit} must be between 1 and 100")
+        if order not in ("asc", "desc"):
+            raise RequestRejected("order", f"{order!r} must be 'asc' or 'desc'")
+        try:
+            items, has_more = self.store.page(after, limit, order)
+        except KeyError:
+            raise RequestRejected("after", f"{after!r} is not a video id in this list") from None
+        data = [item.to_json() for item in items]
+        return {"object": "list", "data": data, "has_more": has_more,
+                "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}  # fmt: skip
+
+    async def get_video(self, video_id: str):
+        return self._find(video_id).to_json()
+
+    async def video_content(self, video_id: str, variant: str = "video"):
+        if variant not in ("video", "thumbnail"):
+            raise RequestRejected("variant", f"{variant!r} must be 'video' or 'thumbnail'")
+        item = self._find(video_id)
+        path = self.store.content(item.id, variant)
+        if path is None:
+            raise ApiError(404, f"video {video_id!r} is {item.status}: its content exists once it is completed",
+                           "video_id", "not_ready")  # fmt: skip
+        return FileResponse(path, media_type="video/mp4" if variant == "video" else "image/jpeg")
+
+    async def video_events(self, video_id: str):
+        item = self._find(video_id)
+        events = self.served.subscribe(item.id)  # before the snapshot: no event falls between the two
+        return StreamingResponse(self._event_stream(item.id, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store"})  # fmt: skip
+
+    async def _event_stream(self, video_id: str, events: asyncio.Queue):
+        """The Video now, its events up to the end, then the Video once its file is written."""
+        try:
+            if (now := self.store.get(video_id)) is not None:
+                yield _sse("video", now.to_json())
+            while self.served.knows(video_id):
+                event = await events.get()
+                yield _sse(event.kind, event.to_json())
+                if event.terminal:
+                    break
+            while (now := self.store.get(video_id)) is not None and now.status not in ("completed", "failed"):
+                await asyncio.sleep(0.02)  # the mp4 is being written
+            if now is not None:
+                yield _sse("video", now.to_json())
+        finally:  # the end, or a client that hung up
+            self.served.unsubscribe(video_id, events)
+
+    async def delete_video(self, video_id: str):
+        item = self._find(video_id)
+        self.store.remove(item.id)
+        await self.served.cancel(item.id)
+        return {"id": item.id, "object": "video.deleted", "deleted": True}
+
+    # -- /v1/images --------------------------------------------------------------------------------
+
+    async def generate_images(self, http: HttpRequest):
+        body = parse_body(ImageBody, await self._fields(http))
+        base = self.store.new_id("image")
+        parsed = [image_request(body, self.card, f"{base}-{i}" if body.n > 1 else base, self.settings.max_prompt_chars, i)
+                  for i in range(body.n)]  # fmt: skip
+        subscriptions = [(one.request.request_id, self.served.subscribe(one.request.request_id)) for one in parsed]
+        try:
+            for one in parsed:
+                self._accept(one)
+            results = await asyncio.gather(*(_result_of(events) for _, events in subscriptions))
+        finally:  # a refused or abandoned request takes the others of its call with it
+            for request_id, events in subscriptions:
+                self.served.unsubscribe(request_id, events)
+                await self.served.cancel(request_id)
+        data = []
+        for one, result in zip(parsed, results):
+            if not result.ok:
+                raise ApiError(503 if result.status == "cancelled" else 500,
+                               f"image {one.request.request_id} {result.status}: {result.error or 'cancelled'}")  # fmt: skip
+            png = await asyncio.to_thread(encode_image, result.frames[0], "png")
+            if body.response_format == "b64_json":
+                data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": None})
+                continue
+            item = self.store.add(StoredVideo(one.request.request_id, "image", self.card.card_id, body.prompt, one.size,
+                                              "0", 1, one.fps, int(time.time())))  # fmt: skip
+            self.store.finish(item.id, "completed", content={"image": png})
+            data.append({"url": str(http.base_url) + f"v1/images/{item.id}/content", "revised_prompt": None})
+        return {"created": int(time.time()), "data": data, "output_format": "png", "size": parsed[0].size}
+
+    async def image_content(self, image_id: str):
+        item = self.store.get(image_id)
+        path = None if item is None or item.object != "image" else self.store.content(item.id, "image")
+        if path is None:
+            raise ApiError(404, f"no image {image_id!r} (it never existed or expired)", "image_id", "not_found")
+        return FileResponse(path, media_type="image/png")
+
+    # -- operations --------------------------------------------------------------------------------
+
+    async def health(self):
+        alive = self.served.error is None
+        body = {"status": "ok" if alive else "engine_failed", "in_flight": self.served.in_flight}
+        return JSONResponse(body, 200 if alive else 503)
+
+    async def readiness(self):
+        is_ready = self.ready and not self.draining and self.served.error is None
+        return JSONResponse({"ready": is_ready, "draining": self.draining}, 200 if is_ready else 503)
+
+    async def prometheus(self):
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+ROUTES = [
+    ("POST", "/v1/videos", "create_video"), ("GET", "/v1/videos", "list_videos"),
+    ("GET", "/v1/videos/{video_id}", "get_video"), ("GET", "/v1/videos/{video_id}/content", "video_content"),
+    ("GET", "/v1/videos/{video_id}/events", "video_events"), ("DELETE", "/v1/videos/{video_id}", "delete_video"),
+    ("POST", "/v1/images/generations", "generate_images"), ("GET", "/v1/images/{image_id}/content", "image_content"),
+    ("GET", "/health", "health"), ("GET", "/ready", "readiness"), ("GET", "/metrics", "prometheus"),
+]  # fmt: skip
+
+
+def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -> FastAPI:
+    """The app; `app.state.api` is its VideoApi (`app.state.api.drain()` starts a drain)."""
+    api = VideoApi(served, store, settings)
+    app = FastAPI(title="fvgraph", lifespan=api.lifespan, exception_handlers=_error_handlers(api.metrics))
+    app.state.api = api
+    app.add_middleware(HttpGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
+                       on_reject=api.metrics.reject)  # fmt: skip
+    for method, path, name in ROUTES:
+        app.add_api_route(path, getattr(api, name), methods=[method])
+    return app
+
+
+def _error_handlers(metrics: ServingMetrics) -> dict:
+    """Each refusal as an OpenAI error body with its status, counted by reason."""
+
+    def refusal(status: int, reason: str, code: str, param: str | None = None, retry_after=None):
+        async def handle(_, err: Exception):
+            metrics.reject(reason)
+            headers = None if retry_after is None else {"Retry-After": str(retry_after(err))}
+            return JSONResponse(_error_body(str(err), status, param, code), status, headers=headers)
+
+        return handle
+
+    async def rejected(_, err: RequestRejected):
+        metrics.reject("memory" if err.field == "memory_budget" else "invalid")
+        return JSONResponse(_error_body(str(err), 400, err.field, "invalid_value"), 400)
+
+    async def api_error(_, err: ApiError):
+        return JSONResponse(_error_body(str(err), err.status, err.param, err.code), err.status, headers=err.headers)
+
+    return {
+        ApiError: api_error,
+        RequestRejected: rejected,
+        QueueFull: refusal(429, "queue_full", "queue_full", retry_after=lambda err: err.retry_after),
+        EngineClosed: refusal(503, "draining", "unavailable", retry_after=lambda err: 5),
+        BodyTooLarge: refusal(413, "too_large", "body_too_large", param="body"),
+    }
+
+
+async def _result_of(events: asyncio.Queue):
+    while not (event := await events.get()).terminal:
+        pass
+    return event.result
+
+
+def _sse(kind: str, body: dict) -> str:
+    return f"event: {kind}\ndata: {json.dumps(body)}\n\n"

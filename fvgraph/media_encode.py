@@ -1,0 +1,47 @@
+"""Generated frames as the bytes a client downloads: an H.264 mp4 (PyAV), a JPEG thumbnail, a PNG image."""
+
+from __future__ import annotations
+
+import io
+from fractions import Fraction
+
+import av
+import numpy as np
+from PIL import Image
+
+
+def _check(frames: np.ndarray) -> None:
+    if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
+        raise ValueError(f"frames must be uint8 [T>=1, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+
+
+def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
+    """uint8 [T, H, W, 3] -> H.264 (yuv420p, so H and W must be even) in an mp4, one frame per input frame."""
+    _check(frames)
+    _, height, width, _ = frames.shape
+    if height % 2 or width % 2:
+        raise ValueError(f"H.264 in yuv420p needs an even size, got {width}x{height}")
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"crf": "18", "preset": "veryfast"}
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())  # flush the encoder
+    return buffer.getvalue()
+
+
+def decode_mp4(data: bytes) -> np.ndarray:
+    """The inverse, for checks: uint8 [T, H, W, 3]."""
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+
+
+def encode_image(frame: np.ndarray, image_format: str) -> bytes:
+    """uint8 [H, W, 3] -> 'png' or 'jpeg' bytes."""
+    if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[-1] != 3:
+        raise ValueError(f"a frame must be uint8 [H, W, 3], got {frame.dtype} {list(frame.shape)}")
+    buffer = io.BytesIO()
+    Image.fromarray(frame).save(buffer, format=image_format.upper(), **({"quality": 90} if image_format == "jpeg" else {}))
+    return buffer.getvalue()

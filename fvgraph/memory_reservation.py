@@ -1,0 +1,98 @@
+"""How much memory a request holds while it is served, estimated from its shapes before it runs.
+
+A request that is running holds, besides the weights and compiled graphs every request shares:
+
+    loop_state      its latents, the sampler's history (carry) and its text embeddings (both CFG branches)
+    batch_lane      its row of the bucket's static buffers: the same step inputs again, plus the
+                    hoisted text K/V of every block (Wan 1.3B with CFG: about 190 MB)
+    activations     its rows of one denoise forward (both branches), times the worst padding of the
+                    batch buckets (with 1, 2, 4, 8 five requests run at 8: a factor of 1.6)
+    decoded_frames  the decoded video in float32 and as uint8 frames, plus the VAE decoder's working
+                    set for one chunk of frames at full resolution
+
+The activation and VAE figures are estimates (a fixed number of feature maps of the widest layer,
+named below), not measurements: they are what `--memory-budget` is charged with, so a request that
+could never fit is refused at once, and requests that do not fit now wait until others end.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fvgraph.request import Request
+
+# Feature maps of the widest layer alive at the peak of one DiT block: the FFN hidden state plus
+# q, k, v, the attention output and the residual stream (in inner-dim units).
+DIT_LIVE_INNER_MAPS = 6
+# Feature maps of the decoder's top-resolution width alive at once while it decodes one chunk
+# (residual blocks keep input, two convolutions and the causal cache of the previous chunk).
+VAE_LIVE_MAPS = 8
+# On a GPU the budget is this share of the memory free after the weights loaded; the rest is left to
+# the graph pools, the allocator's fragmentation and the CUDA context.
+CUDA_BUDGET_SHARE = 0.8
+# On a CPU the budget is this share of physical memory.
+CPU_BUDGET_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The bytes one request is charged, by part (see the module docstring)."""
+
+    request_id: str
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+class MemoryModel:
+    """Reads the facts an estimate needs from an engine's loaded components, once."""
+
+    def __init__(self, engine):
+        loop, card = engine.loop, engine.card
+        dit = loop.components.transformer.config
+        vae = loop.components.vae.config
+        self.dit_bytes = next(loop.components.transformer.parameters()).element_size()
+        self.inner = dit.num_attention_heads * dit.attention_head_dim
+        self.ffn = dit.ffn_dim
+        self.layers = dit.num_layers
+        self.patch = tuple(dit.patch_size)
+        self.channels = loop.latent_channels
+        self.temporal_scale, self.spatial_scale = loop.temporal_scale, loop.spatial_scale
+        self.text_len, self.text_dim = card.shapes.text_len, card.shapes.text_dim
+        self.carry = len(loop.sampler.initial_carry(torch.zeros(1)))
+        self.vae_top = vae.base_dim * vae.dim_mult[0]
+        buckets = engine.buckets.batch_sizes
+        self.padding = max(engine.buckets.batch_for(n) / n for n in range(1, buckets[-1] + 1))
+
+    def estimate(self, request: Request) -> Reservation:
+        """`request` resolved against the card (shapes filled in)."""
+        frames, height, width = request.num_frames, request.height, request.width
+        branches = 2 if request.do_cfg else 1
+        latent_frames = (frames - 1) // self.temporal_scale + 1
+        h, w = height // self.spatial_scale, width // self.spatial_scale
+        latent = self.channels * latent_frames * h * w * 4  # float32
+        embeds = branches * self.text_len * self.text_dim * self.dit_bytes
+        tokens = latent_frames * (h // self.patch[1]) * (w // self.patch[2]) // self.patch[0]
+        text_kv = branches * self.layers * 2 * self.text_len * self.inner * self.dit_bytes
+        forward = branches * tokens * (self.ffn + DIT_LIVE_INNER_MAPS * self.inner) * self.dit_bytes
+        chunk = min(frames, self.temporal_scale)
+        parts = {
+            "loop_state": (1 + self.carry) * latent + embeds,
+            "batch_lane": (1 + self.carry) * latent + embeds + text_kv,
+            "activations": int(forward * self.padding),
+            "decoded_frames": frames * height * width * 3 * (4 + 1) + VAE_LIVE_MAPS * self.vae_top * chunk * height * width * 4,
+        }
+        return Reservation(request.request_id, parts)
+
+
+def default_budget(device: torch.device) -> int:
+    """The memory requests may reserve when no `--memory-budget` is given (see the shares above)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * CUDA_BUDGET_SHARE)
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * CPU_BUDGET_SHARE)

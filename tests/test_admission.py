@@ -1,0 +1,54 @@
+"""Memory reservations from a request's shapes, and admission by them: FIFO, never past the budget."""
+
+import pytest
+
+from fvgraph.admission import Admission, QueueFull
+from fvgraph.memory_reservation import MemoryModel
+from fvgraph.request import Request, RequestRejected
+
+
+def _resolved(engine, name: str, **fields) -> Request:
+    base = {"num_frames": 5, "height": 32, "width": 32, "guidance_scale": 4.0}
+    return Request(prompt=name, request_id=name, **{**base, **fields}).resolve(engine.card)
+
+
+def test_the_estimate_follows_the_shapes_and_the_model_config(tiny_engine):
+    model = MemoryModel(tiny_engine)
+    dit = tiny_engine.loop.components.transformer.config
+    inner = dit.num_attention_heads * dit.attention_head_dim
+    shapes = tiny_engine.card.shapes
+    cfg = model.estimate(_resolved(tiny_engine, "cfg")).parts
+    plain = model.estimate(_resolved(tiny_engine, "plain", guidance_scale=1.0)).parts
+    text_kv = dit.num_layers * 2 * shapes.text_len * inner * 4  # fp32, one branch
+    embeds = shapes.text_len * shapes.text_dim * 4
+    assert cfg["batch_lane"] - cfg["loop_state"] == 2 * text_kv  # the lane holds the hoisted K/V of both branches
+    assert plain["batch_lane"] - plain["loop_state"] == text_kv
+    assert cfg["loop_state"] - plain["loop_state"] == embeds
+    assert cfg["activations"] == 2 * plain["activations"]
+    assert model.padding == 1.6  # buckets 1, 2, 4, 8: five requests run at 8
+    bigger = model.estimate(_resolved(tiny_engine, "big", num_frames=9, height=64, width=64)).parts
+    assert all(bigger[k] > cfg[k] for k in ("loop_state", "activations", "decoded_frames"))
+
+
+def test_admission_is_fifo_within_the_budget_and_refuses_what_never_fits(tiny_engine):
+    model = MemoryModel(tiny_engine)
+    small = model.estimate(_resolved(tiny_engine, "s")).total
+    large = model.estimate(_resolved(tiny_engine, "l", num_frames=9, height=64, width=64)).total
+    admission = Admission(model, budget_bytes=large + small // 2, max_queue=3, max_running=4)  # never both
+    with pytest.raises(RequestRejected, match="memory_budget: .* more than the whole budget"):
+        admission.offer(_resolved(tiny_engine, "huge", num_frames=33, height=256, width=256))
+
+    for name, fields in (("a", {}), ("big", {"num_frames": 9, "height": 64, "width": 64}), ("b", {})):
+        admission.offer(_resolved(tiny_engine, name, **fields))
+    with pytest.raises(QueueFull) as full:
+        admission.offer(_resolved(tiny_engine, "d"))
+    assert full.value.retry_after >= 1
+    assert [r.request_id for r in admission.admit()] == ["a"]  # "big" does not fit beside "a"; "b" waits behind it
+    assert admission.reserved_bytes == small and admission.queue_depth == 3
+    admission.started("a")
+    admission.release("a")
+    assert [r.request_id for r in admission.admit()] == ["big"]
+    assert admission.withdraw("b") is True and admission.admit() == []  # a client cancelled it while it waited
+    assert admission.withdraw("big") is False  # admitted already: it is the engine's to cancel
+    admission.release("big")
+    assert admission.reserved_bytes == 0 and admission.queue_depth == 0 and admission.running == 0
