@@ -1,0 +1,41 @@
+"""The benchmark method: cases interleaved with a rotating order, spreads, paired ratios, provenance."""
+
+import pytest
+import torch
+
+from fvgraph.perf.method import METHOD_VERSION, Case, interleaved, paired_ratio, provenance, spread
+
+CPU = torch.device("cpu")
+
+
+def test_rounds_time_every_case_once_in_a_rotating_order_after_an_untimed_warmup():
+    calls = []
+    cases = [Case(name, run=lambda n=name: calls.append(n), before=lambda n=name: calls.append("before-" + n))
+             for name in ("a", "b", "c")]  # fmt: skip
+    samples, warm = interleaved(cases, repeats=3, warmup=2, device=CPU)
+    timed = [c for c in calls[12:] if not c.startswith("before")]
+    assert calls[:4] == ["before-a", "a", "before-a", "a"]  # warmup: each case in turn, `before` each call
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert all(calls[12 + 2 * i] == "before-" + timed[i] for i in range(9))
+    assert {k: len(v) for k, v in samples.items()} == {"a": 3, "b": 3, "c": 3} and set(warm) == {"a", "b", "c"}
+
+
+def test_spread_and_paired_ratio():
+    assert spread([0.003, 0.001, 0.002], scale=1e3) == {"repeats": 3, "min": 1.0, "median": 2.0, "max": 3.0}
+    # per round, not ratio of medians: round 1 is 4 / 2, round 2 is 3 / 1
+    assert paired_ratio([4.0, 3.0], [2.0, 1.0]) == {"repeats": 2, "min": 2.0, "median": 2.5, "max": 3.0}
+    with pytest.raises(ValueError, match="one sample per round"):
+        paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="repeats=0"):
+        interleaved([Case("a", lambda: None)], repeats=0, warmup=0, device=CPU)
+    with pytest.raises(ValueError, match="distinct"):
+        interleaved([Case("a", lambda: None), Case("a", lambda: None)], repeats=1, warmup=0, device=CPU)
+
+
+def test_every_line_names_commit_method_and_machine():
+    line = provenance("step", CPU)
+    assert line["bench"] == "step" and line["method_version"] == METHOD_VERSION
+    assert line["commit"] != "" and line["machine"]["cores"] >= 1 and line["machine"]["torch"] == torch.__version__
