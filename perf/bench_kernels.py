@@ -12,7 +12,7 @@ FFN GEMMs have M = 28080). Each record has the median time, TFLOP/s (GEMMs, atte
 GEMMs can exceed 100% of the bf16 peak), and `vs_reference` = reference time / this time (> 1 is
 faster). GPU times come from triton.testing.do_bench (CUDA events, L2 flushed) or CUDA events; CPU times
 from time.perf_counter. With nsight-python importable and `ncu` on PATH, --gpu also records Nsight
-Compute metrics of the Triton kernels; otherwise one record says why it skipped them. Timing numbers on
+Compute metrics of the Triton kernel; otherwise one record says why it skipped them. Timing numbers on
 the CPU only show that the script runs; they say nothing about the GPU.
 """
 
@@ -112,43 +112,23 @@ def linear_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) ->
 
 
 def elementwise_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
-    """The fused memory-bound kernels: Triton vs torch reference; bytes = the minimum each must move."""
-    from fvgraph.kernels import guidance_euler as ge, norm_modulate as nm, qk_norm_rope as qk
+    """The fused memory-bound kernel: Triton vs torch reference; bytes = the minimum it must move."""
+    from fvgraph.kernels import norm_modulate as nm
 
     x = torch.randn(BATCH, tokens, m.dim, device=device, dtype=dtype)
     shift, scale = (torch.randn(BATCH, 1, m.dim, device=device) * 0.1 for _ in range(2))
-    w = torch.ones(m.dim, device=device, dtype=dtype)
-    cos, sin = (torch.randn(1, tokens, 1, m.head_dim, device=device) for _ in range(2))
-    latents = torch.randn(BATCH, 64 * tokens, device=device)  # 16 channels x 2x2 patch per token
-    cond, uncond = (torch.randn(BATCH, 64 * tokens, device=device, dtype=dtype) for _ in range(2))
-    g, dt = torch.full((BATCH,), 5.0, device=device), torch.full((BATCH,), -0.02, device=device)
     n, es = x.numel(), x.element_size()
-    specs = {  # kernel -> (reference, triton launcher, bytes)
-        "norm_modulate": (lambda: nm.norm_modulate_reference(x, shift, scale, 1e-6),
-                          ("norm_modulate_triton", "norm_modulate_triton", (x, shift, scale, 1e-6)), 2 * n * es),
-        "norm_modulate_quant": (lambda: nm.norm_modulate_quant_reference(x, shift, scale, 1e-6),
-                                ("norm_modulate_triton", "norm_modulate_triton", (x, shift, scale, 1e-6, True)),
-                                n * es + n + 4 * n // m.dim),
-        "qk_norm_rope": (lambda: qk.qk_norm_rope_reference(x, w, cos, sin, m.heads, 1e-6),
-                         ("qk_norm_rope_triton", "qk_norm_rope_triton", (x, w, cos, sin, m.heads, 1e-6)),
-                         2 * n * es + 2 * cos.numel() * 4),
-        "guidance_euler": (lambda: ge.guidance_euler_reference(latents, cond, uncond, g, dt),
-                           ("guidance_euler_triton", "guidance_euler_triton", (latents, cond, uncond, g, dt)),
-                           latents.numel() * (4 + 2 * cond.element_size() + 4)),
-    }  # fmt: skip
-    cases = []
-    for kernel, (reference, (module, fn_name, args), nbytes) in specs.items():
-        impls = {"torch_reference": reference}
-        if triton_ok:
-            launcher = getattr(importlib.import_module(f"fvgraph.kernels.{module}"), fn_name)
-            impls["triton"] = lambda launcher=launcher, args=args: launcher(*args)
-        shape = {"latents": list(latents.shape)} if kernel == "guidance_euler" else {"B": BATCH, "S": tokens, "D": m.dim}
-        cases.append(Case(kernel, shape, impls, "torch_reference", bytes=float(nbytes)))
-    return cases
+    impls = {"torch_reference": lambda: nm.norm_modulate_quant_reference(x, shift, scale, 1e-6)}
+    if triton_ok:
+        from fvgraph.kernels.norm_modulate_triton import norm_modulate_quant_triton
+
+        impls["triton"] = lambda: norm_modulate_quant_triton(x, shift, scale, 1e-6)
+    return [Case("norm_modulate_quant", {"B": BATCH, "S": tokens, "D": m.dim}, impls, "torch_reference",
+                 bytes=float(n * es + n + 4 * n // m.dim))]  # fmt: skip
 
 
 def attention_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
-    """SDPA per backend, the table's choice, and flashinfer when importable; reference = SDPA's default."""
+    """SDPA per backend and the table's choice (kernels/attention.py); reference = SDPA's default."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fvgraph.kernels import attention as at
@@ -163,12 +143,14 @@ def attention_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool)
 
         return run
 
-    impls = {"sdpa_default": lambda: F.scaled_dot_product_attention(qt, kt, vt), "sdpa_table": lambda: at.attention(q, k, v)}
+    def table_choice():
+        with at.sdpa_backend_for(tokens, m.head_dim, dtype, device):
+            return F.scaled_dot_product_attention(qt, kt, vt)
+
+    impls = {"sdpa_default": lambda: F.scaled_dot_product_attention(qt, kt, vt), "sdpa_table": table_choice}
     if device.type == "cuda":
         for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
             impls[f"sdpa_{name.split('_')[0].lower()}"] = pinned(getattr(SDPBackend, name))
-        if at.flashinfer_available():
-            impls["flashinfer"] = lambda: torch.ops.fvgraph.flashinfer_attention(q, k, v)
     shape = {"B": BATCH, "S": tokens, "H": m.heads, "Dh": m.head_dim,
              "table_choice": [b.name for b in at.sdpa_backends(tokens, m.head_dim, dtype, device)][:1]}  # fmt: skip
     return [Case("attention", shape, impls, "sdpa_default", flops=4.0 * BATCH * m.heads * tokens * tokens * m.head_dim)]
@@ -212,27 +194,18 @@ def nsight_skip_reason(args) -> str | None:
 
 
 def profile_with_nsight() -> None:
-    """--nsight-only: DRAM throughput of the Triton kernels at the Wan-1.3B 14040-token shape.
+    """--nsight-only: DRAM throughput of the Triton kernel at the Wan-1.3B 14040-token shape.
 
     nsight-python reruns this script (same arguments) under ncu, so this mode does nothing else.
     """
     import nsight
 
-    from fvgraph.kernels.guidance_euler_triton import guidance_euler_triton
-    from fvgraph.kernels.norm_modulate_triton import norm_modulate_triton
-    from fvgraph.kernels.qk_norm_rope_triton import qk_norm_rope_triton
+    from fvgraph.kernels.norm_modulate_triton import norm_modulate_quant_triton
 
     m, dev = GPU_MODELS[0], torch.device("cuda")
     x = torch.randn(BATCH, GPU_TOKENS[0], m.dim, device=dev, dtype=torch.bfloat16)
     shift, scale = torch.zeros(BATCH, 1, m.dim, device=dev), torch.zeros(BATCH, 1, m.dim, device=dev)
-    w, cos = torch.ones(m.dim, device=dev, dtype=torch.bfloat16), torch.ones(1, GPU_TOKENS[0], 1, m.head_dim, device=dev)
-    lat = torch.randn(BATCH, 64 * GPU_TOKENS[0], device=dev)
-    c, g = lat.bfloat16(), torch.ones(BATCH, device=dev)
-    kernels = {
-        "norm_modulate_quant": lambda: norm_modulate_triton(x, shift, scale, 1e-6, quant=True),
-        "qk_norm_rope": lambda: qk_norm_rope_triton(x, w, cos, cos, m.heads, 1e-6),
-        "guidance_euler": lambda: guidance_euler_triton(lat, c, c, g, g),
-    }
+    kernels = {"norm_modulate_quant": lambda: norm_modulate_quant_triton(x, shift, scale, 1e-6)}
     for fn in kernels.values():
         fn()  # compile outside the profiled ranges
 
