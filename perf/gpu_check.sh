@@ -6,8 +6,8 @@
 # Whole-model inductor compiles of the Wan 1.3B config take 90-120 s per shape and batch bucket on an
 # H200, so the check comes in parts that each fit one 10-minute call:
 #   FVGRAPH_GPU_PART=tests    bash perf/gpu_check.sh   # env, pytest -m gpu, -O2 vs -O0 parity (tiny-wan on CUDA), up to 9.5 min
-#   FVGRAPH_GPU_PART=step     bash perf/gpu_check.sh   # bench_step at 480x832x33, ~6 min
-#   FVGRAPH_GPU_PART=serving  bash perf/gpu_check.sh   # bench_serving (3 buckets; step at batch 1 and 8) + scheduler overhead, ~8 min
+#   FVGRAPH_GPU_PART=step     bash perf/gpu_check.sh   # bench_step at 480x832x33, batch 1, -O1/-O2/-O3 vs diffusers eager and regional compile
+#   FVGRAPH_GPU_PART=serving  bash perf/gpu_check.sh   # bench_serving (buckets 1, 4; load sweep vs diffusers servers) + scheduler overhead, not yet timed
 #   FVGRAPH_GPU_PART=cache    bash perf/gpu_check.sh   # bench_projection_cache, ~2 min
 #   FVGRAPH_GPU_PART=kernels  bash perf/gpu_check.sh   # bench_kernels (Wan-1.3B / 14B kernel shapes), not yet timed (limit 9 min)
 #   FVGRAPH_GPU_PART=coldstart bash perf/gpu_check.sh  # bench_coldstart: cold vs warm start, 3 buckets, ~9 min
@@ -44,8 +44,8 @@ part() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 part tests && run env 60 python3 -m fvgraph env --json
 part tests && run pytest_gpu 400 python3 -m pytest -m gpu -q -p no:cacheprovider "$REPO/tests"
 part tests && run parity_o2 130 python3 -m fvgraph parity --card tiny-wan -O2 --against 0 --device cuda --report "$OUT/parity_o2.jsonl"
-part step && run bench_step 570 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3
-part serving && run bench_serving 480 python3 "$REPO"/perf/bench_serving.py --gpu
+part step && run bench_step 570 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3 --batch 1 --baselines eager,compile_repeated_blocks
+part serving && run bench_serving 480 python3 "$REPO"/perf/bench_serving.py --gpu --buckets 1 4 --requests 12 --repeats 1
 part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu
 part cache && run bench_projection_cache 150 python3 "$REPO"/perf/bench_projection_cache.py --gpu
 part coldstart && run bench_coldstart 570 python3 "$REPO"/perf/bench_coldstart.py --gpu --skip-cold-jit --timeout 540
