@@ -7,11 +7,12 @@ torch SDPA, at Wan's shapes. One JSON object per (kernel, shape, implementation)
 
 Shapes (--gpu): Wan-1.3B (dim 1536, FFN 8960, 12 heads x 128) and Wan-14B (dim 5120, FFN 13824, 40 heads)
 at 14040 tokens (480x832x33: 9x30x52 patches) and 1280 tokens (256x256x17), batch 2 (a CFG pair, so the
-FFN GEMMs have M = 28080). Each record has the median time, TFLOP/s (GEMMs, attention) or GB/s
-(memory-bound kernels), the % of the H200's measured peak (bf16 matmul 754 TFLOP/s, copy 4.3 TB/s; FP8
-GEMMs can exceed 100% of the bf16 peak), and `vs_reference` = reference time / this time (> 1 is
-faster). GPU times come from triton.testing.do_bench (CUDA events, L2 flushed) or CUDA events; CPU times
-from time.perf_counter. With nsight-python importable and `ncu` on PATH, --gpu also records Nsight
+FFN GEMMs have M = 28080). The implementations of a case are timed interleaved (fvgraph.perf.method,
+5 rounds): each record has the time as min / median / max ms, TFLOP/s (GEMMs, attention) or GB/s
+(memory-bound kernels) and the % of the H200's measured peak (bf16 matmul 754 TFLOP/s, copy 4.3 TB/s;
+FP8 GEMMs can exceed 100% of the bf16 peak) at the median, and `vs_reference` = reference time / this
+time per round (> 1 is faster). A GPU sample is triton.testing.do_bench's mean (CUDA events, L2
+flushed) or CUDA events over 20 launches; a CPU sample is one call. With nsight-python importable and `ncu` on PATH, --gpu also records Nsight
 Compute metrics of the Triton kernel; otherwise one record says why it skipped them. Timing numbers on
 the CPU only show that the script runs; they say nothing about the GPU.
 """
@@ -27,11 +28,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from fvgraph.perf.method import Case as MethodCase, interleaved, paired_ratio, provenance, spread, sync, timed
 
 PEAK_BF16_TFLOPS = 754.0  # measured on the H200 (docs: DESIGN.md "On the GPU")
 PEAK_COPY_TBS = 4.3  # measured device-to-device copy on the H200
@@ -65,28 +67,21 @@ class Case:
     bytes: float = 0.0  # memory-bound ones GB/s
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, cpu_reps: int) -> float:
-    """Median (CPU) / mean over do_bench's window (GPU) milliseconds per call, after a warm-up call."""
-    fn()
-    if device.type == "cuda":
-        try:
-            import triton.testing
+def do_bench_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """One GPU sample: triton's do_bench mean over its window (CUDA events, L2 flushed), else 20 launches
+    between two CUDA events."""
+    try:
+        import triton.testing
 
-            return float(triton.testing.do_bench(fn, warmup=25, rep=100))
-        except ImportError:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 20
-    times = []
-    for _ in range(cpu_reps):
-        began = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100)) / 1e3
+    except ImportError:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20 / 1e3
 
 
 def linear_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
@@ -156,26 +151,32 @@ def attention_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool)
     return [Case("attention", shape, impls, "sdpa_default", flops=4.0 * BATCH * m.heads * tokens * tokens * m.head_dim)]
 
 
-def run_case(case: Case, model: str, device: torch.device, cpu_reps: int) -> list[dict]:
-    """Times every implementation of one case; an implementation that fails becomes a record with its error."""
-    ms = {}
-    out = []
+def run_case(case: Case, model: str, device: torch.device, repeats: int) -> list[dict]:
+    """Times every implementation of one case, interleaved (fvgraph.perf.method); an implementation
+    that fails its warm-up call becomes a record with its error."""
+    out, usable = [], []
     for impl, fn in case.impls.items():
-        rec = {"kernel": case.kernel, "model": model, "shape": case.shape, "impl": impl}
         try:
-            ms[impl] = time_ms(fn, device, cpu_reps)
+            fn()
+            sync(device)
         except Exception as e:  # e.g. a pinned SDPA backend that cannot take this shape
-            out.append({**rec, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            out.append({"kernel": case.kernel, "model": model, "shape": case.shape, "impl": impl,
+                        "error": f"{type(e).__name__}: {str(e)[:300]}"})  # fmt: skip
             continue
-        rec["ms"] = round(ms[impl], 4)
+        usable.append(MethodCase(impl, fn))
+    measure = do_bench_seconds if device.type == "cuda" else timed
+    samples, _ = interleaved(usable, repeats, warmup=0, device=device, measure=measure)
+    ms = {impl: statistics.median(s) * 1e3 for impl, s in samples.items()}
+    for impl, s in samples.items():
+        rec = {"kernel": case.kernel, "model": model, "shape": case.shape, "impl": impl, "ms": spread(s, 1e3, 4)}
         if case.flops:
             tflops = case.flops / ms[impl] / 1e9
             rec.update(tflops=round(tflops, 1), pct_of_bf16_peak=round(100 * tflops / PEAK_BF16_TFLOPS, 1))
         else:
             gbps = case.bytes / ms[impl] / 1e6
             rec.update(gbps=round(gbps, 1), pct_of_copy_peak=round(100 * gbps / (PEAK_COPY_TBS * 1e3), 1))
-        if case.reference in ms:
-            rec["vs_reference"] = round(ms[case.reference] / ms[impl], 3)
+        if case.reference in samples:
+            rec["vs_reference"] = paired_ratio(samples[case.reference], s)
         out.append(rec)
     return out
 
@@ -254,8 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if args.gpu else torch.float32  # the interpreter runs fp16/fp32 only
     out = open(args.out, "a") if args.out else None
 
+    head = provenance("kernels", device)
+
     def emit(rec: dict) -> None:
-        line = json.dumps({"device": torch.cuda.get_device_name() if args.gpu else "cpu", **rec})
+        line = json.dumps({**head, **rec})
         print(line, flush=True)
         if out:
             out.write(line + "\n")
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         for tokens in tokens_list:
             for build in (linear_cases, elementwise_cases, attention_cases):
                 for case in build(m, tokens, dtype, device, triton_ok):
-                    for rec in run_case(case, m.name, device, cpu_reps=5):
+                    for rec in run_case(case, m.name, device, repeats=5):
                         emit(rec)
                 if args.gpu:
                     torch.cuda.empty_cache()

@@ -135,7 +135,8 @@ def _run(cases: list[Case], repeats: int, warmup: int, device: torch.device):
                 case.before()
                 case.run()
             except Exception as err:  # noqa: BLE001 (any compile failure: the line records it)
-                emit({"bench": "step", "case": case.name, "compiles": False, "error": f"{type(err).__name__}: {err}"[:500]})
+                emit({**provenance("step", device), "case": case.name, "compiles": False,
+                      "error": f"{type(err).__name__}: {err}"[:500]})  # fmt: skip
                 continue
             compile_s[case.name] = time.perf_counter() - began
         usable.append(case)

@@ -60,10 +60,13 @@ def timed(run: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - began
 
 
-def interleaved(cases: list[Case], repeats: int, warmup: int, device: torch.device) -> tuple[dict, dict]:
+def interleaved(cases: list[Case], repeats: int, warmup: int, device: torch.device,
+                measure: Callable[[Callable[[], object], torch.device], float] = timed) -> tuple[dict, dict]:  # fmt: skip
     """Time `cases` interleaved: `warmup` untimed calls of each (in order), then `repeats` rounds that
     time every case once, the order rotated by one each round. Returns (samples in seconds per case,
-    one per round in round order; warmup seconds per case, compiles included)."""
+    one per round in round order; warmup seconds per case, compiles included). `measure(run, device)`
+    takes one sample in seconds: by default one call of `run` (`timed`); a kernel benchmark passes a
+    sampler that averages many launches (e.g. triton's do_bench)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
     names = [case.name for case in cases]
@@ -84,7 +87,7 @@ def interleaved(cases: list[Case], repeats: int, warmup: int, device: torch.devi
             case = cases[(r + k) % len(cases)]
             if case.before is not None:
                 case.before()
-            samples[case.name][r] = timed(case.run, device)
+            samples[case.name][r] = measure(case.run, device)
     return samples, warm
 
 

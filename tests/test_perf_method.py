@@ -39,3 +39,13 @@ def test_every_line_names_commit_method_and_machine():
     line = provenance("step", CPU)
     assert line["bench"] == "step" and line["method_version"] == METHOD_VERSION
     assert line["commit"] != "" and line["machine"]["cores"] >= 1 and line["machine"]["torch"] == torch.__version__
+
+
+def test_one_arrival_trace_scaled_to_each_offered_load():
+    from fvgraph.perf.bench_serving import arrivals_at, unit_gaps
+
+    gaps = unit_gaps(10)
+    slow, fast = arrivals_at(gaps, 0.5), arrivals_at(gaps, 2.0)
+    assert abs(slow[-1] - 20.0) < 1e-9 and abs(fast[-1] - 5.0) < 1e-9  # n requests at L req/s span n / L seconds
+    assert all(abs(a - 4 * b) < 1e-9 for a, b in zip(slow, fast))  # the same trace, scaled
+    assert unit_gaps(10) == gaps and unit_gaps(10, seed=1) != gaps
