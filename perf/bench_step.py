@@ -30,7 +30,10 @@ from fvgraph.request import Request
 
 GUIDANCE = 5.0
 # CPU goals (issue: measurements a skeptic accepts): fvgraph -O1 against diffusers + regional compile.
-GOALS = {"O1_vs_compile_repeated_blocks_b1": 1.3, "O1_vs_compile_repeated_blocks_per_request_step_bB": 2.0}
+# At batch B the goal is read two ways, both reported: against diffusers batching the same B requests
+# (like for like), and against diffusers serving them one at a time (its pipeline's serving model).
+GOALS = {"O1_vs_compile_repeated_blocks_b1": 1.3, "O1_vs_compile_repeated_blocks_per_request_step_bB": 2.0,
+         "O1_bB_per_request_step_vs_compile_repeated_blocks_b1": 2.0}
 
 
 def fvgraph_case(name: str, engine: Engine, request: Request, batch: int) -> Case:
@@ -109,6 +112,7 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
         if "diffusers_compile_repeated_blocks" in samples:  # against diffusers serving one request at a time
             one_at_a_time = [r * batch for r in samples["diffusers_compile_repeated_blocks"]]
             speedups["O1_bB_per_request_step_vs_compile_repeated_blocks_b1"] = paired_ratio(one_at_a_time, samples[ob])
+            goals["O1_bB_per_request_step_vs_compile_repeated_blocks_b1"] = speedups["O1_bB_per_request_step_vs_compile_repeated_blocks_b1"]
         key = f"O1_vs_compile_repeated_blocks_b{batch}_per_request_step"
         if key in speedups:
             goals["O1_vs_compile_repeated_blocks_per_request_step_bB"] = speedups[key]
