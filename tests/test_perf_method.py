@@ -49,3 +49,16 @@ def test_one_arrival_trace_scaled_to_each_offered_load():
     assert abs(slow[-1] - 20.0) < 1e-9 and abs(fast[-1] - 5.0) < 1e-9  # n requests at L req/s span n / L seconds
     assert all(abs(a - 4 * b) < 1e-9 for a, b in zip(slow, fast))  # the same trace, scaled
     assert unit_gaps(10) == gaps and unit_gaps(10, seed=1) != gaps
+
+
+def test_step_speedups_are_baseline_over_fvgraph_per_round_and_per_request_step_at_batch_b():
+    from fvgraph.perf.bench_step import speedups_and_goals
+
+    samples = {"fvgraph_O1": [1.0, 2.0], "diffusers_compile_repeated_blocks": [1.5, 3.0],
+               "fvgraph_O1_b4": [2.0, 2.0], "diffusers_compile_repeated_blocks_b4": [4.0, 5.0]}  # fmt: skip
+    speedups, goals = speedups_and_goals(samples, batch=4)
+    assert goals["O1_vs_compile_repeated_blocks_b1"]["median"] == 1.5  # 1.5 / 1 and 3 / 2
+    assert goals["O1_vs_compile_repeated_blocks_per_request_step_bB"] == {"repeats": 2, "min": 2.0, "median": 2.25, "max": 2.5}
+    # diffusers one request at a time: 4 x its batch-1 step against one batch-4 fvgraph step
+    assert goals["O1_bB_per_request_step_vs_compile_repeated_blocks_b1"]["min"] == 3.0
+    assert set(speedups) >= set(goals) - {"O1_vs_compile_repeated_blocks_per_request_step_bB"}
