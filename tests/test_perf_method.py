@@ -61,4 +61,4 @@ def test_step_speedups_are_baseline_over_fvgraph_per_round_and_per_request_step_
     assert goals["O1_vs_compile_repeated_blocks_per_request_step_bB"] == {"repeats": 2, "min": 2.0, "median": 2.25, "max": 2.5}
     # diffusers one request at a time: 4 x its batch-1 step against one batch-4 fvgraph step
     assert goals["O1_bB_per_request_step_vs_compile_repeated_blocks_b1"]["min"] == 3.0
-    assert set(speedups) >= set(goals) - {"O1_vs_compile_repeated_blocks_per_request_step_bB"}
+    assert speedups["O1_vs_diffusers_compile_repeated_blocks"] is goals["O1_vs_compile_repeated_blocks_b1"]
