@@ -151,6 +151,22 @@ def diffusers_capacity(servers: dict, requests: list[Request]) -> float:
     return figures["completed_rps"]
 
 
+def run_sweep(servers: dict, requests: list[Request], loads: list[float], repeats: int) -> list[dict]:
+    """Every system at every load on the same trace, `repeats` times, the systems' order rotating with
+    the load and the repeat; one row per load with each system's figures as spreads."""
+    gaps, names = unit_gaps(len(requests)), list(servers)
+    runs = {(load, name): [] for load in loads for name in names}
+    for repeat in range(repeats):
+        for j, load in enumerate(loads):
+            arrivals = arrivals_at(gaps, load)
+            for k in range(len(names)):
+                name = names[(repeat + j + k) % len(names)]
+                runs[(load, name)].append(servers[name]([r.model_copy() for r in requests], arrivals))
+    return [{"offered_rps": load, **{name: {key: spread([f[key] for f in runs[(load, name)]])
+                                            for key in ("p50_s", "p95_s", "completed_rps")} for name in names}}
+            for load in loads]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", action="store_true", help="Wan 1.3B config in bf16 on CUDA, fvgraph -O2")
@@ -184,22 +200,8 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--loads={args.loads}: every load must be > 0 requests/s")
     else:
         loads = [round(capacity * k, 3) for k in (0.5, 1, 2, 4, 8)]
-    gaps = unit_gaps(n)
     names = list(servers)
-    runs = {(load, name): [] for load in loads for name in names}
-    for repeat in range(args.repeats):
-        for j, load in enumerate(loads):
-            arrivals = arrivals_at(gaps, load)
-            for k in range(len(names)):  # the order rotates with the load and the repeat
-                name = names[(repeat + j + k) % len(names)]
-                runs[(load, name)].append(servers[name]([r.model_copy() for r in requests], arrivals))
-    sweep = []
-    for load in loads:
-        row = {"offered_rps": load}
-        for name in names:
-            figures = runs[(load, name)]
-            row[name] = {key: spread([f[key] for f in figures]) for key in ("p50_s", "p95_s", "completed_rps")}
-        sweep.append(row)
+    sweep = run_sweep(servers, requests, loads, args.repeats)
     emit({
         **provenance("serving", device), "card": card, "requests_per_load": n, "shapes": shapes,
         "steps_per_request": sorted({r.num_inference_steps for r in requests}), "buckets": list(buckets.batch_sizes),

@@ -62,3 +62,26 @@ def test_step_speedups_are_baseline_over_fvgraph_per_round_and_per_request_step_
     # diffusers one request at a time: 4 x its batch-1 step against one batch-4 fvgraph step
     assert goals["O1_bB_per_request_step_vs_compile_repeated_blocks_b1"]["min"] == 3.0
     assert speedups["O1_vs_diffusers_compile_repeated_blocks"] is goals["O1_vs_compile_repeated_blocks_b1"]
+
+
+def test_serving_sweep_gives_every_system_the_same_trace_at_each_load_in_rotating_order():
+    from fvgraph.perf.bench_serving import run_sweep
+    from fvgraph.request import Request
+
+    seen = []
+
+    def server(name):
+        def serve(requests, arrivals):
+            seen.append((name, tuple(round(t, 9) for t in arrivals)))
+            return {"p50_s": 1.0, "p95_s": 2.0, "completed_rps": len(requests) / arrivals[-1]}
+
+        return serve
+
+    requests = [Request(prompt="x", seed=i) for i in range(4)]
+    rows = run_sweep({"a": server("a"), "b": server("b")}, requests, [1.0, 2.0], repeats=2)
+    assert [name for name, _ in seen] == ["a", "b", "b", "a", "b", "a", "a", "b"]
+    for load_index in (0, 1):  # per load: one trace, whoever serves it
+        traces = {trace for i, (_, trace) in enumerate(seen) if (i // 2) % 2 == load_index}
+        assert len(traces) == 1
+    assert [row["offered_rps"] for row in rows] == [1.0, 2.0]
+    assert rows[1]["a"]["completed_rps"] == {"repeats": 2, "min": 2.0, "median": 2.0, "max": 2.0}
