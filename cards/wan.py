@@ -164,4 +164,28 @@ WAN_1_3B_BENCH = ModelCard.model_validate(
     }
 )
 
-CARDS = (TINY_WAN, WAN_2_1_T2V_1_3B, WAN_2_1_T2V_14B, WAN_1_3B_BENCH)
+# The default CPU workload of the benchmarks: the Wan 2.1 transformer at a width (4 heads of 128, as
+# the released models' head size), depth and default shape (9x128x128: 192 tokens) where one diffusers
+# eager CFG step is compute, not Python: sized for 50-200 ms on a 2-core x86 CPU in fp32, about 10
+# GFLOP per step. Seeded weights, tiny VAE and a one-layer text encoder of the text width; tiny-wan
+# stays the test card. Its outputs mean nothing; only their cost does.
+WAN_CPU_BENCH = ModelCard.model_validate(
+    {
+        **TINY_WAN.model_dump(),
+        "card_id": "wan-cpu-bench",
+        "components": _components(
+            dit={**WAN_1_3B_TRANSFORMER, "num_attention_heads": 4, "attention_head_dim": 128, "text_dim": 256,
+                 "ffn_dim": 1536, "num_layers": 3},
+            vae=TINY_WAN.components["vae"].config,
+            te={**TINY_WAN.components["text_encoder"].config, "d_model": 256, "d_kv": 64, "d_ff": 512, "num_layers": 1},
+            tok={"model_max_length": 64},
+            dit_dtype="fp32",
+        ),
+        "shapes": ShapeRules(
+            text_len=64, text_dim=256, max_height=256, max_width=256, max_frames=33,
+            default_height=128, default_width=128, default_frames=9,
+        ),
+    }
+)  # fmt: skip
+
+CARDS = (TINY_WAN, WAN_2_1_T2V_1_3B, WAN_2_1_T2V_14B, WAN_1_3B_BENCH, WAN_CPU_BENCH)

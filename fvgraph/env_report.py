@@ -8,11 +8,10 @@ import platform
 
 import torch
 
-# import name -> distribution name; GPU-only extras stay optional and import-guarded everywhere.
+# import name -> distribution name of the optional packages fvgraph's kernels use: Triton runs them,
+# nsight-python profiles them (perf/bench_kernels.py). Import-guarded everywhere.
 OPTIONAL_KERNEL_PACKAGES = {
     "triton": "triton",
-    "flashinfer": "flashinfer-python",
-    "cutlass": "nvidia-cutlass-dsl",
     "nsight": "nsight-python",
 }
 

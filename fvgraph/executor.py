@@ -1,8 +1,10 @@
 """Executors: run a WorkPlan's step function, eagerly or through its compiled graph.
 
 The eager executor is the reference every faster path is checked against, and the fallback when a
-faster path is unavailable. Both run each plan on its own (batch 1), so numerics never depend on
-which other requests happen to be in flight.
+faster path is unavailable. It runs each plan on its own (batch 1), so numerics never depend on which
+other requests happen to be in flight, unless it is given batch buckets (`padded`): then compatible
+plans run as one padded batch, as the compiled executor runs them, which is how the parity diff
+measures an eager side's batch-composition noise floor (fvgraph/parity.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 from torch import nn
 
 from fvgraph.buckets import BucketSpec
-from fvgraph.graph_runner import GraphRunner
+from fvgraph.graph_runner import GraphRunner, _request_rows
 from fvgraph.compiler import StepCompiler
 from fvgraph.counters import Counters
 from fvgraph.loop import StepResult, WorkPlan
@@ -39,9 +41,10 @@ def build_steps(loop: TextToVideoLoop, tap_points: TapPoints | None = None) -> d
 
 
 class EagerExecutor:
-    def __init__(self, steps: dict[str, nn.Module], counters: Counters):
+    def __init__(self, steps: dict[str, nn.Module], counters: Counters, padded: BucketSpec | None = None):
         self.steps = steps
         self.counters = counters
+        self.padded = padded  # None: one plan at a time; buckets: compatible plans as one padded batch
 
     def run(self, plan: WorkPlan) -> StepResult:
         step = self.steps.get(plan.kind)
@@ -52,8 +55,26 @@ class EagerExecutor:
             return step(**plan.inputs)
 
     def run_batch(self, plans: list[WorkPlan], lane: int = 0) -> list[StepResult]:
-        """Eager runs stay batch 1: a request's numerics never depend on its neighbours."""
-        return [self.run(plan) for plan in plans]
+        """Batch 1 per plan (a request's numerics never depend on its neighbours), or with `padded`
+        one batch padded with zero rows up to its bucket, each plan getting its rows of every output."""
+        if self.padded is None or len(plans) == 1 and self.padded.batch_for(1) == 1:
+            return [self.run(plan) for plan in plans]
+        step = self.steps[plans[0].kind]
+        bucket = self.padded.batch_for(len(plans))
+        inputs = {name: _padded_rows([plan.inputs[name] for plan in plans], bucket) for name in plans[0].inputs}
+        self.counters.eager_steps += len(plans)
+        with torch.no_grad():
+            outputs = step(**inputs)
+        rows = {name: _request_rows(out, bucket, len(plans)) for name, out in outputs.items()}
+        return [{name: rows[name][i] for name in outputs} for i in range(len(plans))]
+
+
+def _padded_rows(tensors: list[torch.Tensor], bucket: int) -> torch.Tensor:
+    """The plans' batch-1 tensors stacked, then zero rows up to `bucket` (the graph runner's padding)."""
+    batch = torch.cat(tensors, dim=0)
+    if batch.shape[0] == bucket:
+        return batch
+    return torch.cat([batch, batch.new_zeros(bucket - batch.shape[0], *batch.shape[1:])], dim=0)
 
 
 class CompiledExecutor:

@@ -9,11 +9,14 @@ Each pair of tensors gets max_abs, max_rel, rel_diff (||a - b|| / ||b||), the sm
 rtol 0) and rtol (at atol 0) that would pass, the argmax coordinate with both values, and NaN/Inf
 counts; it passes when |a - b| <= atol + rtol * |b| with the card's component tolerance for its
 precision. The noise floor is side A against itself with the other batch composition (together
-instead of one at a time, or the reverse); each comparison reports its max_abs next to the floor's.
+instead of one at a time, or the reverse; an eager side runs together as one padded batch, as the
+compiled executor does); each comparison reports its max_abs next to the floor's. When side B *is*
+side A at the other composition, that run is B itself, so the report says there is no floor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -23,6 +26,7 @@ import torch
 
 from fvgraph.compiler import CompileConfig
 from fvgraph.engine import Engine
+from fvgraph.executor import EagerExecutor
 from fvgraph.passes.manager import PassConfig
 from fvgraph.request import Request
 from fvgraph.taps import split_fused
@@ -60,7 +64,7 @@ class Comparison:
     b: float
     nan: int
     inf: int
-    floor_max_abs: float
+    floor_max_abs: float | None  # None: the report has no floor (config's noise_floor says why)
     passed: bool
 
 
@@ -95,8 +99,10 @@ class ParityReport:
         return path
 
 
-def run_taps(engine: Engine, requests: Sequence[Request], batched: bool) -> Taps:
-    """Every denoise step's taps (and new latents) of each request, run alone or all together."""
+def run_taps(engine: Engine, requests: Sequence[Request], batched: bool, batch_sizes: set[int] | None = None) -> Taps:
+    """Every denoise step's taps (and new latents) of each request, run alone or all together (an
+    eager engine then runs each step's group as one padded batch). `batch_sizes` collects the size of
+    every denoise group that ran."""
     index = {r.request_id: i for i, r in enumerate(requests)}
     taps: Taps = {}
 
@@ -110,10 +116,27 @@ def run_taps(engine: Engine, requests: Sequence[Request], batched: bool) -> Taps
             taps[(index[state.request_id], plan.step_index, name)] = value.float().cpu()
 
     groups = [list(requests)] if batched else [[r] for r in requests]
-    for group in groups:
-        for result in engine.generate([r.model_copy() for r in group], on_result=keep):
-            if not result.ok:
-                raise RuntimeError(f"parity run of request {result.request_id} {result.status}: {result.error}")
+    executor = engine.executor
+    run_batch = executor.run_batch
+
+    def recorded(plans, lane=0):
+        if batch_sizes is not None and plans[0].kind.startswith("denoise"):
+            batch_sizes.add(len(plans))
+        return run_batch(plans, lane)
+
+    eager = isinstance(executor, EagerExecutor)
+    executor.run_batch = recorded  # instance attribute: removed again below
+    if eager and batched:
+        executor.padded = engine.buckets
+    try:
+        for group in groups:
+            for result in engine.generate([r.model_copy() for r in group], on_result=keep):
+                if not result.ok:
+                    raise RuntimeError(f"parity run of request {result.request_id} {result.status}: {result.error}")
+    finally:
+        del executor.run_batch
+        if eager:
+            executor.padded = None
     return taps
 
 
@@ -161,17 +184,24 @@ def compare(card, requests: Sequence[Request], a: Setting, b: Setting, checkpoin
     # An FP8 side (opt level 3) is held to the card's fp8 tolerance, not the model's own precision's.
     precision = "fp8" if max(a.opt_level, b.opt_level) >= 3 else engine_a.card.recipe.precision
     tol = engine_a.card.parity.tolerance(precision, "component")
-    reference, other = run_taps(engine_a, requests, a.batched), run_taps(engine_b, requests, b.batched)
-    floor = run_taps(engine_a, requests, batched=not a.batched)
+    sizes = {"a": set(), "b": set(), "floor": set()}
+    reference = run_taps(engine_a, requests, a.batched, sizes["a"])
+    other = run_taps(engine_b, requests, b.batched, sizes["b"])
+    floor_setting = dataclasses.replace(a, batched=not a.batched)
+    if floor_setting == b:  # the floor run would be side b's run again: it would only restate b
+        floor, floor_note = None, "none: side b is side a at the other batch composition, which is what a floor measures"
+    else:
+        floor = run_taps(engine_a, requests, floor_setting.batched, sizes["floor"])
+        floor_note = f"side a against itself with the other batch composition ({floor_setting.label()})"
     report = ParityReport({
         "card": engine_a.card.card_id, "a": a.label(), "b": b.label(), "requests": len(requests),
-        "precision": precision, "atol": tol.atol, "rtol": tol.rtol,
-        "noise_floor": "side a against itself with the other batch composition",
+        "precision": precision, "atol": tol.atol, "rtol": tol.rtol, "noise_floor": floor_note,
+        "denoise_batch_sizes": {side: sorted(s) for side, s in sizes.items() if floor is not None or side != "floor"},
     })  # fmt: skip
     for key, ref in reference.items():  # dict order: request, then step, then tap in execution order
         if key not in other:
             raise KeyError(f"side b produced no tap {key[2]!r} at request {key[0]} step {key[1]}")
         row = diff(ref, other[key], tol.atol, tol.rtol)
-        floor_abs = (floor[key] - ref).abs().max().item() if key in floor else float("nan")
+        floor_abs = None if floor is None else (floor[key] - ref).abs().max().item() if key in floor else float("nan")
         report.comparisons.append(Comparison(request=key[0], step=key[1], tap=key[2], floor_max_abs=floor_abs, **row))
     return report

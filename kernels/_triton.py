@@ -19,7 +19,7 @@ log = logging.getLogger("fvgraph.kernels")
 @functools.cache
 def optional_module(name: str):
     """The module if it imports, else None (cached: installs do not change within a process). Every
-    optional kernel package (triton, flashinfer, the CUTLASS DSL) is probed through this."""
+    optional package is probed through this."""
     try:
         return importlib.import_module(name)
     except Exception:  # absent, or present but broken (no CUDA, ABI mismatch, sys.modules[name] = None)

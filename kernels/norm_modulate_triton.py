@@ -1,4 +1,4 @@
-"""Triton kernel for fvgraph::norm_modulate(_quant): one program per row, the whole row in registers.
+"""Triton kernel for fvgraph::norm_modulate_quant: one program per row, the whole row in registers.
 
 Imported only when Triton is importable (fvgraph.kernels.norm_modulate decides), or by the tests, which
 run it on the CPU under TRITON_INTERPRET=1. Reads x once, shift and scale once, writes the output once:
@@ -35,7 +35,7 @@ def _norm_modulate_kernel(
     x_ptr, shift_ptr, scale_ptr, out_ptr, qscale_ptr,
     S, D, eps,
     shift_sb, shift_ss, scale_sb, scale_ss,  # strides of shift / scale over (B, S); 0 where broadcast
-    QUANT: tl.constexpr, FP8_MAX_C: tl.constexpr, SCALE_MIN: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_MAX_C: tl.constexpr, SCALE_MIN: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)  # row * D passes 2^31 at batch 8 of 720p video
     b = row // S
@@ -51,15 +51,12 @@ def _norm_modulate_kernel(
     shift = tl.load(shift_ptr + b * shift_sb + s * shift_ss + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + b * scale_sb + s * scale_ss + cols, mask=mask, other=0.0).to(tl.float32)
     y = norm * (1.0 + scale) + shift
-    if QUANT:
-        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
-        qscale = tl.maximum(amax / FP8_MAX_C, SCALE_MIN)
-        # div_rn: IEEE division like torch's (Triton's `/` is approximate), so both round the same value.
-        q = _round_to_e4m3_grid(tl.minimum(tl.maximum(tl.div_rn(y, qscale), -FP8_MAX_C), FP8_MAX_C))
-        tl.store(out_ptr + row * D + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(qscale_ptr + row, qscale)
-    else:
-        tl.store(out_ptr + row * D + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    qscale = tl.maximum(amax / FP8_MAX_C, SCALE_MIN)
+    # div_rn: IEEE division like torch's (Triton's `/` is approximate), so both round the same value.
+    q = _round_to_e4m3_grid(tl.minimum(tl.maximum(tl.div_rn(y, qscale), -FP8_MAX_C), FP8_MAX_C))
+    tl.store(out_ptr + row * D + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(qscale_ptr + row, qscale)
 
 
 def _row_strides(t: torch.Tensor, b: int, s: int, d: int) -> tuple[torch.Tensor, int, int]:
@@ -70,20 +67,19 @@ def _row_strides(t: torch.Tensor, b: int, s: int, d: int) -> tuple[torch.Tensor,
     return t, t.stride(0), t.stride(1)
 
 
-def norm_modulate_triton(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float, quant: bool = False
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Launches the kernel; returns what fvgraph::norm_modulate (or, with quant, _quant) returns."""
+def norm_modulate_quant_triton(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launches the kernel; returns what fvgraph::norm_modulate_quant returns: (x_fp8, x_scale [B, S, 1])."""
     b, s, d = x.shape
     x = x.contiguous()
     shift, shift_sb, shift_ss = _row_strides(shift, b, s, d)
     scale, scale_sb, scale_ss = _row_strides(scale, b, s, d)
-    out = torch.empty(b, s, d, device=x.device, dtype=FP8_DTYPE if quant else x.dtype)
+    out = torch.empty(b, s, d, device=x.device, dtype=FP8_DTYPE)
     qscale = torch.empty(b, s, 1, device=x.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(d)
     _norm_modulate_kernel[(b * s,)](
         x, shift, scale, out, qscale, s, d, eps, shift_sb, shift_ss, scale_sb, scale_ss,
-        QUANT=quant, FP8_MAX_C=FP8_MAX, SCALE_MIN=FP8_SCALE_MIN, BLOCK_D=block_d,
-        num_warps=min(16, max(1, block_d // 256)),
+        FP8_MAX_C=FP8_MAX, SCALE_MIN=FP8_SCALE_MIN, BLOCK_D=block_d, num_warps=min(16, max(1, block_d // 256)),
     )  # fmt: skip
-    return (out, qscale) if quant else out
+    return out, qscale

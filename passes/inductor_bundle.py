@@ -1,7 +1,8 @@
-"""The one CustomGraphPass fvgraph installs as inductor's `post_grad_custom_post_pass`.
+"""The one CustomGraphPass for inductor's `post_grad_custom_post_pass`: empty today (every fvgraph pass
+is an FX pass), so the compiler installs nothing; it installs the bundle once it has a member.
 
 Inductor takes a single pass per hook (torch 2.11), so every inductor-level rewrite (pattern
-fusions, kernel swaps) goes through this bundle, in order. Its uuid hashes each member's source and
+fusions, kernel swaps) would go through this bundle, in order. Its uuid hashes each member's source and
 config: inductor folds it into the FX graph cache key, and a pass without a uuid would silently
 disable that cache.
 """

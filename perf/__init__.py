@@ -1,9 +1,6 @@
-"""Benchmarks that print JSON (installed as fvgraph.perf, so `fvgraph bench NAME` runs them too)."""
+"""Benchmarks that print JSON (installed as fvgraph.perf, so `fvgraph bench NAME` runs them too).
+How they time, compare and report is fvgraph.perf.method, the one method they share."""
 
-import torch
+from fvgraph.perf.method import sync
 
-
-def sync(device: torch.device) -> None:
-    """Wait for the device before reading a wall clock (a no-op on the CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+__all__ = ["sync"]

@@ -1,6 +1,6 @@
 """Cold start vs warm start: seconds from process start to the first finished request.
 
-    python perf/bench_coldstart.py                 # tiny-wan on the CPU, -O1, buckets 1,2,4
+    python perf/bench_coldstart.py                 # wan-cpu-bench on the CPU, -O1, buckets 1,2,4, 9x128x128
     python perf/bench_coldstart.py --gpu           # Wan 1.3B config, bf16, -O2, buckets 1,4,8, 17x256x256
 
 Each start is a fresh Python process that builds an engine, warms every batch bucket of one shape
@@ -9,7 +9,9 @@ Each start is a fresh Python process that builds an engine, warms every batch bu
 - cold: an empty capture cache, filled by this start (AOTInductor packages);
 - warm: the same capture cache, read by a new process.
 Every start gets an empty inductor cache of its own, so nothing comes from torch's caches: only the
-capture cache is shared. Prints one JSON object; `warm_over_cold` is the ratio the goal is about.
+capture cache is shared. Prints one JSON line (starting with fvgraph.perf.method's provenance) with
+each start's seconds as min / median / max over `--repeats` runs of the whole sequence;
+`warm_over_cold` is the per-repeat ratio the goal is about, with the same spread.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
+
+from fvgraph.perf.method import emit, paired_ratio, provenance, spread
 
 CHILD = """
 import json, sys, time
@@ -57,28 +63,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--buckets", default=None, help="Comma-separated batch buckets.")
     parser.add_argument("--skip-cold-jit", action="store_true", help="Leave out the start without capture cache.")
     parser.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per start.")
+    parser.add_argument("--repeats", type=int, default=1, help="Runs of the whole cold_jit / cold / warm sequence.")
     args = parser.parse_args(argv)
-    frames, height, width = (17, 256, 256) if args.gpu else (5, 64, 64)
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats={args.repeats} must be >= 1")
+    frames, height, width = (17, 256, 256) if args.gpu else (9, 128, 128)
     child = {
-        "card": "wan2.1-1.3b-bench" if args.gpu else "tiny-wan",
+        "card": "wan2.1-1.3b-bench" if args.gpu else "wan-cpu-bench",
         "device": "cuda" if args.gpu else "cpu",
         "opt_level": 2 if args.gpu else 1,
         "buckets": [int(b) for b in (args.buckets or ("1,4,8" if args.gpu else "1,2,4")).split(",")],
         "request": dict(prompt="a red fox", num_inference_steps=2, num_frames=frames, height=height, width=width, seed=0),
     }
-    with tempfile.TemporaryDirectory(prefix="fvgraph-coldstart-") as scratch:
-        scratch = Path(scratch)
-        report = {"bench": "coldstart", **{k: child[k] for k in ("card", "device", "opt_level", "buckets")},
-                  "shape": [frames, height, width]}  # fmt: skip
-        if not args.skip_cold_jit:
-            report["cold_jit"] = start({**child, "cache_dir": None}, scratch, args.timeout)
-        cache_dir = str(scratch / "capture_cache")
-        report["cold"] = start({**child, "cache_dir": cache_dir}, scratch, args.timeout)
-        report["warm"] = start({**child, "cache_dir": cache_dir}, scratch, args.timeout)
-    report["warm_over_cold"] = report["warm"]["seconds_to_first_result"] / report["cold"]["seconds_to_first_result"]
-    if "cold_jit" in report:
-        report["warm_over_cold_jit"] = report["warm"]["seconds_to_first_result"] / report["cold_jit"]["seconds_to_first_result"]
-    print(json.dumps(report))
+    runs = {"cold_jit": [], "cold": [], "warm": []}
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="fvgraph-coldstart-") as scratch:
+            scratch = Path(scratch)
+            if not args.skip_cold_jit:
+                runs["cold_jit"].append(start({**child, "cache_dir": None}, scratch, args.timeout))
+            cache_dir = str(scratch / "capture_cache")
+            runs["cold"].append(start({**child, "cache_dir": cache_dir}, scratch, args.timeout))
+            runs["warm"].append(start({**child, "cache_dir": cache_dir}, scratch, args.timeout))
+    seconds = {name: [r["seconds_to_first_result"] for r in rs] for name, rs in runs.items() if rs}
+    report = {**provenance("coldstart", torch.device(child["device"])), **{k: child[k] for k in ("card", "opt_level", "buckets")},
+              "shape": [frames, height, width], "seconds_to_first_result": {k: spread(v) for k, v in seconds.items()},
+              "counters": {name: rs[-1] for name, rs in runs.items() if rs},
+              "warm_over_cold": paired_ratio(seconds["warm"], seconds["cold"])}  # fmt: skip
+    if "cold_jit" in seconds:
+        report["warm_over_cold_jit"] = paired_ratio(seconds["warm"], seconds["cold_jit"])
+    emit(report)
 
 
 if __name__ == "__main__":

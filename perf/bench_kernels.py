@@ -7,12 +7,13 @@ torch SDPA, at Wan's shapes. One JSON object per (kernel, shape, implementation)
 
 Shapes (--gpu): Wan-1.3B (dim 1536, FFN 8960, 12 heads x 128) and Wan-14B (dim 5120, FFN 13824, 40 heads)
 at 14040 tokens (480x832x33: 9x30x52 patches) and 1280 tokens (256x256x17), batch 2 (a CFG pair, so the
-FFN GEMMs have M = 28080). Each record has the median time, TFLOP/s (GEMMs, attention) or GB/s
-(memory-bound kernels), the % of the H200's measured peak (bf16 matmul 754 TFLOP/s, copy 4.3 TB/s; FP8
-GEMMs can exceed 100% of the bf16 peak), and `vs_reference` = reference time / this time (> 1 is
-faster). GPU times come from triton.testing.do_bench (CUDA events, L2 flushed) or CUDA events; CPU times
-from time.perf_counter. With nsight-python importable and `ncu` on PATH, --gpu also records Nsight
-Compute metrics of the Triton kernels; otherwise one record says why it skipped them. Timing numbers on
+FFN GEMMs have M = 28080). The implementations of a case are timed interleaved (fvgraph.perf.method,
+5 rounds): each record has the time as min / median / max ms, TFLOP/s (GEMMs, attention) or GB/s
+(memory-bound kernels) and the % of the H200's measured peak (bf16 matmul 754 TFLOP/s, copy 4.3 TB/s;
+FP8 GEMMs can exceed 100% of the bf16 peak) at the median, and `vs_reference` = reference time / this
+time per round (> 1 is faster). A GPU sample is triton.testing.do_bench's mean (CUDA events, L2
+flushed) or CUDA events over 20 launches; a CPU sample is one call. With nsight-python importable and `ncu` on PATH, --gpu also records Nsight
+Compute metrics of the Triton kernel; otherwise one record says why it skipped them. Timing numbers on
 the CPU only show that the script runs; they say nothing about the GPU.
 """
 
@@ -27,11 +28,12 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from fvgraph.perf.method import Case as MethodCase, interleaved, paired_ratio, provenance, spread, sync, timed
 
 PEAK_BF16_TFLOPS = 754.0  # measured on the H200 (docs: DESIGN.md "On the GPU")
 PEAK_COPY_TBS = 4.3  # measured device-to-device copy on the H200
@@ -65,28 +67,21 @@ class Case:
     bytes: float = 0.0  # memory-bound ones GB/s
 
 
-def time_ms(fn: Callable[[], object], device: torch.device, cpu_reps: int) -> float:
-    """Median (CPU) / mean over do_bench's window (GPU) milliseconds per call, after a warm-up call."""
-    fn()
-    if device.type == "cuda":
-        try:
-            import triton.testing
+def do_bench_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """One GPU sample: triton's do_bench mean over its window (CUDA events, L2 flushed), else 20 launches
+    between two CUDA events."""
+    try:
+        import triton.testing
 
-            return float(triton.testing.do_bench(fn, warmup=25, rep=100))
-        except ImportError:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(20):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            return start.elapsed_time(end) / 20
-    times = []
-    for _ in range(cpu_reps):
-        began = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - began) * 1e3)
-    return statistics.median(times)
+        return float(triton.testing.do_bench(fn, warmup=25, rep=100)) / 1e3
+    except ImportError:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20 / 1e3
 
 
 def linear_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
@@ -112,43 +107,23 @@ def linear_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) ->
 
 
 def elementwise_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
-    """The fused memory-bound kernels: Triton vs torch reference; bytes = the minimum each must move."""
-    from fvgraph.kernels import guidance_euler as ge, norm_modulate as nm, qk_norm_rope as qk
+    """The fused memory-bound kernel: Triton vs torch reference; bytes = the minimum it must move."""
+    from fvgraph.kernels import norm_modulate as nm
 
     x = torch.randn(BATCH, tokens, m.dim, device=device, dtype=dtype)
     shift, scale = (torch.randn(BATCH, 1, m.dim, device=device) * 0.1 for _ in range(2))
-    w = torch.ones(m.dim, device=device, dtype=dtype)
-    cos, sin = (torch.randn(1, tokens, 1, m.head_dim, device=device) for _ in range(2))
-    latents = torch.randn(BATCH, 64 * tokens, device=device)  # 16 channels x 2x2 patch per token
-    cond, uncond = (torch.randn(BATCH, 64 * tokens, device=device, dtype=dtype) for _ in range(2))
-    g, dt = torch.full((BATCH,), 5.0, device=device), torch.full((BATCH,), -0.02, device=device)
     n, es = x.numel(), x.element_size()
-    specs = {  # kernel -> (reference, triton launcher, bytes)
-        "norm_modulate": (lambda: nm.norm_modulate_reference(x, shift, scale, 1e-6),
-                          ("norm_modulate_triton", "norm_modulate_triton", (x, shift, scale, 1e-6)), 2 * n * es),
-        "norm_modulate_quant": (lambda: nm.norm_modulate_quant_reference(x, shift, scale, 1e-6),
-                                ("norm_modulate_triton", "norm_modulate_triton", (x, shift, scale, 1e-6, True)),
-                                n * es + n + 4 * n // m.dim),
-        "qk_norm_rope": (lambda: qk.qk_norm_rope_reference(x, w, cos, sin, m.heads, 1e-6),
-                         ("qk_norm_rope_triton", "qk_norm_rope_triton", (x, w, cos, sin, m.heads, 1e-6)),
-                         2 * n * es + 2 * cos.numel() * 4),
-        "guidance_euler": (lambda: ge.guidance_euler_reference(latents, cond, uncond, g, dt),
-                           ("guidance_euler_triton", "guidance_euler_triton", (latents, cond, uncond, g, dt)),
-                           latents.numel() * (4 + 2 * cond.element_size() + 4)),
-    }  # fmt: skip
-    cases = []
-    for kernel, (reference, (module, fn_name, args), nbytes) in specs.items():
-        impls = {"torch_reference": reference}
-        if triton_ok:
-            launcher = getattr(importlib.import_module(f"fvgraph.kernels.{module}"), fn_name)
-            impls["triton"] = lambda launcher=launcher, args=args: launcher(*args)
-        shape = {"latents": list(latents.shape)} if kernel == "guidance_euler" else {"B": BATCH, "S": tokens, "D": m.dim}
-        cases.append(Case(kernel, shape, impls, "torch_reference", bytes=float(nbytes)))
-    return cases
+    impls = {"torch_reference": lambda: nm.norm_modulate_quant_reference(x, shift, scale, 1e-6)}
+    if triton_ok:
+        from fvgraph.kernels.norm_modulate_triton import norm_modulate_quant_triton
+
+        impls["triton"] = lambda: norm_modulate_quant_triton(x, shift, scale, 1e-6)
+    return [Case("norm_modulate_quant", {"B": BATCH, "S": tokens, "D": m.dim}, impls, "torch_reference",
+                 bytes=float(n * es + n + 4 * n // m.dim))]  # fmt: skip
 
 
 def attention_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
-    """SDPA per backend, the table's choice, and flashinfer when importable; reference = SDPA's default."""
+    """SDPA per backend and the table's choice (kernels/attention.py); reference = SDPA's default."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fvgraph.kernels import attention as at
@@ -163,37 +138,45 @@ def attention_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool)
 
         return run
 
-    impls = {"sdpa_default": lambda: F.scaled_dot_product_attention(qt, kt, vt), "sdpa_table": lambda: at.attention(q, k, v)}
+    def table_choice():
+        with at.sdpa_backend_for(tokens, m.head_dim, dtype, device):
+            return F.scaled_dot_product_attention(qt, kt, vt)
+
+    impls = {"sdpa_default": lambda: F.scaled_dot_product_attention(qt, kt, vt), "sdpa_table": table_choice}
     if device.type == "cuda":
         for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
             impls[f"sdpa_{name.split('_')[0].lower()}"] = pinned(getattr(SDPBackend, name))
-        if at.flashinfer_available():
-            impls["flashinfer"] = lambda: torch.ops.fvgraph.flashinfer_attention(q, k, v)
     shape = {"B": BATCH, "S": tokens, "H": m.heads, "Dh": m.head_dim,
              "table_choice": [b.name for b in at.sdpa_backends(tokens, m.head_dim, dtype, device)][:1]}  # fmt: skip
     return [Case("attention", shape, impls, "sdpa_default", flops=4.0 * BATCH * m.heads * tokens * tokens * m.head_dim)]
 
 
-def run_case(case: Case, model: str, device: torch.device, cpu_reps: int) -> list[dict]:
-    """Times every implementation of one case; an implementation that fails becomes a record with its error."""
-    ms = {}
-    out = []
+def run_case(case: Case, model: str, device: torch.device, repeats: int) -> list[dict]:
+    """Times every implementation of one case, interleaved (fvgraph.perf.method); an implementation
+    that fails its warm-up call becomes a record with its error."""
+    out, usable = [], []
     for impl, fn in case.impls.items():
-        rec = {"kernel": case.kernel, "model": model, "shape": case.shape, "impl": impl}
         try:
-            ms[impl] = time_ms(fn, device, cpu_reps)
+            fn()
+            sync(device)
         except Exception as e:  # e.g. a pinned SDPA backend that cannot take this shape
-            out.append({**rec, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            out.append({"kernel": case.kernel, "model": model, "shape": case.shape, "impl": impl,
+                        "error": f"{type(e).__name__}: {str(e)[:300]}"})  # fmt: skip
             continue
-        rec["ms"] = round(ms[impl], 4)
+        usable.append(MethodCase(impl, fn))
+    measure = do_bench_seconds if device.type == "cuda" else timed
+    samples, _ = interleaved(usable, repeats, warmup=0, device=device, measure=measure)
+    ms = {impl: statistics.median(s) * 1e3 for impl, s in samples.items()}
+    for impl, s in samples.items():
+        rec = {"kernel": case.kernel, "model": model, "shape": case.shape, "impl": impl, "ms": spread(s, 1e3, 4)}
         if case.flops:
             tflops = case.flops / ms[impl] / 1e9
             rec.update(tflops=round(tflops, 1), pct_of_bf16_peak=round(100 * tflops / PEAK_BF16_TFLOPS, 1))
         else:
             gbps = case.bytes / ms[impl] / 1e6
             rec.update(gbps=round(gbps, 1), pct_of_copy_peak=round(100 * gbps / (PEAK_COPY_TBS * 1e3), 1))
-        if case.reference in ms:
-            rec["vs_reference"] = round(ms[case.reference] / ms[impl], 3)
+        if case.reference in samples:
+            rec["vs_reference"] = paired_ratio(samples[case.reference], s)
         out.append(rec)
     return out
 
@@ -212,27 +195,18 @@ def nsight_skip_reason(args) -> str | None:
 
 
 def profile_with_nsight() -> None:
-    """--nsight-only: DRAM throughput of the Triton kernels at the Wan-1.3B 14040-token shape.
+    """--nsight-only: DRAM throughput of the Triton kernel at the Wan-1.3B 14040-token shape.
 
     nsight-python reruns this script (same arguments) under ncu, so this mode does nothing else.
     """
     import nsight
 
-    from fvgraph.kernels.guidance_euler_triton import guidance_euler_triton
-    from fvgraph.kernels.norm_modulate_triton import norm_modulate_triton
-    from fvgraph.kernels.qk_norm_rope_triton import qk_norm_rope_triton
+    from fvgraph.kernels.norm_modulate_triton import norm_modulate_quant_triton
 
     m, dev = GPU_MODELS[0], torch.device("cuda")
     x = torch.randn(BATCH, GPU_TOKENS[0], m.dim, device=dev, dtype=torch.bfloat16)
     shift, scale = torch.zeros(BATCH, 1, m.dim, device=dev), torch.zeros(BATCH, 1, m.dim, device=dev)
-    w, cos = torch.ones(m.dim, device=dev, dtype=torch.bfloat16), torch.ones(1, GPU_TOKENS[0], 1, m.head_dim, device=dev)
-    lat = torch.randn(BATCH, 64 * GPU_TOKENS[0], device=dev)
-    c, g = lat.bfloat16(), torch.ones(BATCH, device=dev)
-    kernels = {
-        "norm_modulate_quant": lambda: norm_modulate_triton(x, shift, scale, 1e-6, quant=True),
-        "qk_norm_rope": lambda: qk_norm_rope_triton(x, w, cos, cos, m.heads, 1e-6),
-        "guidance_euler": lambda: guidance_euler_triton(lat, c, c, g, g),
-    }
+    kernels = {"norm_modulate_quant": lambda: norm_modulate_quant_triton(x, shift, scale, 1e-6)}
     for fn in kernels.values():
         fn()  # compile outside the profiled ranges
 
@@ -281,8 +255,10 @@ def main(argv: list[str] | None = None) -> None:
     dtype = torch.bfloat16 if args.gpu else torch.float32  # the interpreter runs fp16/fp32 only
     out = open(args.out, "a") if args.out else None
 
+    head = provenance("kernels", device)
+
     def emit(rec: dict) -> None:
-        line = json.dumps({"device": torch.cuda.get_device_name() if args.gpu else "cpu", **rec})
+        line = json.dumps({**head, **rec})
         print(line, flush=True)
         if out:
             out.write(line + "\n")
@@ -293,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         for tokens in tokens_list:
             for build in (linear_cases, elementwise_cases, attention_cases):
                 for case in build(m, tokens, dtype, device, triton_ok):
-                    for rec in run_case(case, m.name, device, cpu_reps=5):
+                    for rec in run_case(case, m.name, device, repeats=5):
                         emit(rec)
                 if args.gpu:
                     torch.cuda.empty_cache()

@@ -1,25 +1,22 @@
 """Eager denoise-step time with and without the Wan projection cache, side by side in one run.
 
-    python perf/bench_projection_cache.py                       # tiny-wan on the CPU (seconds)
+    python perf/bench_projection_cache.py                       # wan-cpu-bench on the CPU
     python perf/bench_projection_cache.py --gpu                 # Wan 1.3B config, bf16, 480x832x33
     python perf/bench_projection_cache.py --gpu --shape 720x1280x81
 
 One transformer (random init; the numbers depend on shapes, not on weight values) and one set of
-inputs serve both variants: the cache is applied and removed around alternating rounds, so drift in
-clocks or thermals hits both alike. A step is the whole CFG DenoiseStep (cond + uncond + UniPC
-update), timed warm: in steady state every step after a request's first one hits. The first step of
-a request (misses plus hashing the prompt embeddings, one host sync each) is timed separately as
-`first_step_ms_with`. GPU timing uses CUDA events; CPU timing uses time.perf_counter. Prints JSON.
+inputs serve both variants: the cache is applied and removed before each timed call, and the cases
+are interleaved (fvgraph.perf.method), so drift in clocks or thermals hits both alike. A step is the
+whole CFG DenoiseStep (cond + uncond + UniPC update), timed warm: in steady state every step after a
+request's first one hits. The first step of a request (misses plus hashing the prompt embeddings, one
+host sync each) is its own case, `first_step_with`. Prints one JSON line, every figure as min /
+median / max over the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 from diffusers import WanTransformer3DModel
@@ -27,6 +24,7 @@ from diffusers import WanTransformer3DModel
 from fvgraph.cards import get_card
 from fvgraph.cards.wan import WAN_1_3B_TRANSFORMER, WAN_2_1_T2V_1_3B
 from fvgraph.components import _cast
+from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 from fvgraph.projection_cache import ExactProjectionCache
 from fvgraph.projection_cache_wan import apply_projection_cache, remove_projection_cache
 from fvgraph.samplers import build_sampler
@@ -53,9 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpu", action="store_true", help="Wan 1.3B config, bf16, CUDA (default: tiny-wan, CPU)")
     parser.add_argument("--shape", help="HxWxF, pixels and frames (default: 480x832x33 with --gpu, else the card's)")
     parser.add_argument("--text-len", type=int, help="prompt tokens (default: 512 with --gpu, the card's on CPU)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per variant per round")
-    parser.add_argument("--rounds", type=int, default=5, help="alternating with/without rounds")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant before timing")
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 12 CPU, 10 GPU)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant before timing")
     parser.add_argument("--max-bytes", type=int, default=2 * 1024**3, help="cache byte budget")
     return parser.parse_args(argv)
 
@@ -70,7 +67,7 @@ def bench_setup(args: argparse.Namespace) -> BenchSetup:
         card_id, config, dtype, device = WAN_2_1_T2V_1_3B.card_id, WAN_1_3B_TRANSFORMER, torch.bfloat16, "cuda"
         shape, text_len = args.shape or "480x832x33", args.text_len or 512
     else:
-        card = get_card("tiny-wan")
+        card = get_card("wan-cpu-bench")
         card_id, config, dtype, device = card.card_id, card.components["transformer"].config, torch.float32, "cpu"
         s = card.shapes
         shape = args.shape or f"{s.default_height}x{s.default_width}x{s.default_frames}"
@@ -117,75 +114,55 @@ def build_inputs(setup: BenchSetup, step: DenoiseStep) -> dict[str, torch.Tensor
     return inputs
 
 
-def time_calls(fn: Callable[[], object], n: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of `n` calls: CUDA events on a GPU, perf_counter on the CPU."""
-    if device.type != "cuda":
-        times = []
-        for _ in range(n):
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-        return times
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    torch.cuda.synchronize()
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return [start.elapsed_time(end) for start, end in events]
-
-
 def run(args: argparse.Namespace) -> dict:
     setup = bench_setup(args)
     step = build_step(setup)
     inputs = build_inputs(setup, step)
-    steps = args.steps or (3 if args.gpu else 10)
     transformer, cache = step.transformer, ExactProjectionCache(max_bytes=args.max_bytes)
+    state = {"applied": False}
+    counts: list[tuple[int, int]] = []  # (hits, misses) of each "with" call, its warmup calls first
+
+    def use_cache(on: bool, cold: bool = False) -> None:
+        if on and not state["applied"]:
+            apply_projection_cache(transformer, cache)
+        elif not on and state["applied"]:
+            remove_projection_cache(transformer)
+        state["applied"] = on
+        if cold:
+            cache.clear()  # a new request: every projection misses and the embeddings are hashed again
 
     def call():
-        return step(**inputs)
+        with torch.no_grad():
+            return step(**inputs)
 
-    def cold_call():
-        cache.clear()  # a new request: every projection misses and the embeddings are hashed again
-        return call()
+    def counted_call():
+        before = cache.stats
+        call()
+        after = cache.stats
+        counts.append((after.hits - before.hits, after.misses - before.misses))
 
-    without, with_cache, first, hits, misses = [], [], [], 0, 0
-    with torch.no_grad():
-        for variant_round in range(args.rounds):
-            time_calls(call, args.warmup if variant_round == 0 else 1, setup.device)
-            without += time_calls(call, steps, setup.device)
-            apply_projection_cache(transformer, cache)
-            try:
-                first += time_calls(cold_call, 1, setup.device)
-                time_calls(call, args.warmup if variant_round == 0 else 1, setup.device)
-                before = cache.stats
-                with_cache += time_calls(call, steps, setup.device)
-                after = cache.stats
-                hits, misses = hits + after.hits - before.hits, misses + after.misses - before.misses
-            finally:
-                remove_projection_cache(transformer)
-    per_step_without, per_step_with = statistics.median(without), statistics.median(with_cache)
-    on_gpu = setup.device.type == "cuda"
+    cases = [
+        Case("without", call, before=lambda: use_cache(False)),
+        Case("with", counted_call, before=lambda: use_cache(True)),
+        Case("first_step_with", call, before=lambda: use_cache(True, cold=True)),
+    ]
+    samples, _ = interleaved(cases, args.repeats or (10 if args.gpu else 12), args.warmup, setup.device)
+    use_cache(False)
+    hits, misses = (sum(c[k] for c in counts[args.warmup :]) for k in (0, 1))
     return {
-        "card": setup.card_id,
-        "device": torch.cuda.get_device_name(setup.device) if on_gpu else f"cpu ({torch.get_num_threads()} threads)",
+        **provenance("projection_cache", setup.device), "card": setup.card_id,
         "dtype": str(setup.dtype).removeprefix("torch."),
         "shape": {"height": setup.height, "width": setup.width, "frames": setup.frames, "text_len": setup.text_len,
                   "latents": list(inputs["latents"].shape)},  # fmt: skip
-        "steps": steps * args.rounds,
-        "rounds": args.rounds,
-        "per_step_ms_without": round(per_step_without, 4),
-        "per_step_ms_with": round(per_step_with, 4),
-        "first_step_ms_with": round(statistics.median(first), 4),
-        "speedup": round(per_step_without / per_step_with, 4),
-        "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+        "per_step_ms": {name: spread(values, 1e3) for name, values in samples.items()},
+        "speedup_per_round": paired_ratio(samples["without"], samples["with"]),
+        "hit_rate_with": round(hits / (hits + misses), 4) if hits + misses else 0.0,
         "stats": dataclasses.asdict(cache.stats),
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    print(json.dumps(run(parse_args(argv)), indent=2))
+    emit(run(parse_args(argv)))
 
 
 if __name__ == "__main__":

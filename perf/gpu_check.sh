@@ -7,8 +7,8 @@
 # H200, so the check comes in parts that each fit one 10-minute call:
 #   FVGRAPH_GPU_PART=tests    bash perf/gpu_check.sh   # env, pytest -m gpu but the capture-cache test, up to 9 min
 #   FVGRAPH_GPU_PART=aoti     bash perf/gpu_check.sh   # the capture-cache test (AOTInductor packages on CUDA), -O2 vs -O0 parity, up to 9 min
-#   FVGRAPH_GPU_PART=step     bash perf/gpu_check.sh   # bench_step at 480x832x33, ~6 min
-#   FVGRAPH_GPU_PART=serving  bash perf/gpu_check.sh   # bench_serving (3 buckets; step at batch 1 and 8) + scheduler overhead, ~8 min
+#   FVGRAPH_GPU_PART=step     bash perf/gpu_check.sh   # bench_step at 480x832x33, batch 1, -O1/-O2/-O3 vs diffusers eager and regional compile
+#   FVGRAPH_GPU_PART=serving  bash perf/gpu_check.sh   # bench_serving (buckets 1, 4; load sweep vs diffusers servers) + scheduler overhead, not yet timed
 #   FVGRAPH_GPU_PART=cache    bash perf/gpu_check.sh   # bench_projection_cache, ~2 min
 #   FVGRAPH_GPU_PART=kernels  bash perf/gpu_check.sh   # bench_kernels (Wan-1.3B / 14B kernel shapes), not yet timed (limit 9 min)
 #   FVGRAPH_GPU_PART=coldstart bash perf/gpu_check.sh  # bench_coldstart: cold vs warm start, 3 buckets, ~9 min
@@ -50,8 +50,8 @@ part tests && run env 40 python3 -m fvgraph env --json
 part tests && run pytest_gpu 500 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "not capture_cache" "$REPO/tests"
 part aoti && run pytest_gpu_aoti 330 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k capture_cache "$REPO/tests"
 part aoti && run parity_o2 200 python3 -m fvgraph parity --card tiny-wan -O2 --against 0 --device cuda --report "$OUT/parity_o2.jsonl"
-part step && run bench_step 570 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3
-part serving && run bench_serving 480 python3 "$REPO"/perf/bench_serving.py --gpu
+part step && run bench_step 570 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3 --batch 1 --baselines eager,compile_repeated_blocks
+part serving && run bench_serving 480 python3 "$REPO"/perf/bench_serving.py --gpu --buckets 1 4 --requests 12 --repeats 1
 part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu
 part cache && run bench_projection_cache 150 python3 "$REPO"/perf/bench_projection_cache.py --gpu
 part coldstart && run bench_coldstart 570 python3 "$REPO"/perf/bench_coldstart.py --gpu --skip-cold-jit --timeout 540

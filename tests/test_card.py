@@ -5,6 +5,7 @@ from pydantic import ValidationError
 
 from fvgraph.card import ModelCard, RecipeSpec
 from fvgraph.cards import card_names, get_card
+from fvgraph.request import Request
 
 
 def _with(card, **changes):
@@ -49,3 +50,15 @@ def test_distilled_recipe_rejects_steps_it_was_not_trained_for(tiny_engine, tiny
     distilled = tiny_card.model_copy(update={"card_id": "tiny-wan-4step", "recipe": recipe})
     with pytest.raises(RequestRejected, match="recipe 'dmd2'"):
         Request(prompt="x", num_inference_steps=50).resolve(distilled)
+
+
+def test_wan_cpu_bench_is_the_wan_architecture_at_a_cpu_benchmark_size():
+    """The benchmarks' CPU card: diffusers' Wan transformer with the released head size, seeded, and a
+    default shape it accepts (the step's cost is checked by perf/, not here)."""
+    card = get_card("wan-cpu-bench")
+    dit = card.components["transformer"]
+    assert dit.cls == "diffusers.WanTransformer3DModel" and card.embeds_weights and card.seed is not None
+    assert dit.config["attention_head_dim"] == get_card("wan2.1-1.3b-bench").components["transformer"].config["attention_head_dim"]
+    assert dit.config["text_dim"] == card.shapes.text_dim == card.components["text_encoder"].config["d_model"]
+    resolved = Request(prompt="a fox").resolve(card)
+    assert (resolved.num_frames, resolved.height, resolved.width) == (9, 128, 128)

@@ -1,9 +1,19 @@
-"""Eager fvgraph equals diffusers' own WanPipeline given the same weights, embeddings, seed and scheduler."""
+"""Eager fvgraph equals diffusers' own WanPipeline given the same weights, embeddings, seed and scheduler.
+
+The pipeline runs its own module instances, built apart from the engine's from the same seeded card
+(equal weights, checked by content hash): the engine's transformer has the projection cache bound
+into its forwards, the pipeline's has nothing of fvgraph in it, so a projection-cache error shows
+here. A second engine with the projection cache off is held to the same reference.
+"""
 
 import pytest
 import torch
 from diffusers import WanPipeline
 
+from fvgraph.cards import get_card
+from fvgraph.components import load_components
+from fvgraph.engine import Engine
+from fvgraph.projection_cache_wan import request_constant_projections
 from fvgraph.request import Request
 from fvgraph.samplers import diffusers_scheduler
 from conftest import embeds
@@ -11,9 +21,15 @@ from conftest import embeds
 SHAPE = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 6}
 
 
+def _rebound(transformer) -> list[str]:
+    """Names of the request-constant projections whose forward is an instance attribute (rebound)."""
+    return [name for name, module in request_constant_projections(transformer) if "forward" in module.__dict__]
+
+
 @pytest.fixture(scope="module")
 def pipeline(tiny_engine):
-    c = tiny_engine.loop.components
+    c = load_components(get_card("tiny-wan"), None, torch.device("cpu"))  # untouched copy of the same weights
+    assert c.weights_version == tiny_engine.loop.components.weights_version
     return WanPipeline(
         tokenizer=c.tokenizer,
         text_encoder=c.text_encoder,
@@ -23,9 +39,30 @@ def pipeline(tiny_engine):
     )
 
 
+@pytest.fixture(scope="module")
+def uncached_engine():
+    return Engine.from_card("tiny-wan", device="cpu", projection_cache_bytes=0)
+
+
+def test_the_two_sides_share_no_module_and_only_the_engine_has_the_cache(tiny_engine, uncached_engine, pipeline):
+    ours = tiny_engine.loop.components.transformer
+    assert pipeline.transformer is not ours and pipeline.text_encoder is not tiny_engine.loop.components.text_encoder
+    assert not any(p.data_ptr() == q.data_ptr() for p, q in zip(pipeline.transformer.parameters(), ours.parameters()))
+    assert _rebound(ours) and len(_rebound(ours)) == len(list(request_constant_projections(ours)))
+    assert _rebound(pipeline.transformer) == [] and _rebound(uncached_engine.loop.components.transformer) == []
+
+
+def _generate(engine, request):
+    [result] = engine.generate([request])
+    assert result.ok, result.error
+    return result
+
+
 @pytest.mark.parametrize("guidance_scale", [5.0, 1.0])
-def test_final_latents_match_wan_pipeline(tiny_engine, pipeline, guidance_scale):
-    positive, negative = embeds(11, tiny_engine.card)
+@pytest.mark.parametrize("projection_cache", [True, False], ids=["projection-cache", "no-projection-cache"])
+def test_final_latents_match_wan_pipeline(tiny_engine, uncached_engine, pipeline, guidance_scale, projection_cache):
+    engine = tiny_engine if projection_cache else uncached_engine
+    positive, negative = embeds(11, engine.card)
     reference = pipeline(
         prompt_embeds=positive,
         negative_prompt_embeds=negative,
@@ -38,10 +75,12 @@ def test_final_latents_match_wan_pipeline(tiny_engine, pipeline, guidance_scale)
         prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=guidance_scale, seed=7,
         output_type="latent", **SHAPE,
     )  # fmt: skip
-    [result] = tiny_engine.generate([request])
-    assert result.ok, result.error
-    tol = tiny_engine.card.parity.tolerance("fp32", "loop")
+    hits_before = engine.projection_cache.stats.hits if projection_cache else 0
+    result = _generate(engine, request)
+    tol = engine.card.parity.tolerance("fp32", "loop")
     torch.testing.assert_close(result.latents, reference, atol=tol.atol, rtol=tol.rtol)
+    if projection_cache:  # the cache served the run: a wrong cached K/V would have moved the latents
+        assert engine.projection_cache.stats.hits > hits_before
 
 
 def test_decoded_frames_match_wan_pipeline(tiny_engine, pipeline):
@@ -50,9 +89,7 @@ def test_decoded_frames_match_wan_pipeline(tiny_engine, pipeline):
         prompt_embeds=positive, negative_prompt_embeds=negative, generator=torch.Generator().manual_seed(3),
         output_type="np", **SHAPE,
     ).frames[0]  # fmt: skip
-    [result] = tiny_engine.generate(
-        [Request(prompt_embeds=positive, negative_prompt_embeds=negative, seed=3, **SHAPE)]
-    )
+    result = _generate(tiny_engine, Request(prompt_embeds=positive, negative_prompt_embeds=negative, seed=3, **SHAPE))
     assert result.frames.shape == (9, 64, 64, 3)
     expected = torch.from_numpy(video * 255).round().clamp(0, 255)
     # a uint8 step of 1 covers the fp32 noise of the denoise loop

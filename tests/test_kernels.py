@@ -1,5 +1,6 @@
 """fvgraph.kernels: every op against its torch reference, the references against diffusers' Wan math,
-every op inside torch.compile(fullgraph=True), and every Triton kernel on the CPU under TRITON_INTERPRET=1.
+every op inside torch.compile(fullgraph=True), the Triton kernel on the CPU under TRITON_INTERPRET=1, and
+the SDPA backend table.
 
 The Triton checks run in ONE subprocess (this file run as a script, with TRITON_INTERPRET=1 set before
 anything imports triton), whose JSON results the parametrized `test_triton_interpreter` cases read:
@@ -24,9 +25,7 @@ from fvgraph.kernels.fp8_linear import (
     quantize_rows_fp8,
     quantize_weight_fp8,
 )
-from fvgraph.kernels.guidance_euler import guidance_euler_reference
-from fvgraph.kernels.norm_modulate import modulated_fp32, norm_modulate_quant_reference, norm_modulate_reference
-from fvgraph.kernels.qk_norm_rope import qk_norm_rope_reference
+from fvgraph.kernels.norm_modulate import modulated_fp32, norm_modulate_quant_reference
 
 ops = torch.ops.fvgraph
 EPS = 1e-6
@@ -48,24 +47,6 @@ def _norm_inputs(dtype, per_token: bool, b=2, s=5, d=48, seed=0):
     x = (torch.randn(b, s, d, generator=g) * 3 + 1).to(dtype)
     mod_shape = (b, s, d) if per_token else (b, 1, d)
     return x, torch.randn(*mod_shape, generator=g), torch.randn(*mod_shape, generator=g) * 0.2
-
-
-def _rope_inputs(dtype, heads=3, head_dim=16, frames=2, seed=0):
-    """x [B, S, H*Dh], weight, and freqs from diffusers' own WanRotaryPosEmbed."""
-    from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-
-    cos, sin = WanRotaryPosEmbed(head_dim, (1, 2, 2), 64)(torch.zeros(2, 4, frames, 4, 6))
-    g = _gen(seed)
-    x = torch.randn(2, cos.shape[1], heads * head_dim, generator=g).to(dtype)
-    weight = (torch.randn(heads * head_dim, generator=g) * 0.3 + 1).to(dtype)
-    return x, weight, cos, sin, heads
-
-
-def _euler_inputs(dtype, shape=(3, 4, 2, 5, 7), seed=0):
-    g = _gen(seed)
-    latents = torch.randn(*shape, generator=g)
-    cond, uncond = (torch.randn(*shape, generator=g).to(dtype) for _ in range(2))
-    return latents, cond, uncond, torch.tensor([1.0, 5.0, 7.5]), torch.tensor([-0.1, -0.05, -0.2])
 
 
 # ---- FP8 linear ---------------------------------------------------------------------------------
@@ -129,18 +110,17 @@ def test_fp8_linear_rejects_mismatched_operands():
     assert fp8_linear_supported(torch.empty(16, 32)) and not fp8_linear_supported(torch.empty(16, 40 + 1))
 
 
-# ---- norm_modulate, qk_norm_rope, guidance_euler: references vs diffusers / fvgraph ---------------
+# ---- norm_modulate_quant: reference vs diffusers, op vs reference ------------------------------------
 
 
 @pytest.mark.parametrize("per_token", [False, True])
-def test_norm_modulate_reference_is_wan_block_math(per_token):
+def test_modulated_reference_is_wan_block_math(per_token):
     from diffusers.models.normalization import FP32LayerNorm
 
     x, shift, scale = _norm_inputs(torch.bfloat16, per_token)
     norm1 = FP32LayerNorm(x.shape[-1], EPS, elementwise_affine=False)  # WanTransformerBlock.norm1
     wan = (norm1(x.float()) * (1 + scale) + shift).type_as(x)
-    assert torch.equal(norm_modulate_reference(x, shift, scale, EPS), wan)
-    assert torch.equal(ops.norm_modulate(x, shift, scale, EPS), wan)
+    assert torch.equal(modulated_fp32(x, shift, scale, EPS).type_as(x), wan)
 
 
 @pytest.mark.parametrize("per_token", [False, True])
@@ -154,42 +134,10 @@ def test_norm_modulate_quant_dequantizes_to_modulated(per_token):
     assert ((x_q.float() * x_s - y).abs() <= x_s * 16 + 1e-6).all()  # half an ulp at the top of [256, 448]
 
 
-def test_norm_modulate_rejects_bad_modulation_shape():
+def test_norm_modulate_quant_rejects_bad_modulation_shape():
     x, shift, scale = _norm_inputs(torch.float32, False)
-    with pytest.raises(ValueError, match="shift of shape"):
-        ops.norm_modulate(x, shift[..., :7], scale, EPS)
-
-
-def test_qk_norm_rope_matches_wan_attention():
-    """Wan's self-attention through diffusers' processor == to_q/to_k, our op, SDPA, to_out."""
-    from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
-
-    torch.manual_seed(0)
-    x, _, cos, sin, heads = _rope_inputs(torch.float32)
-    attn = WanAttention(dim=x.shape[-1], heads=heads, dim_head=x.shape[-1] // heads, eps=EPS,
-                        processor=WanAttnProcessor()).eval()
-    with torch.no_grad():
-        attn.norm_q.weight.normal_(1.0, 0.3)
-        attn.norm_k.weight.normal_(1.0, 0.3)
-        expected = attn(x, None, None, (cos, sin))
-        q = ops.qk_norm_rope(attn.to_q(x), attn.norm_q.weight, cos, sin, heads, EPS)
-        k = ops.qk_norm_rope(attn.to_k(x), attn.norm_k.weight, cos, sin, heads, EPS)
-        v = attn.to_v(x).unflatten(2, (heads, -1))
-        got = attn.to_out[0](attn_mod.attention(q, k, v).flatten(2, 3))
-    assert q.shape == (*x.shape[:2], heads, x.shape[-1] // heads) and q.is_contiguous()
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_guidance_euler_matches_flow_euler_sampler():
-    from fvgraph.samplers import FlowEulerSampler
-
-    latents, cond, uncond, g, dt = _euler_inputs(torch.float32)
-    noise = uncond + g.view(-1, 1, 1, 1, 1) * (cond - uncond)  # DenoiseStep's combine (fp32 here)
-    coeffs = torch.stack([torch.zeros(3), dt], dim=1)  # FlowEulerSampler's rows: [sigma, dt]
-    expected, _ = FlowEulerSampler.update(latents, noise, (), coeffs)
-    torch.testing.assert_close(ops.guidance_euler(latents, cond, uncond, g, dt), expected, rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match=r"dt must be \[B\]"):
-        ops.guidance_euler(latents, cond, uncond, g, dt[:2])
+    with pytest.raises(ValueError, match="norm_modulate_quant: shift of shape"):
+        ops.norm_modulate_quant(x, shift[..., :7], scale, EPS)
 
 
 # ---- attention --------------------------------------------------------------------------------------
@@ -207,19 +155,6 @@ def test_sdpa_backend_table(monkeypatch):
     assert attn_mod.sdpa_backends(14000, 128, torch.bfloat16, "cuda:0")[0] == B.FLASH_ATTENTION  # not measured on A100
 
 
-def test_flashinfer_attention_falls_back_to_sdpa(caplog):
-    if attn_mod.flashinfer_available():
-        pytest.skip("flashinfer is importable here: the fallback path is not taken")
-    g = _gen(3)
-    q, k, v = (torch.randn(2, 9, 3, 16, generator=g) for _ in range(3))
-    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-    torch.testing.assert_close(ops.flashinfer_attention(q, k, v), expected)
-    torch.testing.assert_close(attn_mod.attention(q, k, v, backend="flashinfer"), expected)
-    assert isinstance(attn_mod.cutlass_dsl_available(), bool)
-    with pytest.raises(ValueError, match="backend must be"):
-        attn_mod.attention(q, k, v, backend="xformers")
-
-
 # ---- every op inside torch.compile(fullgraph=True) + opcheck ------------------------------------------
 
 
@@ -228,16 +163,10 @@ def _op_cases():
     x = torch.randn(2, 3, 32, generator=_gen(5))
     x_q, x_s = quantize_rows_fp8(x)
     xn, shift, scale = _norm_inputs(torch.float32, True)
-    xr, wr, cos, sin, heads = _rope_inputs(torch.float32, frames=1)
-    q = torch.randn(1, 6, 2, 8, generator=_gen(6))
     return {
         "fp8_linear": (ops.fp8_linear.default, (x, w_q, w_s, torch.randn(16))),
         "fp8_linear_prequant": (ops.fp8_linear_prequant.default, (x_q, x_s, w_q, w_s, None, torch.bfloat16)),
-        "norm_modulate": (ops.norm_modulate.default, (xn, shift, scale, EPS)),
         "norm_modulate_quant": (ops.norm_modulate_quant.default, (xn, shift, scale, EPS)),
-        "qk_norm_rope": (ops.qk_norm_rope.default, (xr, wr, cos, sin, heads, EPS)),
-        "guidance_euler": (ops.guidance_euler.default, _euler_inputs(torch.bfloat16)),
-        "flashinfer_attention": (ops.flashinfer_attention.default, (q, q * 0.5, q + 1)),
     }
 
 
@@ -264,28 +193,19 @@ def test_opcheck(name):
 
 # ---- Triton kernels under the interpreter (CPU) -------------------------------------------------------
 
-TRITON_CHECKS = [f"{k}-{d}" for k in ("norm_modulate", "norm_modulate_quant", "qk_norm_rope", "guidance_euler")
-                 for d in ("float32", "float16")]  # fmt: skip
+TRITON_CHECKS = [f"norm_modulate_quant-{d}" for d in ("float32", "float16")]
 
 
 def _triton_results() -> dict:
     """name -> error message or "" (pass), for every Triton kernel vs its reference. Needs TRITON_INTERPRET=1."""
-    from fvgraph.kernels.guidance_euler_triton import guidance_euler_triton
-    from fvgraph.kernels.norm_modulate_triton import norm_modulate_triton
-    from fvgraph.kernels.qk_norm_rope_triton import qk_norm_rope_triton
+    from fvgraph.kernels.norm_modulate_triton import norm_modulate_quant_triton
 
     results = {}
     for dname in ("float32", "float16"):
         dtype = getattr(torch, dname)
         cases = {
-            "norm_modulate": [(norm_modulate_triton(*a, EPS), norm_modulate_reference(*a, EPS))
-                              for a in (_norm_inputs(dtype, False), _norm_inputs(dtype, True, s=3, d=40))],
-            "norm_modulate_quant": [(norm_modulate_triton(*a, EPS, quant=True), norm_modulate_quant_reference(*a, EPS))
+            "norm_modulate_quant": [(norm_modulate_quant_triton(*a, EPS), norm_modulate_quant_reference(*a, EPS))
                                     for a in (_norm_inputs(dtype, False), _norm_inputs(dtype, True, s=3, d=40))],
-            "qk_norm_rope": [(qk_norm_rope_triton(*a, EPS), qk_norm_rope_reference(*a, EPS))
-                             for a in (_rope_inputs(dtype), _rope_inputs(dtype, heads=2, head_dim=24, frames=1))],
-            "guidance_euler": [(guidance_euler_triton(*a), guidance_euler_reference(*a))
-                               for a in (_euler_inputs(dtype), _euler_inputs(dtype, shape=(3, 2200)))],
         }  # fmt: skip
         for kernel, pairs in cases.items():
             try:
@@ -317,7 +237,7 @@ def test_triton_interpreter(triton_interpreter_results, check):
     assert triton_interpreter_results[check] == "", triton_interpreter_results[check]
 
 
-# ---- on CUDA: the Triton kernels, the FP8 GEMM and flashinfer at model-like widths ------------------
+# ---- on CUDA: the Triton kernel and the FP8 GEMM at model-like widths ------------------
 
 
 def _cuda_triton():
@@ -329,26 +249,14 @@ def _cuda_triton():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_token", [False, True])
-def test_cuda_norm_modulate_triton(per_token):
+def test_cuda_norm_modulate_quant_triton(per_token):
     _cuda_triton()
     x, shift, scale = (t.cuda() for t in _norm_inputs(torch.bfloat16, per_token, b=2, s=300, d=1536))
-    torch.testing.assert_close(ops.norm_modulate(x, shift, scale, EPS), norm_modulate_reference(x, shift, scale, EPS),
-                               **TOL[torch.bfloat16])  # fmt: skip
     x_q, x_s = ops.norm_modulate_quant(x, shift, scale, EPS)
     ref_q, ref_s = norm_modulate_quant_reference(x, shift, scale, EPS)
     torch.testing.assert_close(x_s, ref_s, rtol=1e-5, atol=0)
     # The same value rounds to the same e4m3 code unless a 1-ulp fp32 difference sits on a rounding tie.
     assert (x_q.float() != ref_q.float()).float().mean() < 1e-3
-
-
-@pytest.mark.gpu
-def test_cuda_qk_norm_rope_and_guidance_euler_triton():
-    _cuda_triton()
-    x, w, cos, sin, heads = _rope_inputs(torch.bfloat16, heads=12, head_dim=128, frames=3)
-    args = (x.cuda(), w.cuda(), cos.cuda(), sin.cuda(), heads, EPS)
-    torch.testing.assert_close(ops.qk_norm_rope(*args), qk_norm_rope_reference(*args), **TOL[torch.bfloat16])
-    args = tuple(t.cuda() for t in _euler_inputs(torch.bfloat16, shape=(3, 16, 5, 30, 52)))
-    torch.testing.assert_close(ops.guidance_euler(*args), guidance_euler_reference(*args), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu
@@ -368,24 +276,14 @@ def test_cuda_fp8_linear():
 
 
 @pytest.mark.gpu
-def test_cuda_flashinfer_attention():
-    if not attn_mod.flashinfer_available():
-        pytest.skip("flashinfer is not importable: the op is SDPA (tested on the CPU)")
-    q, k, v = (torch.randn(2, 1280, 12, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    torch.testing.assert_close(ops.flashinfer_attention(q, k, v), attn_mod.sdpa_bshd(q, k, v), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.gpu
 def test_cuda_ops_replay_in_a_cuda_graph():
-    """The prologue -> FP8 linear -> guidance/Euler chain captured once and replayed on new inputs."""
+    """The quantize pass's chain (prologue + FP8 quantization -> FP8 linear) captured once and replayed on new inputs."""
     x, shift, scale = (t.cuda() for t in _norm_inputs(torch.bfloat16, False, b=2, s=64, d=256))
     w_q, w_s = quantize_weight_fp8(torch.randn(256, 256, device="cuda") * 0.05)
-    g, dt = torch.tensor([1.0, 5.0], device="cuda"), torch.tensor([-0.1, -0.2], device="cuda")
 
     def chain():
         x_q, x_s = ops.norm_modulate_quant(x, shift, scale, EPS)
-        y = ops.fp8_linear_prequant(x_q, x_s, w_q, w_s, None, torch.bfloat16)
-        return ops.guidance_euler(x.float(), y, ops.norm_modulate(x, shift, scale, EPS), g, dt)
+        return ops.fp8_linear_prequant(x_q, x_s, w_q, w_s, None, torch.bfloat16)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

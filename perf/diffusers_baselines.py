@@ -1,0 +1,70 @@
+"""The diffusers baselines the benchmarks compare fvgraph with, each on its own untouched copy of the
+card's weights (never the engine's module instances, whose forwards fvgraph may have rebound).
+
+    eager                   diffusers' WanTransformer3DModel as it is
+    compile_repeated_blocks diffusers' regional compile: `transformer.compile_repeated_blocks(fullgraph=True)`
+    torch_compile           the whole transformer through `torch.compile(fullgraph=True)`
+
+A step is the body of WanPipeline's denoise loop: the cond and uncond transformer calls, the
+guidance combine and the scheduler's step, as `WanPipeline.__call__` runs them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fvgraph.cards import get_card
+from fvgraph.components import Components, load_components
+from fvgraph.perf.method import Case
+from fvgraph.samplers import diffusers_scheduler
+
+BASELINES = ("eager", "compile_repeated_blocks", "torch_compile")
+
+
+def untouched_components(card_id: str, device: torch.device, weights_version: str | None = None) -> Components:
+    """A fresh build of the card's seeded components; `weights_version` (the engine's) must match, so
+    the baseline runs the same weights."""
+    components = load_components(get_card(card_id), None, device)
+    if weights_version is not None and components.weights_version != weights_version:
+        raise RuntimeError(f"baseline weights {components.weights_version} differ from the engine's {weights_version}")
+    return components
+
+
+def baseline_transformer(kind: str, components: Components) -> torch.nn.Module:
+    """The components' transformer prepared as baseline `kind` (compiling happens at its first call)."""
+    transformer = components.transformer
+    if kind == "eager":
+        return transformer
+    if kind == "compile_repeated_blocks":
+        transformer.compile_repeated_blocks(fullgraph=True)
+        return transformer
+    if kind == "torch_compile":
+        return torch.compile(transformer, fullgraph=True)
+    raise ValueError(f"baseline={kind!r}: expected one of {BASELINES}")
+
+
+def diffusers_step_case(name: str, transformer, sampler_spec, latents: torch.Tensor, pe: torch.Tensor,
+                        ne: torch.Tensor, guidance: float, num_steps: int) -> Case:  # fmt: skip
+    """One WanPipeline denoise step per run, on a batch of `latents.shape[0]` requests in lockstep;
+    the schedule restarts (untimed) when it runs out."""
+    scheduler = diffusers_scheduler(sampler_spec)
+    state = {"i": num_steps, "latents": latents}
+    pe, ne = pe.expand(latents.shape[0], -1, -1), ne.expand(latents.shape[0], -1, -1)
+
+    def before():
+        if state["i"] == num_steps:
+            scheduler.set_timesteps(num_steps, device=latents.device)
+            state.update(i=0, latents=latents.clone())
+
+    def run():
+        t = scheduler.timesteps[state["i"]]
+        x = state["latents"].to(pe.dtype)
+        timestep = t.expand(x.shape[0])
+        with torch.no_grad():
+            cond = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=pe, return_dict=False)[0]
+            uncond = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=ne, return_dict=False)[0]
+            noise = uncond + guidance * (cond - uncond)
+            state["latents"] = scheduler.step(noise, t, state["latents"], return_dict=False)[0]
+        state["i"] += 1
+
+    return Case(name, run, before)

@@ -1,0 +1,50 @@
+"""The docs name only what the code has: every file path, every `fvgraph::` op and every pass they name."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fvgraph.kernels.fp8_linear  # noqa: F401  (the modules that register fvgraph:: ops)
+import fvgraph.kernels.norm_modulate  # noqa: F401
+import fvgraph.markers  # noqa: F401
+import fvgraph.taps  # noqa: F401
+from fvgraph.passes.manager import FX_PASSES, OPT_IN
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "capture_cache" / "README.md",
+               ROOT / "perf" / "results" / "README.md"])  # fmt: skip
+PATH = re.compile(r"\b(?:fvgraph|passes|kernels|perf|tests|cards|docs|capture_cache)/[\w./-]*\w\.(?:py|md|sh|jsonl)\b")
+
+
+def _mentions(pattern: re.Pattern) -> list[tuple[str, str]]:
+    return [(doc.relative_to(ROOT).as_posix(), m.group(0)) for doc in DOCS for m in pattern.finditer(doc.read_text())]
+
+
+def test_docs_are_found():
+    assert all(doc.is_file() for doc in DOCS) and len(DOCS) > 5
+
+
+@pytest.mark.parametrize("doc, path", sorted(set(_mentions(PATH))))
+def test_every_named_file_exists(doc, path):
+    assert (ROOT / path).exists(), f"{doc} names {path}, which does not exist"
+
+
+@pytest.mark.parametrize("doc, op", sorted(set(_mentions(re.compile(r"fvgraph::\w+")))))
+def test_every_named_op_is_registered(doc, op):
+    assert hasattr(torch.ops.fvgraph, op.split("::")[1]), f"{doc} names {op}, which no module registers"
+
+
+def test_the_pass_table_names_the_registered_passes():
+    table = (ROOT / "docs" / "compile.md").read_text().split("## Passes", 1)[1].split("\n\n", 2)[1]
+    rows = re.findall(r"^\| `(\w+)`(?: \(tail\))? \| (\S+) \|", table, flags=re.M)
+    named = {name for name, _ in rows}
+    assert named <= set(FX_PASSES) | {"cleanup"} and set(FX_PASSES) - OPT_IN <= named, named
+    assert all((ROOT / path).is_file() for _, path in rows)
+
+
+def test_the_kernel_table_names_registered_ops():
+    table = (ROOT / "docs" / "kernels.md").read_text().split("| op |", 1)[1].split("\n\n", 1)[0]
+    ops = re.findall(r"^\| `(\w+)\(", table, flags=re.M)
+    assert ops and [op for op in ops if not hasattr(torch.ops.fvgraph, op)] == []
