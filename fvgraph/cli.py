@@ -78,11 +78,12 @@ def generate(
 ) -> None:
     """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
     from fvgraph.request import Request
-    from fvgraph.video_io import write_video
+    from fvgraph.video_io import check_video_output, write_video
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
     try:
+        check_video_output(output, fps)  # before any work: a bad option must not cost the run
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, compile_steps)  # fmt: skip
         requests = [
@@ -148,22 +149,27 @@ def serve(
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
-    video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 needs imageio-ffmpeg)."),
+    video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 is written with PyAV)."),
     fps: int = typer.Option(8),
 ) -> None:
     """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
-    JSON result line per request as it ends. Requests arriving mid-run join the running batch."""
+    JSON answer line per input line (a request's when it ends). Requests arriving mid-run join the
+    running batch."""
     import sys
 
-    from fvgraph.jsonl_server import JsonlServer
+    from fvgraph.jsonl_server import JsonlServer, StdoutLines
+    from fvgraph.video_io import check_video_output
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        if video_format not in ("gif", "mp4"):
+            raise ValueError(f"video_format={video_format!r} must be 'gif' or 'mp4'")
+        check_video_output(f"video.{video_format}", fps)  # before any work: a bad option must not cost the run
+        # Bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input.
+        source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running)  # fmt: skip
-        emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
-        server = JsonlServer(engine, output_dir, emit, video_format=video_format, fps=fps)
-        source = sys.stdin if requests == "-" else open(requests, encoding="utf-8")  # noqa: SIM115
+        server = JsonlServer(engine, output_dir, StdoutLines(), video_format=video_format, fps=fps)
     except Exception as err:  # bad card, checkpoint, option or requests file: say why and stop
         Console(stderr=True).print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
