@@ -84,6 +84,7 @@ def generate(
     began = time.perf_counter()
     try:
         check_video_output(output, fps)  # before any work: a bad option must not cost the run
+        _writable_dir(output.parent, "--output")
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, compile_steps)  # fmt: skip
         requests = [
@@ -113,7 +114,11 @@ def generate(
     for i, (request, result) in enumerate(zip(requests, results)):
         path = output if len(requests) == 1 else output.with_name(f"{output.stem}_{i}{output.suffix}")
         if result.ok and result.frames is not None:
-            written.append(write_video(result.frames, path, fps=fps))
+            try:
+                written.append(write_video(result.frames, path, fps=fps))
+            except (OSError, ValueError) as err:  # the disk filled up, say: the other videos are still written
+                console.print(f"[red]{result.request_id}: writing {path} failed:[/red] {err}")
+                failed = True
         failed |= not result.ok
         t = result.timings
         steps = request.num_inference_steps or engine.card.recipe.default_steps
@@ -165,6 +170,7 @@ def serve(
         if video_format not in ("gif", "mp4"):
             raise ValueError(f"video_format={video_format!r} must be 'gif' or 'mp4'")
         check_video_output(f"video.{video_format}", fps)  # before any work: a bad option must not cost the run
+        _writable_dir(output_dir, "--output-dir")
         # Bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input.
         source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
@@ -176,6 +182,18 @@ def serve(
     with source:
         counts = server.serve(source)
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
+
+
+def _writable_dir(folder: Path, option: str) -> None:
+    """ValueError naming the option unless `folder` exists (or can be made) and takes new files."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fvgraph-write-probe-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{option}: cannot write into {folder}: {err}") from None
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -202,6 +220,7 @@ def warmup(
     """Compile the denoise step of every shape and batch bucket into the capture cache, so later
     processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
     from fvgraph.buckets import BucketSpec
+    from fvgraph.capture_cache_files import check_writable
     from fvgraph.cards import get_card
     from fvgraph.engine import Engine
     from fvgraph.request import Request
@@ -211,6 +230,7 @@ def warmup(
     try:
         if opt_level not in (1, 2, 3):
             raise ValueError(f"-O{opt_level}: warmup compiles, so it takes -O1, -O2 or -O3")
+        check_writable(cache_dir)  # a warmup that can store nothing is no warmup
         model = get_card(card)
         rules = model.shapes
         shapes = [_shape(text) for text in shape] or [(rules.default_frames, rules.default_height, rules.default_width)]
@@ -241,7 +261,11 @@ def warmup(
     failed = [r for r in results if not r.ok]
     for result in failed:
         console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
-    if failed:
+    unstored = [s for s in engine.compiler.signatures if engine.compiler.cache.find(s.key()) is None]
+    for signature in unstored:
+        console.print(f"[red]not stored in the capture cache:[/red] {signature.step_kind} batch {signature.batch} "
+                      f"({signature.key()}); see the warnings above")  # fmt: skip
+    if failed or unstored:
         raise typer.Exit(1)
 
 
@@ -251,11 +275,14 @@ def cache_ls(
     as_json: bool = typer.Option(False, "--json", help="Print the manifests as JSON."),
 ) -> None:
     """List every fingerprint directory and its entries."""
-    from fvgraph.capture_cache import cache_dirs
+    from fvgraph.capture_cache import cache_dirs, leftovers
+    from fvgraph.capture_cache_files import size_of
 
     caches = cache_dirs(cache_dir)
     if as_json:
-        typer.echo(json.dumps({c.dir.name: {"fingerprint": c.fingerprint, "entries": c.entries()} for c in caches}, indent=1))
+        listing = {c.dir.name: {"fingerprint": c.fingerprint, "entries": c.entries(), "problems": c.problems,
+                                "orphans": [str(p.relative_to(c.dir)) for p in leftovers(c)]} for c in caches}  # fmt: skip
+        typer.echo(json.dumps(listing, indent=1))
         return
     if not caches:
         console.print(f"{cache_dir}: empty")
@@ -266,20 +293,32 @@ def cache_ls(
         table = Table(title=title)
         for column in ("signature", "step", "batch", "latents", "MB", "compile s", "capture s"):
             table.add_column(column)
-        for key, record in sorted(cache.entries().items(), key=lambda kv: (kv[1]["factors"]["step_kind"], kv[1]["factors"]["batch"])):
-            factors = record["factors"]
-            latents = next((i[1] for i in factors["shape"]["inputs"] if i[0] == "latents"), "-")
+        for key, record in sorted(cache.entries().items(), key=lambda kv: str(kv[1]["factors"].get("step_kind"))):
+            factors, meta = record["factors"], record["meta"]
+            inputs = (factors.get("shape") or {}).get("inputs") if isinstance(factors.get("shape"), dict) else None
+            latents = next((i[1] for i in inputs or [] if isinstance(i, list) and i[:1] == ["latents"]), "-")
             size = sum(a["bytes"] for a in record["artifacts"].values()) / 1e6
-            meta = record["meta"]
-            capture = f"{meta['capture_seconds']:.3f}" if "capture_seconds" in meta else "-"
-            table.add_row(key, factors["step_kind"], str(factors["batch"]), str(latents), f"{size:.1f}",
-                          f"{meta.get('compile_seconds', 0.0):.1f}", capture)  # fmt: skip
+            capture, compile_s = meta.get("capture_seconds"), meta.get("compile_seconds")
+            table.add_row(key, str(factors.get("step_kind")), str(factors.get("batch")), str(latents), f"{size:.1f}",
+                          _seconds(compile_s, 1), _seconds(capture, 3))  # fmt: skip
         console.print(table)
+        for problem in cache.problems:
+            console.print(f"[red]{cache.dir.name}:[/red] {problem}")
+        left = leftovers(cache)
+        if left:
+            console.print(f"[yellow]{cache.dir.name}: {len(left)} orphaned files ({sum(map(size_of, left)) / 1e6:.1f} MB) "
+                          "no entry uses (a killed warmup's staging, replaced artifacts): `fvgraph cache verify` "
+                          "names them, `fvgraph cache clear` removes them[/yellow]")  # fmt: skip
+
+
+def _seconds(value, digits: int) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "-"
 
 
 @cache_app.command("verify")
 def cache_verify(cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache.")) -> None:
-    """Check every entry's artifacts against the sizes and sha256 in its manifest. Exits 1 on a problem."""
+    """Check every entry's artifacts against the sizes and sha256 in its manifest, load each one as a
+    serving process would, and look for orphaned files. Exits 1 on a problem."""
     from fvgraph.capture_cache import cache_dirs, verify
 
     problems = verify(cache_dir)
@@ -331,6 +370,8 @@ def parity(
             Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames)
             for i, text in enumerate(prompt)
         ]
+        if report is not None:
+            _writable_dir(report.parent, "--report")  # the report is written after the whole comparison
         b = Setting(opt_level, compile_backend, tuple(disable_pass))
         result = compare(card, requests, Setting(against, compile_backend), b, checkpoint=checkpoint, device=device)
     except Exception as err:

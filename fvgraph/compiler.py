@@ -93,6 +93,7 @@ class StepCompiler:
         self._base = dict(card_id=card_id, weights_version=weights_version, loop=loop_id, precision=precision)
         self._runtime = RuntimeFactors.current(device)
         self._compiled: dict[StepSignature, CompiledStep] = {}
+        self._rejected: dict[str, tuple[dict, str]] = {}  # cache entries found unusable: key -> (record, why)
         self.cache = None if cache_dir is None else CaptureCache(cache_dir, self.fingerprint(opt_level))
 
     def fingerprint(self, opt_level: int) -> dict:
@@ -196,7 +197,8 @@ class StepCompiler:
                 files["prologue"] = Path(staging) / "prologue.pt2"
                 save_graph(prologue, base_args, backend, files["prologue"], patches)
             meta["compile_seconds"] = time.perf_counter() - began
-            entry = self.cache.publish(signature.key(), signature.factors(), files, meta)
+            rejected = self._rejected.get(signature.key(), (None, ""))[0]  # replaced even if its hash checks out
+            entry = self.cache.publish(signature.key(), signature.factors(), files, meta, replace=rejected)
         self.counters.cache_stores += 1
         return (*self._load_entry(entry, base_args), entry.meta)
 
@@ -216,6 +218,7 @@ class StepCompiler:
                 problem = f"artifact failed to load: {err!r}"
         if problem is not None:
             log.warning("capture cache: entry %s rejected, rebuilding: %s", entry.key, problem)
+            self._rejected[entry.key] = (entry.record, problem)
             self.counters.cache_rejects += 1
             return None
         self.counters.cache_hits += 1
@@ -252,6 +255,11 @@ class StepCompiler:
 
     def _refusal(self, signature: StepSignature) -> str:
         same_kind = [s for s in self._compiled if s.step_kind == signature.step_kind] or list(self._compiled)
+        rejected = self._rejected.get(signature.key())
+        if rejected is not None:  # not a new signature: its warm entry is there but unusable
+            lines = [f"the capture cache entry for this signature was rejected ({rejected[1]}), and after warmup "
+                     f"(fail_on_recompile) it is not rebuilt here: run `fvgraph warmup` again to rebuild it\n{signature}"]
+            return "\n".join(lines)
         lines = [f"no compiled graph for a new signature after warmup (fail_on_recompile):\n{signature}"]
         if same_kind:
             nearest = min(same_kind, key=lambda s: len(signature.diff(s)))

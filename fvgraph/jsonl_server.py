@@ -55,6 +55,11 @@ def shown(value: object, limit: int = 64) -> str:
     return repr(text[:limit]) + (f"... ({len(text)} characters)" if len(text) > limit else "")
 
 
+def _file_key(request_id: str) -> str:
+    """Ids that name one file on a case-insensitive file system are one id here."""
+    return request_id.lower()
+
+
 def _cut(text: str, limit: int = 300) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
@@ -135,7 +140,7 @@ class JsonlServer:
             if line.cancel is not None:
                 self._cancel(line, backlog, counts)
             else:
-                self._taken[line.request.request_id] = number
+                self._taken[_file_key(line.request.request_id)] = number
                 backlog.append(line)
 
     def _parse(self, number: int, raw: str | bytes) -> Line | None:
@@ -156,9 +161,11 @@ class JsonlServer:
             return Line(number, cancel=self._cancel_target(number, fields))
         own_id = fields.get("request_id")
         own_id = own_id if isinstance(own_id, str) and SAFE_ID.fullmatch(own_id) else None
-        if own_id in self._taken:
+        if own_id is not None and _file_key(own_id) in self._taken:
             raise LineRejected("request", f"line {number}: request_id: {own_id!r} was already used on line "
-                                          f"{self._taken[own_id]} of this input (an id names its output file); use a new one")  # fmt: skip
+                                          f"{self._taken[_file_key(own_id)]} of this input (an id names its output "
+                                          "file; ids differing only in case name the same file on some file systems); "
+                                          "use a new one")  # fmt: skip
         try:
             request = Request.model_validate(fields)
             if not SAFE_ID.fullmatch(request.request_id):
@@ -168,7 +175,7 @@ class JsonlServer:
         except ValidationError as err:
             errors = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {_cut(e['msg'])}"
                                for e in err.errors(include_input=False))  # fmt: skip
-            raise LineRejected("request", f"line {number}: {errors}", own_id) from None
+            raise LineRejected("request", f"line {number}: {_cut(errors, 1000)}", own_id) from None
         except RequestRejected as err:
             raise LineRejected("request", f"line {number}: {err}", own_id) from None
         except Exception as err:  # whatever else a hostile line finds: rejected alone, the server serves on
@@ -202,7 +209,7 @@ class JsonlServer:
         try:
             self.engine.submit(line.request)
         except Exception as err:  # the card's rules were checked when it was read: this is rare
-            del self._taken[line.request.request_id]  # never ran: the id may be used again
+            del self._taken[_file_key(line.request.request_id)]  # never ran: the id may be used again
             self._reject(line.number, LineRejected("request", f"line {line.number}: {err}", line.request.request_id), counts)
 
     def _reject(self, number: int, err: LineRejected, counts: dict) -> None:
@@ -216,7 +223,7 @@ class JsonlServer:
         self._answer(answer, counts)
 
     def _report(self, result: Result, counts: dict) -> None:
-        answer = {"line": self._taken.get(result.request_id), "kind": "request", "request_id": result.request_id,
+        answer = {"line": self._taken.get(_file_key(result.request_id)), "kind": "request", "request_id": result.request_id,
                   "status": result.status, "seed": result.seed, "error": result.error,
                   "timings": {k: round(v, 6) for k, v in result.timings.items()}, "output": None}  # fmt: skip
         if result.ok:

@@ -82,7 +82,7 @@ def test_an_id_used_earlier_in_the_run_is_refused_and_the_first_output_is_kept(t
 
 
 def test_duplicates_and_malformed_control_lines_are_told_apart_from_results(tiny_engine, tmp_path):
-    lines = [request_line("fox", num_inference_steps=3), request_line("fox"), json.dumps({"cancel": "fox", "why": 1}),
+    lines = [request_line("fox", num_inference_steps=3), request_line("FOX"), json.dumps({"cancel": "fox", "why": 1}),
              json.dumps({"cancel": "nobody"})]  # fmt: skip
     emitted, counts = serve(tiny_engine, lines, tmp_path)
     answers = by_line(emitted)
@@ -118,15 +118,22 @@ def test_a_huge_request_id_is_never_echoed_in_full(tiny_engine, tmp_path, caplog
         Request(prompt="x", request_id="two\nlines")
 
 
-@pytest.mark.parametrize("args", [["--fps", "0"], ["--fps", "-3"], ["--format", "avi"]])
-def test_serve_checks_output_options_before_any_work(tmp_path, args):
-    result = CliRunner().invoke(app, ["serve", "-O0", *args, "--requests", str(tmp_path / "none.jsonl")])
-    assert result.exit_code == 2 and ("fps" in result.output or "avi" in result.output), result.output
+@pytest.mark.parametrize(("args", "message"), [(["--fps", "0"], "fps=0"), (["--fps", "-3"], "fps=-3"),
+                                               (["--format", "avi"], "avi"), (["-o", "a-file/out"], "--output-dir")])
+def test_serve_checks_output_options_before_any_work(tmp_path, monkeypatch, args, message):
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "r.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("fvgraph.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    result = CliRunner().invoke(app, ["serve", "-O0", *args, "--requests", "r.jsonl"])
+    assert result.exit_code == 2 and message in result.output, result.output
 
 
-@pytest.mark.parametrize(("args", "message"), [(["--fps", "0"], "fps=0"), (["-o", "video.avi"], ".gif or .mp4")])
+@pytest.mark.parametrize(("args", "message"), [(["--fps", "0"], "fps=0"), (["-o", "video.avi"], ".gif or .mp4"),
+                                               (["-o", "a-file/video.gif"], "--output: cannot write")])
 def test_generate_checks_output_options_before_any_work(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
     monkeypatch.setattr("fvgraph.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
     result = CliRunner().invoke(app, ["generate", "--steps", "1", *args])
     assert result.exit_code == 2 and message in result.output, result.output
@@ -155,8 +162,8 @@ def test_mp4_is_written_with_pyav(tmp_path):
 def test_a_reader_that_closes_stdout_does_not_lose_the_remaining_requests(tmp_path):
     """`fvgraph serve | head -1`: the results cannot be printed any more, the videos are still written."""
     requests = tmp_path / "requests.jsonl"
-    requests.write_text("\n".join([request_line("first"), request_line("second", num_inference_steps=40),
-                                   request_line("third", num_inference_steps=40)]) + "\n")  # fmt: skip
+    requests.write_text("\n".join([request_line("first"), request_line("second", num_inference_steps=15),
+                                   request_line("third", num_inference_steps=15)]) + "\n")  # fmt: skip
     out = tmp_path / "out"
     serving = subprocess.Popen([sys.executable, "-m", "fvgraph", "serve", "-O0", "--device", "cpu", "--requests",
                                 str(requests), "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
