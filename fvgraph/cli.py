@@ -235,10 +235,6 @@ def warmup(
         rules = model.shapes
         shapes = [_shape(text) for text in shape] or [(rules.default_frames, rules.default_height, rules.default_width)]
         spec = BucketSpec(batch_sizes=tuple(int(b) for b in buckets.split(",")), shapes=tuple(shapes))
-        engine = Engine.from_card(
-            model, checkpoint=checkpoint, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
-            compile_config=_compile_config(compile_backend, disable_pass),
-        )  # fmt: skip
         scales = guidance or [model.recipe.default_guidance_scale]
         requests = [
             Request(prompt="warmup", num_inference_steps=model.recipe.allowed_steps[0], guidance_scale=g,
@@ -246,6 +242,12 @@ def warmup(
             for f, h, w in shapes
             for g in scales
         ]
+        for request in requests:
+            request.resolve(model)  # the card's limits, before loading anything
+        engine = Engine.from_card(
+            model, checkpoint=checkpoint, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
+            compile_config=_compile_config(compile_backend, disable_pass),
+        )  # fmt: skip
     except Exception as err:  # bad card, shape or bucket list: say why and stop
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None

@@ -170,7 +170,10 @@ class Engine:
         fail_on_recompile. `on_bucket(batch)` is called as each bucket is ready (progress bars)."""
         if isinstance(self.executor, CompiledExecutor):
             for request in requests:
-                state = self.start(request)
+                try:
+                    state = self.start(request)
+                except RequestRejected:
+                    continue  # generate() below hands it back as rejected, naming the rule
                 while not isinstance(plan := self.loop.next(state), Done):
                     if self.compiler.wants(plan.kind):
                         self.executor.prepare(plan, on_bucket)
@@ -213,6 +216,8 @@ class Engine:
         """Queue `request` for the next tick (FIFO behind the others) and return its id. Raises
         RequestRejected, naming the field and the rule, when the card cannot serve it or its id is
         still in flight; nothing is queued then and the engine serves on."""
+        if not isinstance(request, Request):
+            raise TypeError(f"requests must be fvgraph.Request objects, got {type(request).__name__}")
         if request.request_id in self._in_flight:
             raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
         self._scheduler.submit(self.start(request))
@@ -244,6 +249,9 @@ class Engine:
         engine runs each group as one padded batch, an eager one runs its members one by one. A
         request the card cannot serve comes back 'rejected'. Requests submitted earlier keep running
         alongside; their results wait for the next tick()."""
+        for request in requests:  # misuse, not bad input: refused before anything is queued
+            if not isinstance(request, Request):
+                raise TypeError(f"requests must be fvgraph.Request objects, got {type(request).__name__}")
         rejected: dict[int, Result] = {}  # by position: a duplicate id must not shadow the original's result
         pending: set[str] = set()
         for position, request in enumerate(requests):

@@ -199,3 +199,10 @@ def test_a_live_warmups_staging_is_not_an_orphan(cache_copy):
     [fingerprint_dir] = [p for p in cache_copy.iterdir() if p.is_dir()]
     (fingerprint_dir / f".staging-{os.getpid()}-xyz").mkdir()
     assert verify(cache_copy) == []
+
+
+def test_warmup_refuses_a_shape_the_card_does_not_allow_before_loading(tmp_path, monkeypatch):
+    monkeypatch.setattr("fvgraph.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    args = ["warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", "-O", "1", "--shape", "5x512x512"]
+    done = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
+    assert done.exit_code == 2 and "height: 512 exceeds" in done.output, done.output

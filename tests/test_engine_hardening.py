@@ -129,3 +129,9 @@ def test_compiled_shapes_are_bounded_and_later_shapes_run_eagerly():
     assert len(engine.compiler.signatures) == 1 and engine.counters.fallbacks == 2 * TINY["num_inference_steps"]
     with pytest.raises(ValidationError, match="max_shapes"):
         BucketSpec(max_shapes=0)
+
+
+def test_something_that_is_not_a_request_is_refused_by_type(tiny_engine):
+    with pytest.raises(TypeError, match="fvgraph.Request objects, got dict"):
+        tiny_engine.generate([{"prompt": "a fox"}])
+    assert not tiny_engine.has_work()
