@@ -257,9 +257,8 @@ class StepCompiler:
         same_kind = [s for s in self._compiled if s.step_kind == signature.step_kind] or list(self._compiled)
         rejected = self._rejected.get(signature.key())
         if rejected is not None:  # not a new signature: its warm entry is there but unusable
-            lines = [f"the capture cache entry for this signature was rejected ({rejected[1]}), and after warmup "
-                     f"(fail_on_recompile) it is not rebuilt here: run `fvgraph warmup` again to rebuild it\n{signature}"]
-            return "\n".join(lines)
+            return (f"the capture cache entry for this signature was rejected ({rejected[1]}), and after warmup "
+                    f"(fail_on_recompile) it is not rebuilt here: run `fvgraph warmup` again to rebuild it\n{signature}")
         lines = [f"no compiled graph for a new signature after warmup (fail_on_recompile):\n{signature}"]
         if same_kind:
             nearest = min(same_kind, key=lambda s: len(signature.diff(s)))

@@ -336,7 +336,8 @@ class Engine:
         failures = []
         for (state, plan), result, finite in zip(group, results, all_finite(results)):
             if not finite:  # garbage must not come back as ok: the request fails here, naming the step
-                bad = sorted(k for k, t in result.items() if t.is_floating_point() and not torch.isfinite(t).all())
+                bad = sorted(k for k, t in result.items()
+                             if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all())
                 failures.append((state, FloatingPointError(
                     f"{plan.kind} step {plan.step_index}: outputs {bad} are not finite (NaN or Inf)")))  # fmt: skip
                 continue
