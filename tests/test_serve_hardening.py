@@ -58,6 +58,17 @@ def test_invalid_utf8_in_one_line_rejects_that_line_only(tmp_path):
     assert "UTF-8" in next(line["error"] for line in lines if line["line"] == 2)
 
 
+def test_input_that_fails_mid_read_keeps_what_was_read(tiny_engine, tmp_path, caplog):
+    def lines():
+        yield request_line("before")
+        raise OSError("the disk went away")
+
+    with caplog.at_level(logging.ERROR, "fvgraph.jsonl_server"):
+        emitted, counts = serve(tiny_engine, lines(), tmp_path)
+    assert counts == {"ok": 1} and emitted[0]["request_id"] == "before"
+    assert "reading the requests failed after line 1" in caplog.text and "disk went away" in caplog.text
+
+
 def test_an_id_used_earlier_in_the_run_is_refused_and_the_first_output_is_kept(tiny_engine, tmp_path):
     """The second line arrives after the first request came back, so the engine would take it."""
     first_done = threading.Event()
