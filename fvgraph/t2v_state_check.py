@@ -53,6 +53,9 @@ def check_t2v_state(state: T2VState, loop: TextToVideoLoop) -> None:
     card = loop.card
     if state.card_id != card.card_id:
         c.fail("card_id", f"the state belongs to card {state.card_id!r}, not {card.card_id!r}")
+    if not state.weights_version:
+        c.fail("weights_version", "the state records none (saved before states recorded it), so it cannot be "
+                                  "checked against this engine's weights; start the request again")  # fmt: skip
     if state.weights_version != loop.components.weights_version:
         c.fail("weights_version", f"saved with weights {state.weights_version!r}, this engine runs "
                                   f"{loop.components.weights_version!r}: resuming would mix two models")  # fmt: skip

@@ -73,6 +73,7 @@ TAMPERINGS = {
     "step_index ": lambda s: setattr(s, "step_index", 7),
     "phase": lambda s: setattr(s, "phase", "sideways"),
     "weights_version": lambda s: setattr(s, "weights_version", "other-weights"),
+    "weights_version ": lambda s: setattr(s, "weights_version", ""),
     "carry": lambda s: setattr(s, "carry", []),
     "prompt_embeds": lambda s: setattr(s, "prompt_embeds", s.prompt_embeds[:, :3]),
     "timesteps": lambda s: setattr(s, "timesteps", torch.full(s.timesteps.shape, float("nan"))),
