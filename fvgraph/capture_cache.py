@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -43,6 +44,9 @@ FORMAT = 1
 # Publishing holds the lock for a rename and a manifest write: a holder past these is stuck or slow.
 LOCK_NOTICE_S = 5.0
 LOCK_TIMEOUT_S = 120.0
+
+
+FINGERPRINT_NAME = re.compile(r"[0-9a-f]{20}")  # what fingerprint_id returns
 
 
 def fingerprint_id(fingerprint: dict) -> str:
@@ -266,9 +270,10 @@ class CaptureCache:
 
 
 def _is_fingerprint_dir(path: Path) -> bool:
-    """A manifest, a lock or a staging directory marks one, even one whose warmup never published."""
-    return path.is_dir() and ((path / MANIFEST).exists() or (path / ".lock").exists()
-                              or any(p.name.startswith(STAGING) for p in path.iterdir()))  # fmt: skip
+    """A fingerprint id for a name, a manifest, a lock or a staging directory marks one, even one whose
+    warmup never published or whose manifest was deleted."""
+    return path.is_dir() and (FINGERPRINT_NAME.fullmatch(path.name) is not None or (path / MANIFEST).exists()
+                              or (path / ".lock").exists() or any(p.name.startswith(STAGING) for p in path.iterdir()))  # fmt: skip
 
 
 def cache_dirs(root: str | Path) -> list[CaptureCache]:

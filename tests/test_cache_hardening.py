@@ -197,6 +197,15 @@ def test_orphaned_staging_files_are_reported_listed_and_cleared(cache_copy):
     assert clear(cache_copy) == 2 and list(cache_copy.iterdir()) == []
 
 
+def test_entries_whose_manifest_was_deleted_are_reported_as_left_over(cache_copy):
+    [fingerprint_dir] = [p for p in cache_copy.iterdir() if p.is_dir()]
+    (fingerprint_dir / "manifest.json").unlink()
+    (fingerprint_dir / ".lock").unlink(missing_ok=True)
+    [problem] = verify(cache_copy)
+    assert fingerprint_dir.name in problem and "left over" in problem
+    assert clear(cache_copy) == 1
+
+
 def test_a_live_warmups_staging_is_not_an_orphan(cache_copy):
     [fingerprint_dir] = [p for p in cache_copy.iterdir() if p.is_dir()]
     (fingerprint_dir / f".staging-{os.getpid()}-xyz").mkdir()
