@@ -3,7 +3,8 @@
 A group of compatible steps runs as one graph padded up to the smallest batch bucket that holds it;
 a larger group is split into max-bucket chunks. Latent shapes cannot be padded (a DiT attends over
 every token), so shape buckets are exact: with `shapes` set, only those (frames, height, width)
-pixel shapes get compiled graphs, and any other shape runs through the eager fallback.
+pixel shapes get compiled graphs, and any other shape runs through the eager fallback; without it,
+the first `max_shapes` distinct shapes get graphs, on demand, and later ones run eagerly.
 """
 
 from __future__ import annotations
@@ -16,8 +17,14 @@ class BucketSpec(BaseModel):
 
     batch_sizes: tuple[int, ...] = Field(default=(1, 2, 4, 8), description="Batch buckets, ascending.")
     shapes: tuple[tuple[int, int, int], ...] | None = Field(
-        default=None, description="(num_frames, height, width) with graphs; None: every shape, on demand."
+        default=None, description="(num_frames, height, width) with graphs; None: up to max_shapes, on demand."
     )
+    max_shapes: int = Field(
+        default=16, ge=1,
+        description="With shapes None: at most this many distinct shapes get compiled graphs, in order of first "
+        "use; later shapes run eagerly. A compiled shape holds its graphs and static buffers for the engine's "
+        "life (25-50 MB per shape for tiny-wan at -O1), so the bound is the memory bound.",
+    )  # fmt: skip
 
     @field_validator("batch_sizes")
     @classmethod

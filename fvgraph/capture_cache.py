@@ -14,7 +14,9 @@ truncated, corrupted) is logged with the reason and rebuilt, never loaded.
 Writers take the directory's file lock to publish; artifact files are named by their content hash
 and renamed into place, and the manifest is replaced atomically, so readers need no lock. Two
 warmups racing on one directory leave a valid cache: the first sound entry published for a key
-stands, and the later writer runs that entry's artifacts instead of its own.
+stands, and the later writer runs that entry's artifacts instead of its own, unless that writer
+found the entry unusable itself (its files hash right but no longer load): then it replaces it.
+A writer waits for the lock at most `LOCK_TIMEOUT_S`, saying after `LOCK_NOTICE_S` whom it waits for.
 """
 
 from __future__ import annotations
@@ -25,17 +27,26 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from fvgraph.capture_cache_files import MANIFEST, STAGING, entry_problem, manifest_problem, orphans, size_of, staging_prefix
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-MANIFEST = "manifest.json"
+# Publishing holds the lock for a rename and a manifest write: a holder past these is stuck or slow.
+LOCK_NOTICE_S = 5.0
+LOCK_TIMEOUT_S = 120.0
+
+
+FINGERPRINT_NAME = re.compile(r"[0-9a-f]{20}")  # what fingerprint_id returns
 
 
 def fingerprint_id(fingerprint: dict) -> str:
@@ -76,14 +87,18 @@ class CaptureCache:
         self.fingerprint = _normalized(fingerprint)
         self.dir = self.root / fingerprint_id(fingerprint)
         self._explained = False
+        self.lock_notice_s, self.lock_timeout_s = LOCK_NOTICE_S, LOCK_TIMEOUT_S
+        self.problems: list[str] = []  # what reading the manifest skipped (malformed parts), for verify
 
     # -- reading -----------------------------------------------------------------------------------
 
     @classmethod
     def open_existing(cls, directory: Path) -> CaptureCache:
         """The cache in `directory`, with the fingerprint its manifest records (for ls/verify/clear)."""
-        cache = cls(directory.parent, cls._read_manifest(directory).get("fingerprint", {}))
+        problems: list[str] = []
+        cache = cls(directory.parent, cls._read_manifest(directory, problems).get("fingerprint", {}))
         cache.dir, cache._explained = directory, True  # a tampered fingerprint need not hash to the name
+        cache.problems = problems
         return cache
 
     def find(self, key: str) -> CacheEntry | None:
@@ -138,35 +153,48 @@ class CaptureCache:
                             other.parent.name, "; ".join(differing))  # fmt: skip
 
     @staticmethod
-    def _read_manifest(directory: Path) -> dict:
+    def _read_manifest(directory: Path, problems: list[str] | None = None) -> dict:
+        """The manifest, its malformed entries left out; {} when it is missing or unreadable (wrong
+        JSON, or valid JSON of the wrong shape). Each problem is logged, and added to `problems`."""
         path = directory / MANIFEST
         if not path.is_file():
             return {}
         try:
             manifest = json.loads(path.read_text())
-            if manifest.get("format") != FORMAT:
-                raise ValueError(f"format {manifest.get('format')!r}, this build reads {FORMAT}")
-            return manifest
-        except (ValueError, OSError) as err:
-            log.warning("capture cache: %s is unreadable and is ignored (it will be rewritten): %s", path, err)
+            problem = manifest_problem(manifest, FORMAT)
+            if problem is not None:
+                raise ValueError(problem)
+        except (ValueError, OSError, RecursionError) as err:
+            log.warning("capture cache: manifest %s is unreadable and is ignored (it will be rewritten): %s", path, err)
+            if problems is not None:
+                problems.append(f"manifest is unreadable and will be rewritten: {err}")
             return {}
+        for key, record in list(manifest["entries"].items()):
+            problem = entry_problem(record)
+            if problem is not None:
+                log.warning("capture cache: manifest %s: entry %s is malformed and is ignored: %s", path, key, problem)
+                if problems is not None:
+                    problems.append(f"manifest entry {key} is malformed and will be rebuilt: {problem}")
+                del manifest["entries"][key]
+        return manifest
 
     # -- writing -----------------------------------------------------------------------------------
 
     def staging_dir(self) -> contextlib.AbstractContextManager[str]:
         """A scratch directory on the cache's filesystem, so publishing is a rename."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        return tempfile.TemporaryDirectory(dir=self.dir, prefix=".staging-")
+        return tempfile.TemporaryDirectory(dir=self.dir, prefix=staging_prefix())
 
-    def publish(self, key: str, factors: dict, files: dict[str, Path], meta: dict) -> CacheEntry:
+    def publish(self, key: str, factors: dict, files: dict[str, Path], meta: dict, replace: dict | None = None) -> CacheEntry:
         """Move the staged artifact `files` into place and record them, unless a sound entry for `key`
         is already there (another process won the race): then that one stands and is returned, and
-        the staged files are left to the staging directory's cleanup. A broken entry is replaced."""
+        the staged files are left to the staging directory's cleanup. A broken entry is replaced, and
+        so is `replace`, an entry record the caller found unusable though its files hash right."""
         with self._locked():
             manifest = self._read_manifest(self.dir) or {"format": FORMAT, "fingerprint": self.fingerprint, "entries": {}}
             if key in manifest["entries"]:
                 existing = CacheEntry(key, manifest["entries"][key])
-                if self.check(existing, factors) is None:
+                if self.check(existing, factors) is None and existing.record != replace:
                     return existing
             (self.dir / key).mkdir(parents=True, exist_ok=True)
             artifacts = {}
@@ -207,10 +235,32 @@ class CaptureCache:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
+        """The directory's file lock, waited for at most `lock_timeout_s` (TimeoutError naming the lock
+        and its holder); the holder writes its pid and host into the lock file."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.dir / ".lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        path = self.dir / ".lock"
+        with open(path, "a+") as lock:
+            began, noticed = time.monotonic(), False
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    waited = time.monotonic() - began
+                    holder = (path.read_text().strip() or "an unknown process")[:200]
+                    if waited >= self.lock_timeout_s:
+                        raise TimeoutError(f"capture cache: the lock {path} is still held by {holder} after "
+                                           f"{waited:.0f} s; not waiting any longer") from None  # fmt: skip
+                    if not noticed and waited >= self.lock_notice_s:
+                        noticed = True
+                        log.warning("capture cache: waiting for the lock %s, held by %s (giving up after %.0f s)",
+                                    path, holder, self.lock_timeout_s)  # fmt: skip
+                    time.sleep(0.05)
             try:
+                lock.seek(0)
+                lock.truncate()
+                lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+                lock.flush()
                 yield
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
@@ -219,29 +269,60 @@ class CaptureCache:
 # -- the `fvgraph cache` commands: every fingerprint directory under a root ------------------------
 
 
+def _is_fingerprint_dir(path: Path) -> bool:
+    """A fingerprint id for a name, a manifest, a lock or a staging directory marks one, even one whose
+    warmup never published or whose manifest was deleted."""
+    return path.is_dir() and (FINGERPRINT_NAME.fullmatch(path.name) is not None or (path / MANIFEST).exists()
+                              or (path / ".lock").exists() or any(p.name.startswith(STAGING) for p in path.iterdir()))  # fmt: skip
+
+
 def cache_dirs(root: str | Path) -> list[CaptureCache]:
     """One CaptureCache per fingerprint directory under `root`."""
-    return [CaptureCache.open_existing(m.parent) for m in sorted(Path(root).glob("*/" + MANIFEST))]
+    root = Path(root)
+    return [CaptureCache.open_existing(p) for p in sorted(root.iterdir() if root.is_dir() else ()) if _is_fingerprint_dir(p)]
 
 
-def verify(root: str | Path) -> list[str]:
-    """Every problem found under `root`, one line each; empty when the whole cache is sound."""
+def leftovers(cache: CaptureCache) -> list[Path]:
+    """Files under `cache.dir` that its manifest does not account for (see capture_cache_files.orphans)."""
+    return orphans(cache.dir, cache.entries())
+
+
+def verify(root: str | Path, load: bool = True) -> list[str]:
+    """Every problem found under `root`, one line each; empty when the whole cache is sound. Each
+    entry's artifacts are hashed and, with `load`, loaded as a serving process would load them."""
     problems = []
     for cache in cache_dirs(root):
-        if fingerprint_id(cache.fingerprint) != cache.dir.name:
+        problems += [f"{cache.dir.name}: {problem}" for problem in cache.problems]
+        if cache.fingerprint and fingerprint_id(cache.fingerprint) != cache.dir.name:
             problems.append(f"{cache.dir.name}: recorded fingerprint does not hash to its directory name")
         for key, record in cache.entries().items():
             problem = cache.check(CacheEntry(key, record))
+            if problem is None and load:
+                problem = _load_problem(cache, CacheEntry(key, record))
             if problem:
                 problems.append(f"{cache.dir.name}/{key}: {problem}")
+        for path in leftovers(cache):
+            problems.append(f"{cache.dir.name}: {path.relative_to(cache.dir)} ({size_of(path)} bytes) is left over: "
+                            "no entry uses it and no running writer owns it (`fvgraph cache clear` removes it)")  # fmt: skip
     return problems
+
+
+def _load_problem(cache: CaptureCache, entry: CacheEntry) -> str | None:
+    from fvgraph.graph_artifact import probe_load
+
+    for name in entry.artifact_names:
+        try:
+            probe_load(cache.path(entry, name), str(cache.fingerprint.get("backend")))
+        except Exception as err:  # its hash checks out, but a serving process could not run it
+            return f"{name} artifact does not load: {str(err)[:300]}"
+    return None
 
 
 def clear(root: str | Path) -> int:
     """Remove every fingerprint directory under `root` (files such as a README stay). Returns the count."""
     removed = 0
     for path in Path(root).iterdir() if Path(root).is_dir() else ():
-        if path.is_dir() and ((path / MANIFEST).exists() or (path / ".lock").exists()):
+        if _is_fingerprint_dir(path):
             shutil.rmtree(path)
             removed += 1
     return removed

@@ -78,11 +78,13 @@ def generate(
 ) -> None:
     """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
     from fvgraph.request import Request
-    from fvgraph.video_io import write_video
+    from fvgraph.video_io import check_video_output, write_video
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
     try:
+        check_video_output(output, fps)  # before any work: a bad option must not cost the run
+        _writable_dir(output.parent, "--output")
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, compile_steps)  # fmt: skip
         requests = [
@@ -112,7 +114,11 @@ def generate(
     for i, (request, result) in enumerate(zip(requests, results)):
         path = output if len(requests) == 1 else output.with_name(f"{output.stem}_{i}{output.suffix}")
         if result.ok and result.frames is not None:
-            written.append(write_video(result.frames, path, fps=fps))
+            try:
+                written.append(write_video(result.frames, path, fps=fps))
+            except (OSError, ValueError) as err:  # the disk filled up, say: the other videos are still written
+                console.print(f"[red]{result.request_id}: writing {path} failed:[/red] {err}")
+                failed = True
         failed |= not result.ok
         t = result.timings
         steps = request.num_inference_steps or engine.card.recipe.default_steps
@@ -148,7 +154,7 @@ def serve(
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
-    video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 needs imageio-ffmpeg)."),
+    video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 is written with PyAV)."),
     fps: int = typer.Option(8),
     port: Optional[int] = typer.Option(None, help="Serve the OpenAI-style HTTP API on this port (0: any free one) instead of JSON lines."),
     host: str = typer.Option("127.0.0.1", help="HTTP: the address to bind (0.0.0.0 to serve other machines)."),
@@ -161,14 +167,22 @@ def serve(
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
 ) -> None:
     """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
-    JSON result line per request as it ends; or, with --port, the OpenAI videos and images API over
-    HTTP (docs/serving.md). Requests arriving mid-run join the running batch."""
+    JSON answer line per input line (a request's when it ends); or, with --port, the OpenAI videos
+    and images API over HTTP (docs/serving.md). Requests arriving mid-run join the running batch."""
     import sys
 
-    from fvgraph.jsonl_server import JsonlServer
+    from fvgraph.jsonl_server import JsonlServer, StdoutLines
+    from fvgraph.video_io import check_video_output
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        if video_format not in ("gif", "mp4"):
+            raise ValueError(f"video_format={video_format!r} must be 'gif' or 'mp4'")
+        check_video_output(f"video.{video_format}", fps)  # before any work: a bad option must not cost the run
+        _writable_dir(output_dir, "--output-dir")
+        # Bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input.
+        if port is None:
+            source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running)  # fmt: skip
         if port is not None:
@@ -180,9 +194,7 @@ def serve(
                 warmup_shapes=[_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
             )  # fmt: skip
         else:
-            emit = lambda line: print(json.dumps(line), flush=True)  # noqa: E731
-            server = JsonlServer(engine, output_dir, emit, video_format=video_format, fps=fps)
-            source = sys.stdin if requests == "-" else open(requests, encoding="utf-8")  # noqa: SIM115
+            server = JsonlServer(engine, output_dir, StdoutLines(), video_format=video_format, fps=fps)
     except Exception as err:  # bad card, checkpoint, option or requests file: say why and stop
         Console(stderr=True).print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
@@ -193,6 +205,18 @@ def serve(
     with source:
         counts = server.serve(source)
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
+
+
+def _writable_dir(folder: Path, option: str) -> None:
+    """ValueError naming the option unless `folder` exists (or can be made) and takes new files."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fvgraph-write-probe-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{option}: cannot write into {folder}: {err}") from None
 
 
 def _shape(text: str, option: str = "--shape") -> tuple[int, int, int]:
@@ -219,6 +243,7 @@ def warmup(
     """Compile the denoise step of every shape and batch bucket into the capture cache, so later
     processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
     from fvgraph.buckets import BucketSpec
+    from fvgraph.capture_cache_files import check_writable
     from fvgraph.cards import get_card
     from fvgraph.engine import Engine
     from fvgraph.request import Request
@@ -228,14 +253,11 @@ def warmup(
     try:
         if opt_level not in (1, 2, 3):
             raise ValueError(f"-O{opt_level}: warmup compiles, so it takes -O1, -O2 or -O3")
+        check_writable(cache_dir)  # a warmup that can store nothing is no warmup
         model = get_card(card)
         rules = model.shapes
         shapes = [_shape(text) for text in shape] or [(rules.default_frames, rules.default_height, rules.default_width)]
         spec = BucketSpec(batch_sizes=tuple(int(b) for b in buckets.split(",")), shapes=tuple(shapes))
-        engine = Engine.from_card(
-            model, checkpoint=checkpoint, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
-            compile_config=_compile_config(compile_backend, disable_pass),
-        )  # fmt: skip
         scales = guidance or [model.recipe.default_guidance_scale]
         requests = [
             Request(prompt="warmup", num_inference_steps=model.recipe.allowed_steps[0], guidance_scale=g,
@@ -243,6 +265,12 @@ def warmup(
             for f, h, w in shapes
             for g in scales
         ]
+        for request in requests:
+            request.resolve(model)  # the card's limits, before loading anything
+        engine = Engine.from_card(
+            model, checkpoint=checkpoint, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
+            compile_config=_compile_config(compile_backend, disable_pass),
+        )  # fmt: skip
     except Exception as err:  # bad card, shape or bucket list: say why and stop
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
@@ -258,7 +286,11 @@ def warmup(
     failed = [r for r in results if not r.ok]
     for result in failed:
         console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
-    if failed:
+    unstored = [s for s in engine.compiler.signatures if engine.compiler.cache.find(s.key()) is None]
+    for signature in unstored:
+        console.print(f"[red]not stored in the capture cache:[/red] {signature.step_kind} batch {signature.batch} "
+                      f"({signature.key()}); see the warnings above")  # fmt: skip
+    if failed or unstored:
         raise typer.Exit(1)
 
 
@@ -268,11 +300,14 @@ def cache_ls(
     as_json: bool = typer.Option(False, "--json", help="Print the manifests as JSON."),
 ) -> None:
     """List every fingerprint directory and its entries."""
-    from fvgraph.capture_cache import cache_dirs
+    from fvgraph.capture_cache import cache_dirs, leftovers
+    from fvgraph.capture_cache_files import size_of
 
     caches = cache_dirs(cache_dir)
     if as_json:
-        typer.echo(json.dumps({c.dir.name: {"fingerprint": c.fingerprint, "entries": c.entries()} for c in caches}, indent=1))
+        listing = {c.dir.name: {"fingerprint": c.fingerprint, "entries": c.entries(), "problems": c.problems,
+                                "orphans": [str(p.relative_to(c.dir)) for p in leftovers(c)]} for c in caches}  # fmt: skip
+        typer.echo(json.dumps(listing, indent=1))
         return
     if not caches:
         console.print(f"{cache_dir}: empty")
@@ -283,20 +318,32 @@ def cache_ls(
         table = Table(title=title)
         for column in ("signature", "step", "batch", "latents", "MB", "compile s", "capture s"):
             table.add_column(column)
-        for key, record in sorted(cache.entries().items(), key=lambda kv: (kv[1]["factors"]["step_kind"], kv[1]["factors"]["batch"])):
-            factors = record["factors"]
-            latents = next((i[1] for i in factors["shape"]["inputs"] if i[0] == "latents"), "-")
+        for key, record in sorted(cache.entries().items(), key=lambda kv: str(kv[1]["factors"].get("step_kind"))):
+            factors, meta = record["factors"], record["meta"]
+            inputs = (factors.get("shape") or {}).get("inputs") if isinstance(factors.get("shape"), dict) else None
+            latents = next((i[1] for i in inputs or [] if isinstance(i, list) and i[:1] == ["latents"]), "-")
             size = sum(a["bytes"] for a in record["artifacts"].values()) / 1e6
-            meta = record["meta"]
-            capture = f"{meta['capture_seconds']:.3f}" if "capture_seconds" in meta else "-"
-            table.add_row(key, factors["step_kind"], str(factors["batch"]), str(latents), f"{size:.1f}",
-                          f"{meta.get('compile_seconds', 0.0):.1f}", capture)  # fmt: skip
+            capture, compile_s = meta.get("capture_seconds"), meta.get("compile_seconds")
+            table.add_row(key, str(factors.get("step_kind")), str(factors.get("batch")), str(latents), f"{size:.1f}",
+                          _seconds(compile_s, 1), _seconds(capture, 3))  # fmt: skip
         console.print(table)
+        for problem in cache.problems:
+            console.print(f"[red]{cache.dir.name}:[/red] {problem}")
+        left = leftovers(cache)
+        if left:
+            console.print(f"[yellow]{cache.dir.name}: {len(left)} orphaned files ({sum(map(size_of, left)) / 1e6:.1f} MB) "
+                          "no entry uses (a killed warmup's staging, replaced artifacts): `fvgraph cache verify` "
+                          "names them, `fvgraph cache clear` removes them[/yellow]")  # fmt: skip
+
+
+def _seconds(value, digits: int) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, int | float) else "-"
 
 
 @cache_app.command("verify")
 def cache_verify(cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache.")) -> None:
-    """Check every entry's artifacts against the sizes and sha256 in its manifest. Exits 1 on a problem."""
+    """Check every entry's artifacts against the sizes and sha256 in its manifest, load each one as a
+    serving process would, and look for orphaned files. Exits 1 on a problem."""
     from fvgraph.capture_cache import cache_dirs, verify
 
     problems = verify(cache_dir)
@@ -348,6 +395,8 @@ def parity(
             Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames)
             for i, text in enumerate(prompt)
         ]
+        if report is not None:
+            _writable_dir(report.parent, "--report")  # the report is written after the whole comparison
         b = Setting(opt_level, compile_backend, tuple(disable_pass))
         result = compare(card, requests, Setting(against, compile_backend), b, checkpoint=checkpoint, device=device)
     except Exception as err:

@@ -112,6 +112,7 @@ class StepCompiler:
         self._base = dict(card_id=card_id, weights_version=weights_version, loop=loop_id, precision=precision)
         self._runtime = RuntimeFactors.current(device)
         self._compiled: dict[StepSignature, CompiledStep] = {}
+        self._rejected: dict[str, tuple[dict, str]] = {}  # cache entries found unusable: key -> (record, why)
         self.cache = None if cache_dir is None else CaptureCache(cache_dir, self.fingerprint(opt_level))
 
     def fingerprint(self, opt_level: int) -> dict:
@@ -220,7 +221,8 @@ class StepCompiler:
                 problem = load_in_child(files.values(), backend, self.device)
                 if problem is not None:
                     raise RuntimeError(f"the built package does not load: {problem}")
-            entry = self.cache.publish(signature.key(), signature.factors(), files, meta)
+            rejected = self._rejected.get(signature.key(), (None, ""))[0]  # replaced even if its hash checks out
+            entry = self.cache.publish(signature.key(), signature.factors(), files, meta, replace=rejected)
         self.counters.cache_stores += 1
         return (*self._load_entry(entry, base_args), entry.meta)
 
@@ -240,6 +242,7 @@ class StepCompiler:
                 problem = f"artifact failed to load: {err!r}"
         if problem is not None:
             log.warning("capture cache: entry %s rejected, rebuilding: %s", entry.key, problem)
+            self._rejected[entry.key] = (entry.record, problem)
             self.counters.cache_rejects += 1
             return None
         self.counters.cache_hits += 1
@@ -280,6 +283,10 @@ class StepCompiler:
 
     def _refusal(self, signature: StepSignature) -> str:
         same_kind = [s for s in self._compiled if s.step_kind == signature.step_kind] or list(self._compiled)
+        rejected = self._rejected.get(signature.key())
+        if rejected is not None:  # not a new signature: its warm entry is there but unusable
+            return (f"the capture cache entry for this signature was rejected ({rejected[1]}), and after warmup "
+                    f"(fail_on_recompile) it is not rebuilt here: run `fvgraph warmup` again to rebuild it\n{signature}")
         lines = [f"no compiled graph for a new signature after warmup (fail_on_recompile):\n{signature}"]
         if same_kind:
             nearest = min(same_kind, key=lambda s: len(signature.diff(s)))

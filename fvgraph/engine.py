@@ -32,6 +32,7 @@ from fvgraph.compiler import CompileConfig, StepCompiler
 from fvgraph.components import load_components
 from fvgraph.counters import Counters
 from fvgraph.executor import CompiledExecutor, EagerExecutor, build_steps
+from fvgraph.finite_check import all_finite
 from fvgraph.fp32_math import math_mode
 from fvgraph.fp8_weights import apply_fp8_weights
 from fvgraph.graph_runner import GraphRunner
@@ -171,7 +172,10 @@ class Engine:
         fail_on_recompile. `on_bucket(batch)` is called as each bucket is ready (progress bars)."""
         if isinstance(self.executor, CompiledExecutor):
             for request in requests:
-                state = self.start(request)
+                try:
+                    state = self.start(request)
+                except RequestRejected:
+                    continue  # generate() below hands it back as rejected, naming the rule
                 while not isinstance(plan := self.loop.next(state), Done):
                     if self.compiler.wants(plan.kind):
                         with self._math:
@@ -201,8 +205,10 @@ class Engine:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request in flight (submitted, not yet handed back) at its next step boundary; it
-        comes back with status 'cancelled'. Returns False, and changes nothing, for an id not in flight."""
-        if request_id not in self._in_flight:
+        comes back with status 'cancelled'. Returns False, and changes nothing, for an id not in flight
+        or one that has already ended (its result waiting to be handed back): a stale cancel must
+        not reach a later request that reuses the id."""
+        if request_id not in self._in_flight or any(r.request_id == request_id for r in self._outbox):
             return False
         self._scheduler.cancel(request_id)
         return True
@@ -213,6 +219,8 @@ class Engine:
         """Queue `request` for the next tick (FIFO behind the others) and return its id. Raises
         RequestRejected, naming the field and the rule, when the card cannot serve it or its id is
         still in flight; nothing is queued then and the engine serves on."""
+        if not isinstance(request, Request):
+            raise TypeError(f"requests must be fvgraph.Request objects, got {type(request).__name__}")
         if request.request_id in self._in_flight:
             raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
         self._scheduler.submit(self.start(request))
@@ -244,6 +252,9 @@ class Engine:
         engine runs each group as one padded batch, an eager one runs its members one by one. A
         request the card cannot serve comes back 'rejected'. Requests submitted earlier keep running
         alongside; their results wait for the next tick()."""
+        for request in requests:  # misuse, not bad input: refused before anything is queued
+            if not isinstance(request, Request):
+                raise TypeError(f"requests must be fvgraph.Request objects, got {type(request).__name__}")
         rejected: dict[int, Result] = {}  # by position: a duplicate id must not shadow the original's result
         pending: set[str] = set()
         for position, request in enumerate(requests):
@@ -255,14 +266,18 @@ class Engine:
                 log.warning("request %s rejected: %s", request.request_id, err)
                 rejected[position] = Result(request.request_id, "rejected", seed=request.seed, error=str(err))
         results: dict[str, Result] = {}
-        with torch.compiler.set_stance(self._stance()):  # entered once per call: it costs ~50 us
-            while pending:
-                if not self._scheduler.has_work():
-                    raise RuntimeError(f"requests {sorted(pending)} neither ran nor ended")  # a bug, never a hang
-                self._tick(on_step, on_result)
-                for result in self._take_results(pending):
-                    results[result.request_id] = result
-                    pending.discard(result.request_id)
+        try:
+            with torch.compiler.set_stance(self._stance()):  # entered once per call: it costs ~50 us
+                while pending:
+                    if not self._scheduler.has_work():
+                        raise RuntimeError(f"requests {sorted(pending)} neither ran nor ended")  # a bug, never a hang
+                    self._tick(on_step, on_result)
+                    for result in self._take_results(pending):
+                        results[result.request_id] = result
+                        pending.discard(result.request_id)
+        except BaseException:  # a callback raised (or ^C): this call's requests must not stay in flight
+            self._abandon(pending)
+            raise
         return [rejected.get(i) or results[r.request_id] for i, r in enumerate(requests)]
 
     def _tick(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
@@ -281,6 +296,16 @@ class Engine:
                 self._scheduler.remove([state])
                 self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
                                   error=repr(err)))  # fmt: skip
+
+    def _abandon(self, ids: set[str]) -> None:
+        """Drop these requests wherever they are (waiting, running, ended): nobody will take their results."""
+        scheduler = self._scheduler
+        scheduler.waiting = type(scheduler.waiting)(s for s in scheduler.waiting if s.request_id not in ids)
+        scheduler.remove([s for s in scheduler.running if s.request_id in ids])
+        self._outbox = [r for r in self._outbox if r.request_id not in ids]
+        for request_id in ids:
+            self._in_flight.pop(request_id, None)
+            scheduler.cancel_requested.discard(request_id)
 
     def _done(self, result: Result) -> None:
         result.timings["total"] = time.perf_counter() - self._in_flight[result.request_id]
@@ -312,7 +337,14 @@ class Engine:
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
         elapsed = time.perf_counter() - began - compiled_for_it
         phase = "denoise" if plans[0].kind in (DENOISE, DENOISE_CFG) else plans[0].kind
-        for (state, plan), result in zip(group, results):
+        failures = []
+        for (state, plan), result, finite in zip(group, results, all_finite(results)):
+            if not finite:  # garbage must not come back as ok: the request fails here, naming the step
+                bad = sorted(k for k, t in result.items()
+                             if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all())
+                failures.append((state, FloatingPointError(
+                    f"{plan.kind} step {plan.step_index}: outputs {bad} are not finite (NaN or Inf)")))  # fmt: skip
+                continue
             if compiled_for_it:
                 state.timings["compile"] = state.timings.get("compile", 0.0) + compiled_for_it
             state.timings[phase] = state.timings.get(phase, 0.0) + elapsed
@@ -321,7 +353,7 @@ class Engine:
             self.loop.advance(state, result)
             if on_step is not None:
                 on_step(state, plan.kind)
-        return []
+        return failures
 
 
 def _with_level(config: CompileConfig, opt_level: int, taps: bool) -> CompileConfig:

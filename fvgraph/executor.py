@@ -89,6 +89,7 @@ class CompiledExecutor:
         self.buckets = buckets
         self.counters = eager.counters
         self._fallback_logged: set[tuple] = set()
+        self._graph_shapes: set[tuple[int, int, int]] = set()  # shapes given graphs when BucketSpec.shapes is None
 
     def run_batch(self, plans: list[WorkPlan], lane: int = 0) -> list[StepResult]:
         """`plans` share one signature and fit the largest batch bucket; `lane` picks the static
@@ -96,7 +97,7 @@ class CompiledExecutor:
         first = plans[0]
         if not self.compiler.wants(first.kind):
             return self.eager.run_batch(plans)
-        if first.pixel_shape is not None and not self.buckets.covers(*first.pixel_shape):
+        if first.pixel_shape is not None and not self._has_graphs(first.pixel_shape):
             self._log_fallback(first)
             self.counters.fallbacks += len(plans)
             return self.eager.run_batch(plans)
@@ -110,7 +111,7 @@ class CompiledExecutor:
     def prepare(self, plan: WorkPlan, on_bucket: Callable[[int], None] | None = None) -> None:
         """Compile (and capture) `plan`'s signature at every batch bucket, largest first, so the
         largest graph claims the shared memory pool and the smaller ones reuse it."""
-        if not self.compiler.wants(plan.kind) or (plan.pixel_shape and not self.buckets.covers(*plan.pixel_shape)):
+        if not self.compiler.wants(plan.kind) or (plan.pixel_shape and not self._has_graphs(plan.pixel_shape)):
             return
         with torch.no_grad():
             for bucket in reversed(self.buckets.batch_sizes):
@@ -118,8 +119,19 @@ class CompiledExecutor:
                 if on_bucket is not None:
                     on_bucket(bucket)
 
+    def _has_graphs(self, pixel_shape: tuple[int, int, int]) -> bool:
+        """Whether this shape runs through compiled graphs: a listed shape, or (no list) one of the
+        first `max_shapes` distinct shapes seen, so compiled memory stays bounded."""
+        if self.buckets.shapes is not None:
+            return self.buckets.covers(*pixel_shape)
+        if pixel_shape not in self._graph_shapes and len(self._graph_shapes) < self.buckets.max_shapes:
+            self._graph_shapes.add(pixel_shape)
+        return pixel_shape in self._graph_shapes
+
     def _log_fallback(self, plan: WorkPlan) -> None:
         key = (plan.kind, plan.pixel_shape)
         if key not in self._fallback_logged:
             self._fallback_logged.add(key)
-            log.warning("no bucket covers %s at %s (frames, height, width): running it eagerly", *key)
+            why = "no bucket covers" if self.buckets.shapes is not None else \
+                f"max_shapes={self.buckets.max_shapes} shapes already have graphs; not compiling"
+            log.warning("%s %s at %s (frames, height, width): running it eagerly", why, *key)

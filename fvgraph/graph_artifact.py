@@ -59,6 +59,18 @@ def load_graph(path: Path, backend: str, device: torch.device, compile_fn: Calla
     return compile_fn(gm, example_args or [])
 
 
+def probe_load(path: Path, backend: str) -> None:
+    """Load the artifact at `path` as a serving process would, and drop it; raises when it will not
+    load (a file whose hash checks out can still fail to load: a library it links against changed)."""
+    if backend == "inductor":
+        options = {"run_single_threaded": True}
+        if "device_index" in inspect.signature(torch._inductor.aoti_load_package).parameters:
+            options["device_index"] = 0 if torch.cuda.is_available() else -1
+        torch._inductor.aoti_load_package(str(path), **options)
+    else:
+        torch.export.load(str(path)).module()
+
+
 # What the child runs: load each artifact the way load_graph does, then exit 0.
 _CHILD = """
 import sys, torch

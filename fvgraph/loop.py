@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from fvgraph.saved_state import read_saved_fields
+
 StepResult = dict[str, torch.Tensor]
 
 
@@ -94,10 +96,8 @@ class SerializableState:
 
     @classmethod
     def load(cls, path: str | Path):
-        blob = torch.load(path, map_location="cpu", weights_only=True)
-        if blob.get("type") != cls.__name__:
-            raise ValueError(f"{path}: holds a {blob.get('type')!r}, expected a {cls.__name__}")
-        return cls(**blob["fields"])
+        """ValueError, naming the file and the field, for a file that is not a sound saved state."""
+        return cls(**read_saved_fields(cls, path))
 
 
 def _compact(value: Any) -> Any:

@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from fvgraph.card import ModelCard
 
+# Ids are echoed into result lines, logs and file names: bounded, printable.
+MAX_REQUEST_ID_LENGTH = 128
 
 class RequestRejected(ValueError):
     """A request this card cannot serve; the message names the field, the value and the rule."""
@@ -34,6 +36,8 @@ def _check_embeds(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
         return None
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.device.type == "meta" or value.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense tensor holding data, got device {value.device.type} layout {value.layout}")
     if value.dim() == 3 and value.shape[0] == 1:
         value = value[0]
     if value.dim() != 2:
@@ -61,7 +65,22 @@ class Request(BaseModel):
     num_frames: int | None = Field(default=None, gt=0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     output_type: Literal["np", "latent"] = "np"
-    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], min_length=1, max_length=MAX_REQUEST_ID_LENGTH,
+                            description="Printable, at most 128 characters.")
+
+    @field_validator("request_id")
+    @classmethod
+    def _printable_id(cls, value: str) -> str:
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError("request_id must be printable: no control characters such as newlines")
+        return value
+
+    @field_validator("num_inference_steps", "guidance_scale", "height", "width", "num_frames", "seed", mode="before")
+    @classmethod
+    def _not_a_boolean(cls, value, info):
+        if isinstance(value, bool):  # pydantic would read True as 1
+            raise ValueError(f"{info.field_name} must be a number, not a boolean ({value})")
+        return value
 
     @field_validator("height", "width")
     @classmethod

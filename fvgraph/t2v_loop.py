@@ -17,7 +17,8 @@ from fvgraph.card import ModelCard
 from fvgraph.components import Components
 from fvgraph.loop import Done, SerializableState, ShapeSignature, StepResult, WorkPlan
 from fvgraph.request import Request, Result
-from fvgraph.samplers import build_sampler, num_coeffs
+from fvgraph.samplers import build_sampler
+from fvgraph.t2v_state_check import check_t2v_state
 
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
 # Denoise inputs that stay the same at every step of a request.
@@ -59,6 +60,7 @@ class T2VState(SerializableState):
     negative_prompt_embeds: torch.Tensor | None = None
     video: torch.Tensor | None = None  # [1, 3, F, H, W] in [0, 1]
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step kind, kept across resume
+    weights_version: str = ""  # the weights it was started with: resuming on others would mix two models
     step_cache: dict = field(default_factory=dict, metadata={"transient": True})  # runtime-derived, see WorkPlan
 
     @property
@@ -104,6 +106,7 @@ class TextToVideoLoop:
             carry=list(self.sampler.initial_carry(latents)),
             prompt_embeds=self._padded(request.prompt_embeds),
             negative_prompt_embeds=self._padded(request.negative_prompt_embeds) if request.do_cfg else None,
+            weights_version=self.components.weights_version,
         )
         texts = []
         if state.prompt_embeds is None:
@@ -221,8 +224,6 @@ class TextToVideoLoop:
         )
 
     def check_state(self, state: T2VState) -> None:
-        """Reject a saved state made by another card or sampler before it is resumed."""
-        if state.card_id != self.card.card_id:
-            raise ValueError(f"state of request {state.request_id} belongs to card {state.card_id!r}, not {self.card.card_id!r}")
-        if state.coeffs.shape[1] != num_coeffs(self.sampler):
-            raise ValueError(f"state of request {state.request_id} was planned for a different sampler")
+        """Reject a saved state before it is resumed: another card, sampler or weights, or any field
+        this loop could not have produced (t2v_state_check names the field and the rule)."""
+        check_t2v_state(state, self)

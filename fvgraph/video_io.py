@@ -1,28 +1,71 @@
-"""Writing generated frames to a file a person can open."""
+"""Writing generated frames to a file a person can open: .gif (Pillow) or .mp4 (PyAV, H.264 when its
+FFmpeg has it, MPEG-4 part 2 otherwise).
+
+`check_video_output` checks a path's suffix, the frame rate and, for .mp4, that an encoder is there,
+so a command can refuse bad output options before it does any work.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
-from diffusers.utils import export_to_gif, export_to_video
+from diffusers.utils import export_to_gif
 from PIL import Image
+
+VIDEO_SUFFIXES = (".gif", ".mp4")
+
+
+def check_video_output(path: str | Path, fps: int) -> None:
+    """Raise ValueError, naming the option and the rule, when `path` and `fps` cannot be written."""
+    if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
+        raise ValueError(f"fps={fps!r} must be a whole number of frames per second, at least 1")
+    suffix = Path(path).suffix.lower()
+    if suffix not in VIDEO_SUFFIXES:
+        raise ValueError(f"output path {path} must end in .gif or .mp4")
+    if suffix == ".mp4":
+        _mp4_codec()
+
+
+def _mp4_codec() -> str:
+    """The encoder .mp4 files are written with; ValueError when PyAV or every encoder is missing."""
+    try:
+        import av
+    except ImportError as err:
+        raise ValueError(f"writing .mp4 needs PyAV (the `av` package, a dependency of fvgraph): {err}; "
+                         "install it or write .gif") from None  # fmt: skip
+    for codec in ("libx264", "mpeg4"):
+        try:
+            av.codec.Codec(codec, "w")
+            return codec
+        except Exception:  # this FFmpeg build lacks it
+            continue
+    raise ValueError("writing .mp4 needs an H.264 or MPEG-4 encoder, and PyAV's FFmpeg has neither; write .gif")
 
 
 def write_video(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
-    """uint8 [T, H, W, 3] -> .gif (always available) or .mp4 (needs imageio with ffmpeg)."""
+    """uint8 [T, H, W, 3] -> `path` (.gif or .mp4)."""
     path = Path(path)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
+    check_video_output(path, fps)
     path.parent.mkdir(parents=True, exist_ok=True)
-    suffix = path.suffix.lower()
-    if suffix == ".gif":
+    if path.suffix.lower() == ".gif":
         export_to_gif([Image.fromarray(frame) for frame in frames], str(path), fps=fps)
-    elif suffix == ".mp4":
-        try:
-            export_to_video(list(frames.astype(np.float32) / 255.0), str(path), fps=fps)
-        except ImportError as err:
-            raise ValueError(f"writing {path.name} needs imageio and imageio-ffmpeg ({err}); use a .gif path") from err
     else:
-        raise ValueError(f"output path {path} must end in .gif or .mp4")
+        _write_mp4(frames, path, fps)
     return path
+
+
+def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
+    import av
+
+    _, height, width, _ = frames.shape
+    if height % 2 or width % 2:  # yuv420p stores chroma at half resolution
+        raise ValueError(f"an .mp4 needs an even height and width, got {height}x{width}; write .gif")
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream(_mp4_codec(), rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode())  # flush the encoder's delayed frames

@@ -29,7 +29,8 @@ def test_every_line_gets_one_result_and_bad_lines_name_the_rule(tiny_engine, tmp
              json.dumps({"cancel": "nobody"})]  # fmt: skip
     by_id, emitted, counts = _serve(tiny_engine, lines, tmp_path)
 
-    assert counts == {"ok": 2, "rejected": 5} and len(emitted) == 7
+    assert counts == {"ok": 2, "rejected": 5, "cancel not_in_flight": 1} and len(emitted) == 8
+    assert sorted(line["line"] for line in emitted) == [1, 3, 4, 5, 6, 7, 8, 9]  # the blank line 2 needs no answer
     errors = [line["error"] for line in emitted if line["status"] == "rejected"]
     assert errors[0].startswith("line 3: not JSON")
     assert "line 4: num_frames: Value error, num_frames=4 must be 4k+1" in errors[1]
@@ -84,7 +85,7 @@ def test_a_request_arriving_mid_run_joins_the_running_ones(tiny_engine, tmp_path
 def test_a_cancel_line_cancels_a_request_in_flight(tiny_engine, tmp_path, monkeypatch):
     lines = _pace(tiny_engine, monkeypatch, json.dumps({"cancel": "fox"}), after_ticks=1)
     by_id, _, counts = _serve(tiny_engine, lines(json.dumps({**FOX, "num_inference_steps": 20})), tmp_path)
-    assert counts == {"cancelled": 1} and by_id["fox"]["output"] is None
+    assert counts == {"cancelled": 1, "cancel accepted": 1} and by_id["fox"]["output"] is None
 
 
 def test_lines_beyond_max_in_flight_wait_until_a_request_comes_back(tiny_engine, tmp_path, monkeypatch):
@@ -104,7 +105,7 @@ def test_serve_command_reads_a_requests_file_and_prints_json_lines(tmp_path):
     result = CliRunner().invoke(app, ["serve", "-O0", "--requests", str(requests), "-o", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert {(line["request_id"], line["status"]) for line in lines} == {("sea", "ok"), ("line-2", "rejected")}
+    assert {(line["request_id"], line["status"]) for line in lines} == {("sea", "ok"), (None, "rejected")}
     assert (tmp_path / "out" / "sea.safetensors").is_file()
 
 

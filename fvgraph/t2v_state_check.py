@@ -1,0 +1,119 @@
+"""The full check of a T2VState before it is resumed: a state from disk is untrusted input.
+
+A state another engine saved (or someone edited) must not run, and must never come back "ok", when
+it belongs to another card, sampler or set of weights, or when a field holds something the loop
+could not have produced: NaN or integer latents, a step index outside the schedule (a negative one
+would silently run extra steps), an unknown phase, embeddings of the wrong shape. Each refusal is a
+ValueError naming the request, the field and the rule.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fvgraph.samplers import num_coeffs
+
+if TYPE_CHECKING:
+    from fvgraph.t2v_loop import T2VState, TextToVideoLoop
+
+PHASES = ("encode", "denoise", "decode", "done")
+EMBED_SLOTS = ("prompt_embeds", "negative_prompt_embeds")
+
+
+class _Checker:
+    def __init__(self, state: T2VState):
+        self.state = state
+
+    def fail(self, name: str, rule: str) -> None:
+        raise ValueError(f"state of request {self.state.request_id!r}: {name}: {rule}")
+
+    def tensor(self, name: str, shape: tuple | None = None, dims: int | None = None, floating: bool = True,
+               value: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        t = getattr(self.state, name) if value is None else value
+        if not isinstance(t, torch.Tensor):
+            self.fail(name, f"must be a tensor, got {type(t).__name__}")
+        if floating and not t.is_floating_point():
+            self.fail(name, f"must be floating point, got {t.dtype}")
+        if dims is not None and t.dim() != dims:
+            self.fail(name, f"must have {dims} dims, got shape {list(t.shape)}")
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            self.fail(name, f"must have shape {list(shape)}, got {list(t.shape)}")
+        if t.dtype == torch.bool or t.is_complex():
+            self.fail(name, f"must hold real numbers, got {t.dtype}")
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            self.fail(name, "holds NaN or Inf values")
+        return t
+
+
+def check_t2v_state(state: T2VState, loop: TextToVideoLoop) -> None:
+    """Raise ValueError (request, field, rule) unless `state` is one `loop` could resume correctly."""
+    c = _Checker(state)
+    card = loop.card
+    if state.card_id != card.card_id:
+        c.fail("card_id", f"the state belongs to card {state.card_id!r}, not {card.card_id!r}")
+    if not state.weights_version:
+        c.fail("weights_version", "the state records none (saved before states recorded it), so it cannot be "
+                                  "checked against this engine's weights; start the request again")  # fmt: skip
+    if state.weights_version != loop.components.weights_version:
+        c.fail("weights_version", f"saved with weights {state.weights_version!r}, this engine runs "
+                                  f"{loop.components.weights_version!r}: resuming would mix two models")  # fmt: skip
+    if state.phase not in PHASES:
+        c.fail("phase", f"{state.phase!r} is not one of {', '.join(PHASES)}")
+    if state.output_type not in ("np", "latent"):
+        c.fail("output_type", f"{state.output_type!r} must be 'np' or 'latent'")
+    if not isinstance(state.guidance_scale, float | int) or not torch.isfinite(torch.tensor(float(state.guidance_scale))):
+        c.fail("guidance_scale", "must be a finite number")
+    timesteps = c.tensor("timesteps", dims=1, floating=False)  # as the diffusers scheduler emits them (int or float)
+    steps = int(timesteps.shape[0])
+    if steps < 1:
+        c.fail("timesteps", "the schedule is empty")
+    coeffs = c.tensor("coeffs", dims=2)
+    if tuple(coeffs.shape) != (steps, num_coeffs(loop.sampler)):
+        c.fail("coeffs", f"must be [{steps}, {num_coeffs(loop.sampler)}] (one sampler row per timestep), got {list(coeffs.shape)}")
+    _check_progress(c, state, steps)
+    latents = c.tensor("latents", dims=5)
+    if latents.shape[0] != 1 or latents.shape[1] != loop.latent_channels:
+        c.fail("latents", f"must be [1, {loop.latent_channels}, frames, h, w], got {list(latents.shape)}")
+    _check_carry(c, state, loop)
+    _check_text(c, state, card.shapes.text_len, card.shapes.text_dim)
+
+
+def _check_progress(c: _Checker, state: T2VState, steps: int) -> None:
+    index = state.step_index
+    if isinstance(index, bool) or not isinstance(index, int):
+        c.fail("step_index", f"must be an int, got {type(index).__name__}")
+    expected = {"encode": range(0, 1), "denoise": range(0, steps), "decode": range(steps, steps + 1),
+                "done": range(steps, steps + 1)}[state.phase]  # fmt: skip
+    if index not in expected:
+        c.fail("step_index", f"{index} is outside [{expected.start}, {expected.stop - 1}] for phase {state.phase!r} "
+                             f"of a {steps}-step schedule")  # fmt: skip
+    if state.video is not None and state.phase != "done":
+        c.fail("video", f"a decoded video belongs to phase 'done', not {state.phase!r}")
+
+
+def _check_carry(c: _Checker, state: T2VState, loop: TextToVideoLoop) -> None:
+    if not isinstance(state.carry, list):
+        c.fail("carry", f"must be a list of tensors, got {type(state.carry).__name__}")
+    if state.phase in ("decode", "done"):
+        return  # the history is dropped after the last step
+    expected = loop.sampler.initial_carry(state.latents)
+    if len(state.carry) != len(expected):
+        c.fail("carry", f"the sampler keeps {len(expected)} history tensors, the state holds {len(state.carry)}")
+    for i, (have, want) in enumerate(zip(state.carry, expected)):
+        c.tensor(f"carry[{i}]", shape=tuple(want.shape), value=have)
+
+
+def _check_text(c: _Checker, state: T2VState, text_len: int, text_dim: int) -> None:
+    needed = ["prompt_embeds"] + (["negative_prompt_embeds"] if state.cfg else [])
+    if state.phase == "encode":
+        if not isinstance(state.encode_slots, list) or not set(state.encode_slots) <= set(EMBED_SLOTS):
+            c.fail("encode_slots", f"must list some of {EMBED_SLOTS}, got {state.encode_slots!r}")
+        ids = c.tensor("input_ids", dims=2, floating=False)
+        c.tensor("attention_mask", shape=tuple(ids.shape), floating=False)
+        if ids.shape[0] != len(state.encode_slots) or ids.shape[1] != text_len:
+            c.fail("input_ids", f"must be [{len(state.encode_slots)}, {text_len}], got {list(ids.shape)}")
+        needed = [name for name in needed if name not in state.encode_slots]
+    for name in needed:
+        c.tensor(name, shape=(1, text_len, text_dim))
