@@ -96,14 +96,15 @@ class ParityReport:
 
 
 def run_taps(engine: Engine, requests: Sequence[Request], batched: bool) -> Taps:
-    """Every denoise step's taps (and new latents) of each request, run alone or all together."""
+    """Every tapped step's taps (and new latents) of each request, run alone or all together."""
     index = {r.request_id: i for i, r in enumerate(requests)}
     taps: Taps = {}
 
     def keep(state, plan, result):
-        if not plan.kind.startswith("denoise"):
+        tapped = {k: v for k, v in result.items() if k.startswith("tap.")}
+        if not tapped:  # a step kind without a tap variant (encoders, decoders)
             return
-        named = split_fused({k: v for k, v in result.items() if k.startswith("tap.")})
+        named = split_fused(tapped)
         named["tap.latents"] = result["latents"]
         for name in sorted(named, key=execution_order):
             value = named[name]

@@ -1,8 +1,9 @@
 """The text-to-video loop of Wan-class models: text_encode -> denoise x N -> vae_decode.
 
-Each phase is a step kind of its own (see steps.py). The loop is host-side bookkeeping only: it
-tokenizes, draws the initial noise, plans the sampler's coefficients once, hands out one WorkPlan at
-a time and folds each step's tensors back into the request's T2VState.
+Each phase is a step kind of its own (see steps.py), declared in STEP_KINDS for the runtime. The
+loop is host-side bookkeeping only: it tokenizes, draws the initial noise, plans the sampler's
+coefficients once, hands out one WorkPlan at a time and folds each step's tensors back into the
+request's T2VState.
 """
 
 from __future__ import annotations
@@ -12,20 +13,29 @@ from typing import NamedTuple
 
 import torch
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from torch import nn
 
 from fvgraph.card import ModelCard
 from fvgraph.components import Components
-from fvgraph.loop import Done, SerializableState, ShapeSignature, StepResult, WorkPlan
+from fvgraph.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, Result
 from fvgraph.samplers import build_sampler, num_coeffs
+from fvgraph.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
+from fvgraph.taps import TapPoints
 
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
+STEP_KINDS = {
+    TEXT_ENCODE: StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode"),
+    DENOISE: StepKind(DENOISE, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
+    DENOISE_CFG: StepKind(DENOISE_CFG, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
+    VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode"),
+}
 # Denoise inputs that stay the same at every step of a request.
 REQUEST_CONSTANTS = frozenset({"prompt_embeds", "negative_prompt_embeds", "guidance_scale"})
 
 
 class DenoiseFacts(NamedTuple):
-    """Derived once per request from its state (kept in `step_cache`, never saved)."""
+    """Derived once per request from its state (kept in T2VState.derived, never saved)."""
 
     kind: str
     timesteps: tuple[torch.Tensor, ...]  # [1] per step, on the device
@@ -59,7 +69,8 @@ class T2VState(SerializableState):
     negative_prompt_embeds: torch.Tensor | None = None
     video: torch.Tensor | None = None  # [1, 3, F, H, W] in [0, 1]
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step kind, kept across resume
-    step_cache: dict = field(default_factory=dict, metadata={"transient": True})  # runtime-derived, see WorkPlan
+    # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
+    derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
 
     @property
     def num_steps(self) -> int:
@@ -70,6 +81,8 @@ class TextToVideoLoop:
     """init / next / advance / finalize for one card's t2v loop; holds no per-request state."""
 
     loop_id = "t2v"
+    state_type = T2VState
+    step_kinds = STEP_KINDS
 
     def __init__(self, card: ModelCard, components: Components):
         self.card = card
@@ -81,6 +94,22 @@ class TextToVideoLoop:
         self.latent_channels = components.transformer.config.in_channels
         self.embed_dtype = next(components.transformer.parameters()).dtype
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
+
+    def build_steps(self, tap_points: TapPoints | None = None) -> dict[str, nn.Module]:
+        """One step module per step kind; they share the components' modules (no weight copies).
+        With `tap_points` the denoise steps are the parity tap variants."""
+        c = self.components
+        steps = {
+            TEXT_ENCODE: TextEncodeStep(c.text_encoder),
+            DENOISE: DenoiseStep(c.transformer, self.sampler, cfg=False, tap_points=tap_points),
+            DENOISE_CFG: DenoiseStep(c.transformer, self.sampler, cfg=True, tap_points=tap_points),
+            VAE_DECODE: VaeDecodeStep(c.vae),
+        }
+        return {kind: step.to(c.device).eval() for kind, step in steps.items()}
+
+    def check_request(self, request: Request) -> Request:
+        """`request` with the card's defaults filled in, checked against the card (RequestRejected)."""
+        return request.resolve(self.card)
 
     # -- init ------------------------------------------------------------------------------------
 
@@ -154,16 +183,15 @@ class TextToVideoLoop:
             inputs = {"input_ids": state.input_ids.to(device), "attention_mask": state.attention_mask.to(device)}
             return WorkPlan(state.request_id, TEXT_ENCODE, inputs)
         if state.phase == "denoise":
-            facts = state.step_cache.get("denoise") or self._denoise_facts(state)
+            facts = state.derived or self._denoise_facts(state)
             i = state.step_index
             inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i],
                       **facts.constants, **dict(zip(facts.carry_names, state.carry))}  # fmt: skip
-            plan = WorkPlan(state.request_id, facts.kind, inputs, i, state.step_cache, facts.pixels, REQUEST_CONSTANTS,
-                            facts.signature)  # fmt: skip
+            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, REQUEST_CONSTANTS, facts.signature)
             if facts.signature is None:  # the first step; every later one has the same input shapes
                 # One object per distinct signature: grouping and graph lookups then match by identity.
                 plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
-                state.step_cache["denoise"] = facts._replace(signature=plan.signature)
+                state.derived = facts._replace(signature=plan.signature)
             return plan
         if state.phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
@@ -195,11 +223,11 @@ class TextToVideoLoop:
             state.phase = "denoise"
         elif state.phase == "denoise":
             state.latents = result["latents"]
-            state.carry = [result[name] for name in state.step_cache["denoise"].carry_names]  # set by next()
+            state.carry = [result[name] for name in state.derived.carry_names]  # set by next()
             state.step_index += 1
             if state.step_index == state.num_steps:
-                state.carry = []  # history and hoisted values are dead weight once the last step ran
-                state.step_cache.clear()
+                state.carry = []  # history and derived values are dead weight once the last step ran
+                state.derived = None
                 state.phase = "decode" if state.output_type == "np" else "done"
         elif state.phase == "decode":
             state.video = result["video"]
@@ -220,9 +248,20 @@ class TextToVideoLoop:
             timings=dict(state.timings),
         )
 
-    def check_state(self, state: T2VState) -> None:
-        """Reject a saved state made by another card or sampler before it is resumed."""
+    def adopt(self, state: T2VState) -> T2VState:
+        """A state saved by another engine of the same card, moved onto this loop's device; it
+        continues where it stopped. Raises ValueError for a state of another card or sampler."""
+        if not isinstance(state, T2VState):
+            raise ValueError(f"loop {self.loop_id!r} resumes a T2VState, got a {type(state).__name__}")
         if state.card_id != self.card.card_id:
             raise ValueError(f"state of request {state.request_id} belongs to card {state.card_id!r}, not {self.card.card_id!r}")
         if state.coeffs.shape[1] != num_coeffs(self.sampler):
             raise ValueError(f"state of request {state.request_id} was planned for a different sampler")
+        device = self.components.device
+        for name in ("latents", "prompt_embeds", "negative_prompt_embeds"):
+            value = getattr(state, name)
+            if value is not None:
+                setattr(state, name, value.to(device))
+        state.carry = [t.to(device) for t in state.carry]
+        state.derived = None  # derived on the other engine's device; rebuilt here on demand
+        return state
