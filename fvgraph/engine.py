@@ -31,6 +31,7 @@ from fvgraph.counters import Counters
 from fvgraph.engine_builder import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches, build_engine_parts
 from fvgraph.executor import CompiledExecutor, EagerExecutor
 from fvgraph.loop import Done, Loop, LoopState, WorkPlan
+from fvgraph.model_facts import ModelFacts
 from fvgraph.projection_cache import ExactProjectionCache
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.request_slot import RequestSlots
@@ -59,6 +60,11 @@ class Engine:
         self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
 
     @property
+    def facts(self) -> ModelFacts:
+        """What the loaded weights say: text width, latent channels, patch size, VAE scales, experts."""
+        return self.loop.components.facts
+
+    @property
     def compiler(self) -> StepCompiler | None:
         return getattr(self.executor, "compiler", None)
 
@@ -78,6 +84,7 @@ class Engine:
         cuda_graphs: bool = True,
         debug: bool = False,
         taps: bool = False,
+        text_encoder: bool = True,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -93,13 +100,14 @@ class Engine:
         on-disk capture cache (docs/capture_cache.md): compiled steps are loaded from it when this
         process's fingerprint has them, and compiled into it otherwise; `warmup` then freezes the
         engine (fail_on_recompile). `taps` builds the parity variant: the denoiser steps also return
-        named intermediates ("tap.*").
+        named intermediates ("tap.*"). `text_encoder=False` loads neither the text encoder nor the
+        tokenizer: requests must then carry prompt embeddings (a text prompt is rejected, saying so).
         """
         card = get_card(card) if isinstance(card, str) else card
         switches = EngineSwitches(
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
-            debug=debug, taps=taps,
+            debug=debug, taps=taps, text_encoder=text_encoder,
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)
         engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)

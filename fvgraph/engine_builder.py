@@ -52,6 +52,7 @@ class EngineSwitches:
     max_running: int = 16  # requests in flight at once; the rest wait, FIFO
     debug: bool = False  # check static buffer addresses at every replay
     taps: bool = False  # the parity variant: denoise steps also return named intermediates
+    text_encoder: bool = True  # False: neither text encoder nor tokenizer loads; requests carry embeddings
 
 
 @dataclass
@@ -69,7 +70,8 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
     requested = opt_level(level)
     effective = opt_level(0) if switches.enforce_eager else requested
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    components = load_components(card, checkpoint, device)
+    skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer"})
+    components = load_components(card, checkpoint, device, skip)
     loop = build_loop(card, components)
     counters = Counters()
     tap_points = TapPoints(components.transformer) if switches.taps else None

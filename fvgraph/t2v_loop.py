@@ -18,7 +18,7 @@ from torch import nn
 from fvgraph.card import ModelCard
 from fvgraph.components import Components
 from fvgraph.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
-from fvgraph.request import Request, Result
+from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.samplers import build_sampler, num_coeffs
 from fvgraph.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
 from fvgraph.taps import TapPoints
@@ -88,10 +88,10 @@ class TextToVideoLoop:
         self.card = card
         self.components = components
         self.sampler = build_sampler(card.recipe.sampler)
-        vae_cfg = components.vae.config
-        self.temporal_scale = 2 ** sum(vae_cfg.temperal_downsample)
-        self.spatial_scale = 2 ** len(vae_cfg.temperal_downsample)
-        self.latent_channels = components.transformer.config.in_channels
+        self.facts = components.facts  # read from the weights' configs, not the card
+        self.temporal_scale = self.facts.vae_temporal
+        self.spatial_scale = self.facts.vae_spatial
+        self.latent_channels = self.facts.latent_channels
         self.embed_dtype = next(components.transformer.parameters()).dtype
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
 
@@ -100,16 +100,20 @@ class TextToVideoLoop:
         With `tap_points` the denoise steps are the parity tap variants."""
         c = self.components
         steps = {
-            TEXT_ENCODE: TextEncodeStep(c.text_encoder),
             DENOISE: DenoiseStep(c.transformer, self.sampler, cfg=False, tap_points=tap_points),
             DENOISE_CFG: DenoiseStep(c.transformer, self.sampler, cfg=True, tap_points=tap_points),
             VAE_DECODE: VaeDecodeStep(c.vae),
         }
+        if c.text_encoder is not None:
+            steps[TEXT_ENCODE] = TextEncodeStep(c.text_encoder)
         return {kind: step.to(c.device).eval() for kind, step in steps.items()}
 
     def check_request(self, request: Request) -> Request:
-        """`request` with the card's defaults filled in, checked against the card (RequestRejected)."""
-        return request.resolve(self.card)
+        """`request` with the card's defaults filled in, checked against the card and the loaded
+        weights (RequestRejected); text needs the text encoder."""
+        resolved = request.resolve(self.card, self.facts)
+        check_text_encoder(resolved, self.components)
+        return resolved
 
     # -- init ------------------------------------------------------------------------------------
 
@@ -265,3 +269,18 @@ class TextToVideoLoop:
         state.carry = [t.to(device) for t in state.carry]
         state.derived = None  # derived on the other engine's device; rebuilt here on demand
         return state
+
+
+def check_text_encoder(request: Request, components: Components) -> None:
+    """An engine built without its text encoder takes embeddings only: a text prompt (or the empty
+    negative prompt guidance would encode) is rejected, saying what to pass instead."""
+    if components.text_encoder is not None:
+        return
+    why = "this engine was built without its text encoder (text_encoder=False)"
+    if request.prompt is not None:
+        raise RequestRejected("prompt", f"{why}: pass prompt_embeds instead of text")
+    if request.do_cfg and request.negative_prompt_embeds is None:
+        raise RequestRejected(
+            "negative_prompt_embeds",
+            f"{why}: guidance_scale={request.guidance_scale} > 1 needs negative_prompt_embeds (or guidance_scale <= 1)",
+        )

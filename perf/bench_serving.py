@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
 
     eager = Engine.from_card(card, device=device)
     shapes_cfg = eager.card.shapes
-    requests = request_mix(n, shapes, shapes_cfg.text_len, shapes_cfg.text_dim)
+    requests = request_mix(n, shapes, shapes_cfg.text_len, eager.facts.text_dim)
     report = {"card": card, "device": torch.cuda.get_device_name(device) if args.gpu else "cpu", "requests": n,
               "shapes": shapes, "results": {}}  # fmt: skip
     report["results"]["fvgraph_O0"] = run_fvgraph(eager, requests, device)

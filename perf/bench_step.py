@@ -85,7 +85,7 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     shapes = eager.card.shapes
     dtype = next(c.transformer.parameters()).dtype
     g = torch.Generator().manual_seed(0)
-    pe, ne = (torch.randn(1, shapes.text_len, shapes.text_dim, generator=g) for _ in range(2))
+    pe, ne = (torch.randn(1, shapes.text_len, eager.facts.text_dim, generator=g) for _ in range(2))
     num_steps = max(steps + warmup, 2)
     request = Request(prompt_embeds=pe, negative_prompt_embeds=ne, guidance_scale=5.0, height=height, width=width,
                       num_frames=frames, seed=0, num_inference_steps=num_steps, output_type="latent")  # fmt: skip
