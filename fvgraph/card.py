@@ -65,6 +65,12 @@ class RecipeSpec(_Spec):
     allowed_steps: tuple[int, int] = Field(description="Inclusive (min, max) num_inference_steps.")
     precision: Precision = "bf16"
     default_guidance_scale: float = 5.0
+    boundary_ratio: float | None = Field(
+        default=None, gt=0.0, lt=1.0,
+        description="Two-expert models: timesteps >= this x the training timesteps run `transformer` (high "
+        "noise), the rest `transformer_2` (as diffusers' WanPipeline boundary_ratio).",
+    )
+    default_guidance_scale_2: float | None = Field(default=None, description="The low-noise expert's guidance.")
 
     @model_validator(mode="after")
     def _default_within_allowed(self) -> RecipeSpec:

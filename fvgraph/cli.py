@@ -202,7 +202,6 @@ def warmup(
     from fvgraph.buckets import BucketSpec
     from fvgraph.cards import get_card
     from fvgraph.engine import Engine
-    from fvgraph.request import Request
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
@@ -222,10 +221,7 @@ def warmup(
         )  # fmt: skip
         scales = guidance or [model.recipe.default_guidance_scale]
         requests = [
-            Request(prompt="warmup", num_inference_steps=model.recipe.allowed_steps[0], guidance_scale=g,
-                    num_frames=f, height=h, width=w, seed=0)  # fmt: skip
-            for f, h, w in shapes
-            for g in scales
+            engine.loop.warmup_request(f, h, w, g, model.recipe.allowed_steps[0]) for f, h, w in shapes for g in scales
         ]
     except Exception as err:  # bad card, shape or bucket list: say why and stop
         console.print(f"[red]error:[/red] {err}")

@@ -31,7 +31,6 @@ from fvgraph.loops import build_loop
 from fvgraph.opt_levels import OptLevel, opt_level
 from fvgraph.projection_cache import ExactProjectionCache
 from fvgraph.projection_cache_wan import apply_projection_cache
-from fvgraph.taps import TapPoints
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +73,7 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
     components = load_components(card, checkpoint, device, skip)
     loop = build_loop(card, components)
     counters = Counters()
-    tap_points = TapPoints(components.transformer) if switches.taps else None
-    executor = EagerExecutor(loop.build_steps(tap_points), counters)
+    executor = EagerExecutor(loop.build_steps(taps=switches.taps), counters)
     if effective.compiled:
         config = compile_config_for(switches.compile_config or CompileConfig(), effective, switches.taps)
         weights_version = components.weights_version
@@ -93,7 +91,11 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
     projection_cache = None
     if effective.eager and switches.projection_cache_bytes and not switches.taps:
         projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
-        apply_projection_cache(components.transformer, projection_cache)
+        try:
+            apply_projection_cache(components.transformer, projection_cache)
+        except (TypeError, ValueError) as err:  # a denoiser the adapter does not cover runs without it
+            log.info("eager projection cache off for %s: %s", card.card_id, err)
+            projection_cache = None
     return EngineParts(card, loop, executor, effective, counters, projection_cache)
 
 

@@ -122,7 +122,9 @@ class Loop(Protocol):
 
     def adopt(self, state: Any) -> Any: ...  # a state saved elsewhere (same card), moved onto this loop's device
 
-    def build_steps(self, tap_points: Any = None) -> dict[str, nn.Module]: ...  # one module per step kind
+    def build_steps(self, taps: bool = False) -> dict[str, nn.Module]: ...  # one module per kind; taps: parity variants
+
+    def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request: ...
 
 
 class SerializableState:

@@ -15,6 +15,9 @@ from fvgraph.loop import Loop
 
 LOOPS: dict[str, str] = {
     "t2v": "fvgraph.t2v_loop:TextToVideoLoop",
+    "i2v": "fvgraph.i2v_loop:ImageToVideoLoop",
+    "t2v_two_expert": "fvgraph.expert_loop:TwoExpertTextToVideoLoop",
+    "i2v_two_expert": "fvgraph.expert_loop:TwoExpertImageToVideoLoop",
 }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import secrets
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from fvgraph.card import ModelCard
 from fvgraph.model_facts import ModelFacts
+from fvgraph.request_image import to_rgb_image
 
 
 class RequestRejected(ValueError):
@@ -63,8 +64,17 @@ class Request(BaseModel):
         description="[seq_len, dim] or [1, seq_len, dim]; zero-padded to the card's text length as Wan pads its encoder output.",
     )
     negative_prompt_embeds: torch.Tensor | None = None
+    image: Any = Field(
+        default=None,
+        description="Image-to-video cards: the first frame. A path, PIL image, uint8 array/tensor [H, W, 3] "
+        "(tensor also [3, H, W]) or float tensor in [0, 1]; kept as an RGB PIL image, resized to height x width.",
+    )
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0, description="<= 1 disables CFG, as diffusers.")
+    guidance_scale_2: float | None = Field(
+        default=None, ge=0.0, le=30.0,
+        description="Two-expert cards: the low-noise expert's guidance (default: the card's, else guidance_scale).",
+    )
     height: int | None = Field(default=None, gt=0)
     width: int | None = Field(default=None, gt=0)
     num_frames: int | None = Field(default=None, gt=0)
@@ -86,12 +96,17 @@ class Request(BaseModel):
             raise ValueError(f"num_frames={value} must be 4k+1 (1, 5, 9, ...): the VAE packs 4 frames per latent")
         return value
 
-    @field_validator("guidance_scale")
+    @field_validator("guidance_scale", "guidance_scale_2")
     @classmethod
-    def _finite_guidance(cls, value: float | None) -> float | None:
+    def _finite_guidance(cls, value: float | None, info) -> float | None:
         if value is not None and not np.isfinite(value):
-            raise ValueError("guidance_scale must be a finite number")
+            raise ValueError(f"{info.field_name} must be a finite number")
         return value
+
+    @field_validator("image")
+    @classmethod
+    def _valid_image(cls, value):
+        return None if value is None else to_rgb_image(value)
 
     @field_validator("prompt_embeds", "negative_prompt_embeds")
     @classmethod

@@ -30,8 +30,6 @@ STEP_KINDS = {
     DENOISE_CFG: StepKind(DENOISE_CFG, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
     VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode"),
 }
-# Denoise inputs that stay the same at every step of a request.
-REQUEST_CONSTANTS = frozenset({"prompt_embeds", "negative_prompt_embeds", "guidance_scale"})
 
 
 class DenoiseFacts(NamedTuple):
@@ -41,6 +39,7 @@ class DenoiseFacts(NamedTuple):
     timesteps: tuple[torch.Tensor, ...]  # [1] per step, on the device
     coeffs: tuple[torch.Tensor, ...]  # [1, num_coeffs] per step, on the device
     constants: dict[str, torch.Tensor]  # inputs equal at every step: embeddings, guidance scale
+    constant_names: frozenset[str]  # their names (WorkPlan.constants)
     pixels: tuple[int, int, int]  # (frames, height, width) of the video
     carry_names: tuple[str, ...]  # the step's inputs and outputs for the sampler's history
     signature: ShapeSignature | None  # set from the first step's plan
@@ -83,6 +82,8 @@ class TextToVideoLoop:
     loop_id = "t2v"
     state_type = T2VState
     step_kinds = STEP_KINDS
+    device_fields = ("latents", "prompt_embeds", "negative_prompt_embeds")  # moved by adopt()
+    takes_image = False
 
     def __init__(self, card: ModelCard, components: Components):
         self.card = card
@@ -92,13 +93,16 @@ class TextToVideoLoop:
         self.temporal_scale = self.facts.vae_temporal
         self.spatial_scale = self.facts.vae_spatial
         self.latent_channels = self.facts.latent_channels
-        self.embed_dtype = next(components.transformer.parameters()).dtype
+        # The denoiser's dtype as diffusers reports it: its first parameter may be one kept in fp32
+        # (from_pretrained loads scale_shift_table first), which is not the dtype it runs in.
+        self.embed_dtype = components.transformer.dtype
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
 
-    def build_steps(self, tap_points: TapPoints | None = None) -> dict[str, nn.Module]:
+    def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
         """One step module per step kind; they share the components' modules (no weight copies).
-        With `tap_points` the denoise steps are the parity tap variants."""
+        With `taps` the denoise steps are the parity tap variants."""
         c = self.components
+        tap_points = TapPoints(c.transformer) if taps else None
         steps = {
             DENOISE: DenoiseStep(c.transformer, self.sampler, cfg=False, tap_points=tap_points),
             DENOISE_CFG: DenoiseStep(c.transformer, self.sampler, cfg=True, tap_points=tap_points),
@@ -113,7 +117,21 @@ class TextToVideoLoop:
         weights (RequestRejected); text needs the text encoder."""
         resolved = request.resolve(self.card, self.facts)
         check_text_encoder(resolved, self.components)
+        if resolved.guidance_scale_2 is not None and len(self.facts.experts) < 2:
+            raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
+        if resolved.image is not None and not self.takes_image:
+            raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
         return resolved
+
+    def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
+        """A request that runs every step kind of this loop at this shape (what `fvgraph warmup` serves)."""
+        text = {"prompt": "warmup"} if self.components.text_encoder is not None else {
+            "prompt_embeds": torch.zeros(1, self.facts.text_dim), "negative_prompt_embeds": torch.zeros(1, self.facts.text_dim)}  # fmt: skip
+        return Request(**text, guidance_scale=guidance_scale, num_inference_steps=steps, num_frames=num_frames,
+                       height=height, width=width, seed=0, **self._warmup_inputs(height, width))  # fmt: skip
+
+    def _warmup_inputs(self, height: int, width: int) -> dict:
+        return {}
 
     # -- init ------------------------------------------------------------------------------------
 
@@ -122,7 +140,7 @@ class TextToVideoLoop:
         device = self.components.device
         plan = self.sampler.plan(request.num_inference_steps)
         latents = self._initial_noise(request).to(device)
-        state = T2VState(
+        state = self.state_type(
             request_id=request.request_id,
             card_id=self.card.card_id,
             seed=request.seed,
@@ -137,6 +155,7 @@ class TextToVideoLoop:
             carry=list(self.sampler.initial_carry(latents)),
             prompt_embeds=self._padded(request.prompt_embeds),
             negative_prompt_embeds=self._padded(request.negative_prompt_embeds) if request.do_cfg else None,
+            **self._conditioning(request, latents),
         )
         texts = []
         if state.prompt_embeds is None:
@@ -156,8 +175,16 @@ class TextToVideoLoop:
             state.input_ids, state.attention_mask = tokens.input_ids, tokens.attention_mask
             state.encode_slots = [slot for slot, _ in texts]
         else:
-            state.phase = "denoise"
+            state.phase = self._phase_after_text(state)
         return state
+
+    def _conditioning(self, request: Request, latents: torch.Tensor) -> dict:
+        """Extra state fields a subclass loop derives from the request (none for text-to-video)."""
+        return {}
+
+    def _phase_after_text(self, state: T2VState) -> str:
+        """The phase that follows text encoding (a subclass loop may insert its own first)."""
+        return "denoise"
 
     def _initial_noise(self, request: Request) -> torch.Tensor:
         """Drawn on a CPU generator, so a seed gives the same noise on any device (as diffusers with a CPU generator)."""
@@ -191,7 +218,7 @@ class TextToVideoLoop:
             i = state.step_index
             inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i],
                       **facts.constants, **dict(zip(facts.carry_names, state.carry))}  # fmt: skip
-            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, REQUEST_CONSTANTS, facts.signature)
+            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, facts.constant_names, facts.signature)
             if facts.signature is None:  # the first step; every later one has the same input shapes
                 # One object per distinct signature: grouping and graph lookups then match by identity.
                 plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
@@ -210,12 +237,17 @@ class TextToVideoLoop:
         if state.cfg:
             constants["negative_prompt_embeds"] = state.negative_prompt_embeds
             constants["guidance_scale"] = torch.tensor([state.guidance_scale], dtype=torch.float32, device=device)
+        constants.update(self._conditioning_inputs(state))
         _, _, frames, h, w = state.latents.shape
         pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
         kind = DENOISE_CFG if state.cfg else DENOISE
         timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
         carry_names = tuple(f"carry_{k}" for k in range(len(state.carry)))
-        return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names, signature=None)
+        return DenoiseFacts(kind, timesteps, coeffs, constants, frozenset(constants), pixels, carry_names, signature=None)
+
+    def _conditioning_inputs(self, state: T2VState) -> dict[str, torch.Tensor]:
+        """Extra request-constant denoise inputs a subclass loop adds (none for text-to-video)."""
+        return {}
 
     def advance(self, state: T2VState, result: StepResult) -> T2VState:
         if state.phase == "encode":
@@ -224,7 +256,7 @@ class TextToVideoLoop:
                 setattr(state, slot, embeds[row : row + 1])
             state.input_ids = state.attention_mask = None
             state.encode_slots = []
-            state.phase = "denoise"
+            state.phase = self._phase_after_text(state)
         elif state.phase == "denoise":
             state.latents = result["latents"]
             state.carry = [result[name] for name in state.derived.carry_names]  # set by next()
@@ -255,14 +287,14 @@ class TextToVideoLoop:
     def adopt(self, state: T2VState) -> T2VState:
         """A state saved by another engine of the same card, moved onto this loop's device; it
         continues where it stopped. Raises ValueError for a state of another card or sampler."""
-        if not isinstance(state, T2VState):
-            raise ValueError(f"loop {self.loop_id!r} resumes a T2VState, got a {type(state).__name__}")
+        if not isinstance(state, self.state_type):
+            raise ValueError(f"loop {self.loop_id!r} resumes a {self.state_type.__name__}, got a {type(state).__name__}")
         if state.card_id != self.card.card_id:
             raise ValueError(f"state of request {state.request_id} belongs to card {state.card_id!r}, not {self.card.card_id!r}")
         if state.coeffs.shape[1] != num_coeffs(self.sampler):
             raise ValueError(f"state of request {state.request_id} was planned for a different sampler")
         device = self.components.device
-        for name in ("latents", "prompt_embeds", "negative_prompt_embeds"):
+        for name in self.device_fields:
             value = getattr(state, name)
             if value is not None:
                 setattr(state, name, value.to(device))

@@ -16,6 +16,8 @@ from fvgraph.engine_builder import compile_config_for
 from fvgraph.loops import LOOPS, loop_class
 from fvgraph.opt_levels import OPT_LEVELS, opt_level
 from fvgraph.request import Request
+from fvgraph.expert_loop import SECOND_EXPERT_KINDS
+from fvgraph.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
 from fvgraph.t2v_loop import STEP_KINDS, T2VState, TextToVideoLoop
 
 PACKAGE = Path(fvgraph.__file__).parent
@@ -26,7 +28,8 @@ RUNTIME = ("engine", "engine_builder", "scheduler", "executor", "compiler", "gra
 @pytest.mark.parametrize("module", RUNTIME)
 def test_runtime_modules_name_no_loop_type_or_step_kind(module):
     source = (PACKAGE / f"{module}.py").read_text()
-    loop_names = {"t2v_loop", "T2VState", "TextToVideoLoop", "DenoiseFacts", *STEP_KINDS}
+    loop_names = {"t2v_loop", "i2v_loop", "expert_loop", "T2VState", "I2VState", "TextToVideoLoop", "ImageToVideoLoop",
+                  "TwoExperts", "DenoiseFacts", *STEP_KINDS, *I2V_STEP_KINDS, *SECOND_EXPERT_KINDS}  # fmt: skip
     if module == "loops":  # the registry names loops by import path, and nothing else
         source = re.sub(r'LOOPS: dict\[str, str\] = \{.*?\n\}', "", source, flags=re.S)
     for name in loop_names:
@@ -67,7 +70,7 @@ def test_the_registry_picks_the_cards_loop_and_names_the_known_ones():
     assert loop_class("t2v") is TextToVideoLoop
     with pytest.raises(ValueError, match="loop 'v2v' is not registered; known loops: .*t2v"):
         loop_class("v2v")
-    assert set(LOOPS) >= {"t2v"}
+    assert set(LOOPS) == {"t2v", "i2v", "t2v_two_expert", "i2v_two_expert"}
 
 
 def test_the_loop_declares_its_kinds_and_the_compiler_reads_them(tiny_engine):
