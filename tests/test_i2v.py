@@ -11,7 +11,6 @@ from pydantic import ValidationError
 
 from fvgraph.components import load_components
 from fvgraph.cards import get_card
-from fvgraph.compiler import CompileConfig
 from fvgraph.engine import Engine
 from fvgraph.i2v_loop import I2VState
 from fvgraph.parity import Setting, compare
