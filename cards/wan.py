@@ -98,7 +98,7 @@ def _released(card_id: str, transformer: dict) -> ModelCard:
             precision="bf16", default_guidance_scale=5.0,
         ),
         parity=PARITY,
-        shapes=ShapeRules(text_len=512, text_dim=4096),
+        shapes=ShapeRules(text_len=512),
         quantization=_fp8_exclusions(transformer["num_layers"]),
     )  # fmt: skip
 
@@ -135,7 +135,7 @@ TINY_WAN = ModelCard(
     ),
     parity=PARITY,
     shapes=ShapeRules(
-        text_len=TINY_TEXT_LEN, text_dim=32, max_height=256, max_width=256, max_frames=33,
+        text_len=TINY_TEXT_LEN, max_height=256, max_width=256, max_frames=33,
         default_height=64, default_width=64, default_frames=9,
     ),
     # Its blocks stay quantizable (only embedders and output excluded) so the FP8 path has work here.
@@ -159,7 +159,7 @@ WAN_1_3B_BENCH = ModelCard.model_validate(
             dit_dtype="bf16",
         ),  # fmt: skip
         "recipe": WAN_2_1_T2V_1_3B.recipe,
-        "shapes": ShapeRules(text_len=512, text_dim=4096, default_height=480, default_width=832, default_frames=33),
+        "shapes": ShapeRules(text_len=512, default_height=480, default_width=832, default_frames=33),
         "quantization": WAN_2_1_T2V_1_3B.quantization,
     }
 )
@@ -182,7 +182,7 @@ WAN_CPU_BENCH = ModelCard.model_validate(
             dit_dtype="fp32",
         ),
         "shapes": ShapeRules(
-            text_len=64, text_dim=256, max_height=256, max_width=256, max_frames=33,
+            text_len=64, max_height=256, max_width=256, max_frames=33,
             default_height=128, default_width=128, default_frames=9,
         ),
     }

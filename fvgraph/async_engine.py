@@ -136,7 +136,7 @@ class AsyncEngine:
             raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
         if timeout_s is not None and not timeout_s > 0:
             raise RequestRejected("timeout", f"{timeout_s} must be a positive number of seconds")
-        resolved = request.resolve(self.engine.card)
+        resolved = request.resolve(self.engine.card, self.engine.facts)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # The thread learns of the request before admission can hand it over, so its deadline and
         # start time are known when it enters the engine.

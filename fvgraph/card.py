@@ -2,8 +2,11 @@
 
 A card owns what a model *is* (its components and where their weights come from), the loops it can
 run, the recipe that produced the weights (and so the sampler and step counts they assume), the
-parity tolerances its faster paths must meet, and its capabilities. Everything here is validated
-before a single weight loads; compile, graphs and caches are applied from outside.
+parity tolerances its faster paths must meet, and the limits it serves. Facts that follow from the
+weights (widths, channels, patch size, VAE scales, experts) are not here: they are read from the
+loaded components' configs (fvgraph/model_facts.py), so a resized checkpoint loads with its family's
+card. Everything here is validated before a single weight loads; compile, graphs and caches are
+applied from outside.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ class _Spec(BaseModel):
 class ComponentSpec(_Spec):
     """One component (DiT, VAE, text encoder, tokenizer) and how to obtain its weights."""
 
-    kind: Literal["dit", "vae", "text_encoder", "tokenizer"]
+    kind: Literal["dit", "vae", "text_encoder", "tokenizer", "image_encoder", "image_processor"]
     cls: str = Field(description="Import path of the class, e.g. 'diffusers.WanTransformer3DModel'.")
     subfolder: str = Field(description="Folder of this component inside a diffusers checkpoint.")
     config: dict[str, Any] | None = Field(
         default=None, description="Constructor config for seeded weights; None = load from a checkpoint."
     )
     dtype: Precision = Field(default="fp32", description="Dtype the component runs in.")
+    optional: bool = Field(default=False, description="A checkpoint folder may lack it (e.g. a second expert).")
 
     @field_validator("cls")
     @classmethod
@@ -61,6 +65,12 @@ class RecipeSpec(_Spec):
     allowed_steps: tuple[int, int] = Field(description="Inclusive (min, max) num_inference_steps.")
     precision: Precision = "bf16"
     default_guidance_scale: float = 5.0
+    boundary_ratio: float | None = Field(
+        default=None, gt=0.0, lt=1.0,
+        description="Two-expert models: timesteps >= this x the training timesteps run `transformer` (high "
+        "noise), the rest `transformer_2` (as diffusers' WanPipeline boundary_ratio).",
+    )
+    default_guidance_scale_2: float | None = Field(default=None, description="The low-noise expert's guidance.")
 
     @model_validator(mode="after")
     def _default_within_allowed(self) -> RecipeSpec:
@@ -91,17 +101,10 @@ class ParitySpec(_Spec):
             raise KeyError(f"card declares no parity tolerance for precision={precision!r} level={level!r}") from None
 
 
-class Capabilities(_Spec):
-    text_to_video: bool = True
-    image_to_video: bool = False
-    cfg: bool = Field(default=True, description="Classifier-free guidance (two branches per step).")
-
-
 class ShapeRules(_Spec):
-    """Geometry the model can generate; requests outside it are rejected before any work."""
+    """Limits the card serves; requests outside them are rejected before any work. The multiples
+    height, width and frames must keep follow from the weights (ModelFacts), not from the card."""
 
-    spatial_multiple: int = Field(default=16, description="height/width must be multiples of this.")
-    temporal_multiple: int = Field(default=4, description="num_frames must be k * this + 1.")
     max_height: int = 1280
     max_width: int = 1280
     max_frames: int = 129
@@ -109,7 +112,6 @@ class ShapeRules(_Spec):
     default_width: int = 832
     default_frames: int = 81
     text_len: int = Field(description="Text sequence length the encoder pads to (Wan: 512).")
-    text_dim: int = Field(description="Width of the text encoder's hidden states.")
 
 
 class QuantizationSpec(_Spec):
@@ -129,7 +131,7 @@ class QuantizationSpec(_Spec):
 
 
 class ModelCard(_Spec):
-    """A servable model: components, loops, recipe, parity and capabilities as one validated unit."""
+    """A servable model: components, loops, recipe, parity and limits as one validated unit."""
 
     card_id: str
     family: str
@@ -137,8 +139,8 @@ class ModelCard(_Spec):
     loops: tuple[str, ...]
     recipe: RecipeSpec
     parity: ParitySpec
-    capabilities: Capabilities = Capabilities()
     shapes: ShapeRules
+    pipeline_class: str = Field(default="WanPipeline", description="diffusers pipeline a checkpoint of it is saved as.")
     quantization: QuantizationSpec = Field(
         default=QuantizationSpec(), description="FP8 exclusions of the quantized path (opt level 3)."
     )

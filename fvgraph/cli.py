@@ -21,24 +21,22 @@ console = Console()
 DEFAULT_CACHE_DIR = Path("capture_cache")
 
 
-def _compile_config(compile_backend: str, disable_pass: list[str], compile_steps: str = "denoise"):
+def _compile_config(compile_backend: str, disable_pass: list[str], compile_steps: str = "loop"):
     from fvgraph.compiler import CompileConfig
     from fvgraph.passes.manager import PassConfig
 
     if compile_backend not in ("eager", "aot_eager", "inductor"):
         raise ValueError(f"--compile-backend={compile_backend!r} must be eager, aot_eager or inductor")
-    if compile_steps not in ("denoise", "all"):
-        raise ValueError(f"--compile-steps={compile_steps!r} must be 'denoise' or 'all'")
-    return CompileConfig(
-        backend=compile_backend,
-        passes=PassConfig(disabled=tuple(disable_pass)),
-        step_kinds=None if compile_steps == "all" else CompileConfig().step_kinds,
-    )
+    kinds = tuple(name.strip() for name in compile_steps.split(",") if name.strip())
+    if not kinds:
+        raise ValueError(f"--compile-steps={compile_steps!r} must be 'loop', 'all' or step kind names, comma separated")
+    step_kinds = None if compile_steps == "loop" else "all" if compile_steps == "all" else kinds
+    return CompileConfig(backend=compile_backend, passes=PassConfig(disabled=tuple(disable_pass)), step_kinds=step_kinds)
 
 
 def _serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
                     compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
-                    fail_on_recompile: bool, compile_steps: str = "denoise", max_running: int = 16):  # fmt: skip
+                    fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options."""
     from fvgraph.engine import Engine
 
@@ -69,7 +67,7 @@ def generate(
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
     compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
     disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
-    compile_steps: str = typer.Option("denoise", help="Step kinds to compile: 'denoise' or 'all'."),
+    compile_steps: str = typer.Option("loop", help="Step kinds to compile: 'loop' (the ones the loop marks), 'all', or names."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
@@ -99,16 +97,24 @@ def generate(
         raise typer.Exit(2) from None
     load_s = time.perf_counter() - began
 
+    kinds = engine.loop.step_kinds
+    phases = list(dict.fromkeys(kind.phase for kind in kinds.values()))  # the loop's phases, in its order
+    stepped = next((kind.phase for kind in kinds.values() if kind.per_inference_step), None)
     total_steps = sum((r.num_inference_steps or engine.card.recipe.default_steps) for r in requests)
-    columns = (TextColumn("denoise"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn(stepped or "steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("denoise", total=total_steps)
-        results = engine.generate(requests, on_step=lambda state, kind: bar.advance(task) if "denoise" in kind else None)
+        task = bar.add_task("steps", total=total_steps)
+        results = engine.generate(
+            requests, on_step=lambda state, kind: bar.advance(task) if kinds[kind].per_inference_step else None
+        )
 
     title = f"{engine.card.card_id} -O{engine.opt_level} on {engine.loop.components.device} (load {load_s:.2f} s)"
     table = Table(title=title)
-    for column in ("request", "status", "compile", "encode", "denoise", "per step", "decode", "total"):
-        table.add_column(column, justify="left" if column in ("request", "status") else "right")
+    # The loop's phases in its order, "per step" after the phase that runs once per inference step.
+    shown = [c for phase in phases for c in ((phase, "per step") if phase == stepped else (phase,))]
+    for column in ("request", "status", "compile", *shown, "total"):
+        title = column.replace("_", " ")  # narrow tables wrap at spaces rather than cut the name
+        table.add_column(title, justify="left" if column in ("request", "status") else "right")
     written = []
     failed = False
     for i, (request, result) in enumerate(zip(requests, results)):
@@ -123,11 +129,9 @@ def generate(
         t = result.timings
         steps = request.num_inference_steps or engine.card.recipe.default_steps
         fmt = lambda key: f"{t[key]:.3f}" if key in t else "-"  # noqa: E731
-        per_step = f"{t['denoise'] / steps:.4f}" if "denoise" in t else "-"
-        table.add_row(
-            result.request_id, result.status, fmt("compile"), fmt("text_encode"), fmt("denoise"), per_step,
-            fmt("vae_decode"), fmt("total"),
-        )  # fmt: skip
+        per_step = f"{t[stepped] / steps:.4f}" if stepped in t else "-"
+        cells = [per_step if column == "per step" else fmt(column) for column in shown]
+        table.add_row(result.request_id, result.status, fmt("compile"), *cells, fmt("total"))
         if not result.ok:
             console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
     c = engine.counters
@@ -240,19 +244,21 @@ def warmup(
     disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
 ) -> None:
-    """Compile the denoise step of every shape and batch bucket into the capture cache, so later
+    """Compile the compiled step kinds of every shape and batch bucket into the capture cache, so later
     processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
     from fvgraph.buckets import BucketSpec
     from fvgraph.capture_cache_files import check_writable
     from fvgraph.cards import get_card
     from fvgraph.engine import Engine
-    from fvgraph.request import Request
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
     try:
-        if opt_level not in (1, 2, 3):
-            raise ValueError(f"-O{opt_level}: warmup compiles, so it takes -O1, -O2 or -O3")
+        from fvgraph.opt_levels import compiling_levels
+
+        if opt_level not in compiling_levels():
+            *others, last = (f"-O{n}" for n in compiling_levels())
+            raise ValueError(f"-O{opt_level}: warmup compiles, so it takes {', '.join(others)} or {last}")
         check_writable(cache_dir)  # a warmup that can store nothing is no warmup
         model = get_card(card)
         rules = model.shapes
@@ -260,10 +266,7 @@ def warmup(
         spec = BucketSpec(batch_sizes=tuple(int(b) for b in buckets.split(",")), shapes=tuple(shapes))
         scales = guidance or [model.recipe.default_guidance_scale]
         requests = [
-            Request(prompt="warmup", num_inference_steps=model.recipe.allowed_steps[0], guidance_scale=g,
-                    num_frames=f, height=h, width=w, seed=0)  # fmt: skip
-            for f, h, w in shapes
-            for g in scales
+            engine.loop.warmup_request(f, h, w, g, model.recipe.allowed_steps[0]) for f, h, w in shapes for g in scales
         ]
         for request in requests:
             request.resolve(model)  # the card's limits, before loading anything
@@ -388,9 +391,10 @@ def parity(
     from fvgraph.request import Request
 
     try:
+        from fvgraph.opt_levels import opt_level as level_config
+
         for level in (opt_level, against):
-            if level not in (0, 1, 2, 3):
-                raise ValueError(f"opt_level={level} is not available; use 0, 1, 2 or 3")
+            level_config(level)
         requests = [
             Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames)
             for i, text in enumerate(prompt)

@@ -25,7 +25,7 @@ from fvgraph.capture_cache import CacheEntry, CaptureCache
 from fvgraph.counters import Counters
 from fvgraph.graph_artifact import load_graph, load_in_child, save_graph
 from fvgraph.kernels.attention import sdpa_backends
-from fvgraph.loop import WorkPlan
+from fvgraph.loop import StepKind, WorkPlan
 from fvgraph.signature import RuntimeFactors, StepSignature
 from fvgraph.step_capture import capture_step, step_parameters
 from fvgraph.passes.base import PassContext
@@ -70,9 +70,9 @@ class CompileConfig:
     backend: Backend = "inductor"
     mode: str = "default"
     passes: PassConfig = field(default_factory=PassConfig)
-    # The denoise step runs N times per request, so that is where compiling pays; text encode and VAE
-    # decode run once each. None compiles every step kind.
-    step_kinds: tuple[str, ...] | None = ("denoise", "denoise_cfg")
+    # Which step kinds compile. None: the ones the loop marks `compiled` (its per-step kinds, where
+    # compiling pays; encoders and decoders run once per request). "all": every kind. Or the names.
+    step_kinds: tuple[str, ...] | Literal["all"] | None = None
 
 
 @dataclass
@@ -90,9 +90,6 @@ class CompiledStep:
     hoisted_like: list[torch.Tensor] = field(default_factory=list)
 
 
-STEP_COMPONENT = {"text_encode": "text_encoder", "denoise": "transformer", "denoise_cfg": "transformer", "vae_decode": "vae"}
-
-
 class StepCompiler:
     """Builds (or, with a capture cache, loads) one CompiledStep per signature.
 
@@ -103,8 +100,9 @@ class StepCompiler:
 
     def __init__(self, config: CompileConfig, card_id: str, weights_version: str, loop_id: str, precision: str,
                  device: torch.device, counters: Counters, cache_dir: str | Path | None = None,
-                 opt_level: int = 1):  # fmt: skip
+                 opt_level: int = 1, step_kinds: dict[str, StepKind] | None = None):  # fmt: skip
         self.config = config
+        self.step_kinds = step_kinds or {}  # the loop's declarations: component, compiled by default
         self.pass_manager = PassManager(config.passes)
         self.counters = counters
         self.device = device
@@ -124,18 +122,26 @@ class StepCompiler:
         )  # fmt: skip
 
     def wants(self, kind: str) -> bool:
-        return self.config.step_kinds is None or kind in self.config.step_kinds
+        chosen = self.config.step_kinds
+        if chosen is None:
+            declared = self.step_kinds.get(kind)
+            return declared is not None and declared.compiled
+        return chosen == "all" or kind in chosen
 
     def signature(self, plan: WorkPlan, batch: int = 1, step: nn.Module | None = None) -> StepSignature:
         return self._signature(plan, batch, self._sdpa_backends(step, plan))
 
     def _signature(self, plan: WorkPlan, batch: int, backends: list | None) -> StepSignature:
         return StepSignature(
-            component=STEP_COMPONENT.get(plan.kind, plan.kind), step_kind=plan.kind, shape=plan.signature,
+            component=self._component(plan.kind), step_kind=plan.kind, shape=plan.signature,
             batch=batch, pass_pipeline=self.pass_manager.uuid(), backend=self.config.backend,
             mode=self.config.mode, runtime=self._runtime, **self._base,
             attention=",".join(b.name for b in backends) if backends else "default",
         )  # fmt: skip
+
+    def _component(self, kind: str) -> str:
+        declared = self.step_kinds.get(kind)
+        return declared.component if declared is not None else kind
 
     def _sdpa_backends(self, step: nn.Module | None, plan: WorkPlan) -> list | None:
         """The SDPA backends chosen for this step's attention shape on this device (measured table in

@@ -17,6 +17,7 @@ from torch import nn
 
 from fvgraph.byte_tokenizer import build_byte_tokenizer
 from fvgraph.card import ComponentSpec, ModelCard
+from fvgraph.model_facts import ModelFacts
 from fvgraph.samplers import diffusers_scheduler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -28,31 +29,42 @@ class CheckpointError(ValueError):
 
 @dataclass
 class Components:
-    """The loaded model: eval-mode modules on one device, plus the tokenizer."""
+    """The loaded model: eval-mode modules on one device, plus the tokenizer. The text encoder and
+    tokenizer are None when the engine was built without them (prompts then come as embeddings)."""
 
     transformer: nn.Module
     vae: nn.Module
-    text_encoder: nn.Module
-    tokenizer: object
+    text_encoder: nn.Module | None
+    tokenizer: object | None
     device: torch.device
     weights_version: str = ""
+    transformer_2: nn.Module | None = None  # the low-noise expert of two-expert models
+    image_encoder: nn.Module | None = None  # CLIP vision tower of image-conditioned models
+    image_processor: object | None = None
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the loaded weights' configs say (widths, channels, patch, VAE scales, experts)."""
+        return ModelFacts.of(self.transformer, self.vae, self.transformer_2)
+
+    def modules(self) -> dict[str, object]:
+        """Every loaded component by card name (those not loaded left out)."""
+        names = ("transformer", "transformer_2", "vae", "text_encoder", "tokenizer", "image_encoder", "image_processor")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def save_pretrained(self, folder: str | Path, card: ModelCard, max_shard_size: str | None = None) -> Path:
         """Write a diffusers-layout checkpoint (what users' folders look like) for this model."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         shard = {"max_shard_size": max_shard_size} if max_shard_size else {}
-        self.transformer.save_pretrained(folder / "transformer", **shard)
-        self.vae.save_pretrained(folder / "vae")
-        self.text_encoder.save_pretrained(folder / "text_encoder", **shard)
-        self.tokenizer.save_pretrained(folder / "tokenizer")
-        index = {
-            "_class_name": "WanPipeline",
-            "transformer": ["diffusers", type(self.transformer).__name__],
-            "vae": ["diffusers", type(self.vae).__name__],
-            "text_encoder": ["transformers", type(self.text_encoder).__name__],
-            "tokenizer": ["transformers", "AutoTokenizer"],
-        }
+        index = {"_class_name": card.pipeline_class}
+        for name, module in self.modules().items():
+            library = "diffusers" if type(module).__module__.startswith("diffusers") else "transformers"
+            if isinstance(module, nn.Module):
+                module.save_pretrained(folder / card.components[name].subfolder, **shard)
+            else:  # tokenizer, image processor
+                module.save_pretrained(folder / card.components[name].subfolder)
+            index[name] = [library, "AutoTokenizer" if name == "tokenizer" else type(module).__name__]
         scheduler = diffusers_scheduler(card.recipe.sampler)
         scheduler.save_pretrained(folder / "scheduler")
         index["scheduler"] = ["diffusers", type(scheduler).__name__]
@@ -65,6 +77,8 @@ def _build_seeded(name: str, spec: ComponentSpec, seed: int, card: ModelCard):
     if spec.kind == "tokenizer":
         return build_byte_tokenizer(model_max_length=card.shapes.text_len)
     cls = spec.resolve_class()
+    if spec.kind == "image_processor":  # no weights: its config is all of it
+        return cls(**spec.config)
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG stream untouched
         torch.manual_seed(seed + sum(name.encode()))
         if cls.__module__.startswith("transformers"):
@@ -96,6 +110,8 @@ def _load_from_folder(name: str, spec: ComponentSpec, folder: Path, dtype: torch
 
         return AutoTokenizer.from_pretrained(path)
     cls = spec.resolve_class()
+    if spec.kind == "image_processor":
+        return cls.from_pretrained(path)
     if cls.__module__.startswith("transformers"):
         return cls.from_pretrained(path, dtype=dtype)
     return cls.from_pretrained(path, torch_dtype=dtype)
@@ -111,8 +127,10 @@ def _own_storage(module: nn.Module) -> None:
         tensor.data = tensor.data.clone()
 
 
-def load_components(card: ModelCard, checkpoint: str | Path | None, device: torch.device) -> Components:
-    """Build (card seed) or load (checkpoint folder) every component, cast and placed on `device`."""
+def load_components(card: ModelCard, checkpoint: str | Path | None, device: torch.device,
+                    skip: frozenset[str] = frozenset()) -> Components:  # fmt: skip
+    """Build (card seed) or load (checkpoint folder) every component but those in `skip`, cast and
+    placed on `device`. An optional component (a second expert) absent from the folder is None."""
     folder = None
     if checkpoint is not None:
         folder = Path(checkpoint)
@@ -125,6 +143,8 @@ def load_components(card: ModelCard, checkpoint: str | Path | None, device: torc
     built = {}
     with torch.device("cpu"):
         for name, spec in card.components.items():
+            if name in skip or (folder is not None and spec.optional and not (folder / spec.subfolder).is_dir()):
+                continue
             if folder is None:
                 module = _build_seeded(name, spec, card.seed or 0, card)
             else:
@@ -135,7 +155,7 @@ def load_components(card: ModelCard, checkpoint: str | Path | None, device: torc
                     _own_storage(module)
             built[name] = module
     version = _checkpoint_fingerprint(folder) if folder is not None else _content_hash(card, built)
-    return Components(device=device, weights_version=version, **built)
+    return Components(device=device, weights_version=version, **{"text_encoder": None, "tokenizer": None, **built})
 
 
 def _content_hash(card: ModelCard, built: dict) -> str:

@@ -15,8 +15,6 @@ per-request state beyond its queue: that is all in each request's loop state, wh
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,32 +27,26 @@ from fvgraph.buckets import BucketSpec
 from fvgraph.card import ModelCard
 from fvgraph.cards import get_card
 from fvgraph.compiler import CompileConfig, StepCompiler
-from fvgraph.components import load_components
 from fvgraph.counters import Counters
-from fvgraph.executor import CompiledExecutor, EagerExecutor, build_steps
+from fvgraph.engine_builder import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches, build_engine_parts
+from fvgraph.executor import CompiledExecutor, EagerExecutor
 from fvgraph.finite_check import all_finite
 from fvgraph.fp32_math import math_mode
-from fvgraph.fp8_weights import apply_fp8_weights
-from fvgraph.graph_runner import GraphRunner
-from fvgraph.loop import Done, WorkPlan
+from fvgraph.loop import Done, Loop, LoopState, WorkPlan
+from fvgraph.model_facts import ModelFacts
 from fvgraph.projection_cache import ExactProjectionCache
-from fvgraph.projection_cache_wan import apply_projection_cache
 from fvgraph.request import Request, RequestRejected, Result
+from fvgraph.request_slot import RequestSlots
 from fvgraph.scheduler import Scheduler
-from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, T2VState, TextToVideoLoop
-from fvgraph.taps import TapPoints
 
 log = logging.getLogger(__name__)
 
-StepCallback = Callable[[T2VState, str], None]
-ResultCallback = Callable[[T2VState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
-# A CFG request of Wan 1.3B holds about 190 MB of text projections; this keeps several requests warm.
-DEFAULT_PROJECTION_CACHE_BYTES = 1 << 30
-OPT_LEVELS = {0: "eager", 1: "compiled step graphs, batched", 2: "+ CUDA graphs", 3: "+ FP8 quantized kernels"}
+StepCallback = Callable[[LoopState, str], None]
+ResultCallback = Callable[[LoopState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
 
 
 class Engine:
-    def __init__(self, card: ModelCard, loop: TextToVideoLoop, executor: EagerExecutor | CompiledExecutor,
+    def __init__(self, card: ModelCard, loop: Loop, executor: EagerExecutor | CompiledExecutor,
                  opt_level: int, counters: Counters, buckets: BucketSpec, max_running: int):  # fmt: skip
         self.card = card
         self.buckets = buckets
@@ -68,6 +60,12 @@ class Engine:
         self.counters = counters
         self.projection_cache: ExactProjectionCache | None = None  # set by from_card when eager
         self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/fp32_math.py)
+        self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
+
+    @property
+    def facts(self) -> ModelFacts:
+        """What the loaded weights say: text width, latent channels, patch size, VAE scales, experts."""
+        return self.loop.components.facts
 
     @property
     def compiler(self) -> StepCompiler | None:
@@ -89,6 +87,7 @@ class Engine:
         cuda_graphs: bool = True,
         debug: bool = False,
         taps: bool = False,
+        text_encoder: bool = True,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -103,59 +102,33 @@ class Engine:
         `projection_cache_bytes` (0 turns it off); compiled steps hoist them. `cache_dir` is the
         on-disk capture cache (docs/capture_cache.md): compiled steps are loaded from it when this
         process's fingerprint has them, and compiled into it otherwise; `warmup` then freezes the
-        engine (fail_on_recompile). `taps` builds the parity variant: denoise steps also return
-        named intermediates ("tap.*").
+        engine (fail_on_recompile). `taps` builds the parity variant: the denoiser steps also return
+        named intermediates ("tap.*"). `text_encoder=False` loads neither the text encoder nor the
+        tokenizer: requests must then carry prompt embeddings (a text prompt is rejected, saying so).
         """
         card = get_card(card) if isinstance(card, str) else card
-        if opt_level not in OPT_LEVELS:
-            available = ", ".join(f"{level} ({what})" for level, what in OPT_LEVELS.items())
-            raise ValueError(f"opt_level={opt_level} is not available; this build supports {available}")
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        buckets = buckets or BucketSpec()
-        components = load_components(card, checkpoint, device)
-        loop = TextToVideoLoop(card, components)
-        counters = Counters()
-        tap_points = TapPoints(components.transformer) if taps else None
-        executor = EagerExecutor(build_steps(loop, tap_points), counters)
-        if opt_level >= 1 and not enforce_eager:
-            compile_config = _with_level(compile_config or CompileConfig(), opt_level, taps)
-            weights_version = components.weights_version
-            if compile_config.passes.runs("quantize"):
-                weights_version += _apply_fp8(components.transformer, card)
-            compiler = StepCompiler(
-                compile_config, card.card_id, weights_version, loop.loop_id,
-                card.recipe.precision, device, counters, cache_dir=cache_dir, opt_level=opt_level,
-            )  # fmt: skip
-            graphs = opt_level >= 2 and cuda_graphs and device.type == "cuda"
-            runner = GraphRunner(compiler, counters, cuda_graphs=graphs, debug=debug)
-            executor = CompiledExecutor(executor, compiler, runner, buckets)
-        elif cache_dir is not None:
-            log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", cache_dir)
-        engine = cls(card, loop, executor, 0 if enforce_eager else opt_level, counters, buckets, max_running)
-        if engine.compiler is None and projection_cache_bytes and not taps:
-            engine.projection_cache = ExactProjectionCache(max_bytes=projection_cache_bytes)
-            apply_projection_cache(components.transformer, engine.projection_cache)
+        switches = EngineSwitches(
+            compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
+            projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
+            debug=debug, taps=taps, text_encoder=text_encoder,
+        )  # fmt: skip
+        parts = build_engine_parts(card, checkpoint, opt_level, device, switches)
+        engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)
+        engine.projection_cache = parts.projection_cache
         return engine
 
     # -- one request at a time -------------------------------------------------------------------
 
-    def start(self, request: Request) -> T2VState:
+    def start(self, request: Request) -> LoopState:
         """Check `request` against the card and build its loop state. Raises RequestRejected."""
-        return self.loop.init(request.resolve(self.card))
+        return self.loop.init(self.loop.check_request(request))
 
-    def resume(self, state: T2VState) -> T2VState:
-        """Adopt a state saved by another engine (same card); it continues where it stopped."""
-        self.loop.check_state(state)
-        device = self.loop.components.device
-        for name in ("latents", "prompt_embeds", "negative_prompt_embeds"):
-            value = getattr(state, name)
-            if value is not None:
-                setattr(state, name, value.to(device))
-        state.carry = [t.to(device) for t in state.carry]
-        state.step_cache.clear()  # derived on the other engine's device; rebuilt here on demand
-        return state
+    def resume(self, state: LoopState) -> LoopState:
+        """Adopt a state saved by another engine (same card); it continues where it stopped. The
+        loop's `state_type.load(path)` reads what `state.save(path)` wrote."""
+        return self.loop.adopt(state)
 
-    def step(self, state: T2VState, on_step: StepCallback | None = None) -> bool:
+    def step(self, state: LoopState, on_step: StepCallback | None = None) -> bool:
         """Run the request's next step. Returns False once the loop is done."""
         plan = self.loop.next(state)
         if isinstance(plan, Done):
@@ -198,7 +171,7 @@ class Engine:
         makes any dynamo compile that slipped past it fail as well."""
         return "fail_on_recompile" if self.compiler is not None and self.compiler.frozen else "default"
 
-    def finish(self, state: T2VState) -> Result:
+    def finish(self, state: LoopState) -> Result:
         while self.step(state):
             pass
         return self.loop.finalize(state)
@@ -283,8 +256,10 @@ class Engine:
     def _tick(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
         tick = self._scheduler.tick()
         for state in tick.cancelled:
+            self._slots.release(state)
             self._done(Result(state.request_id, "cancelled", seed=state.seed, timings=dict(state.timings)))
         for state in tick.finished:
+            self._slots.release(state)
             try:
                 result = self.loop.finalize(state)
             except Exception as err:  # its result could not be built; the others carry on
@@ -294,6 +269,7 @@ class Engine:
         for group in tick.groups:
             for state, err in self._run_group(group.members, on_step, on_result, group.lane):
                 self._scheduler.remove([state])
+                self._slots.release(state)
                 self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
                                   error=repr(err)))  # fmt: skip
 
@@ -320,14 +296,15 @@ class Engine:
             del self._in_flight[result.request_id]
         return taken
 
-    def _run_group(self, group: list[tuple[T2VState, WorkPlan]], on_step: StepCallback | None,
+    def _run_group(self, group: list[tuple[LoopState, WorkPlan]], on_step: StepCallback | None,
                    on_result: ResultCallback | None = None, lane: int = 0) -> list[tuple]:  # fmt: skip
         """Execute one group and fold the results back; returns the (state, error) pairs that failed."""
         plans = [plan for _, plan in group]
+        slots = [self._slots.of(state) for state, _ in group]
         began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
         try:
             with self._math:
-                results = self.executor.run_batch(plans, lane)
+                results = self.executor.run_batch(plans, slots, lane)
         except Exception as err:  # one request's failure must not take the others down
             if len(group) > 1:  # retry alone, so only the request at fault fails
                 return [failure for member in group for failure in self._run_group([member], on_step, on_result)]
@@ -336,7 +313,7 @@ class Engine:
             return [(state, err)]
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
         elapsed = time.perf_counter() - began - compiled_for_it
-        phase = "denoise" if plans[0].kind in (DENOISE, DENOISE_CFG) else plans[0].kind
+        phase = self.loop.step_kinds[plans[0].kind].phase
         failures = []
         for (state, plan), result, finite in zip(group, results, all_finite(results)):
             if not finite:  # garbage must not come back as ok: the request fails here, naming the step
@@ -355,23 +332,3 @@ class Engine:
                 on_step(state, plan.kind)
         return failures
 
-
-def _with_level(config: CompileConfig, opt_level: int, taps: bool) -> CompileConfig:
-    """The compile config an opt level implies: -O3 enables the quantize pass; parity tap variants
-    get their own pass pipeline (hence their own signatures)."""
-    passes = config.passes
-    if opt_level >= 3 and "quantize" not in passes.enabled:
-        passes = dataclasses.replace(passes, enabled=(*passes.enabled, "quantize"))
-    if taps:
-        passes = dataclasses.replace(passes, taps=True)
-    return dataclasses.replace(config, passes=passes)
-
-
-def _apply_fp8(transformer: torch.nn.Module, card: ModelCard) -> str:
-    """FP8 copies of the eligible linears' weights, beside the originals (the eager path keeps using
-    those). Returns a weights-version suffix naming the quantized layers: which layers carry FP8
-    weights changes the compiled graph's arguments, so it must change the signature too."""
-    quantized = apply_fp8_weights(transformer, card.quantization.fp8_exclude)
-    if not quantized:
-        log.warning("opt_level 3: no linear of %s is eligible for FP8 (K, N multiples of 16, not excluded)", card.card_id)
-    return "+fp8:" + hashlib.sha256("|".join(quantized).encode()).hexdigest()[:12]

@@ -20,27 +20,14 @@ from fvgraph.graph_runner import GraphRunner, _request_rows
 from fvgraph.compiler import StepCompiler
 from fvgraph.counters import Counters
 from fvgraph.loop import StepResult, WorkPlan
-from fvgraph.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
-from fvgraph.taps import TapPoints
-from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, TextToVideoLoop
+from fvgraph.request_slot import RequestSlot
 
 log = logging.getLogger(__name__)
 
 
-def build_steps(loop: TextToVideoLoop, tap_points: TapPoints | None = None) -> dict[str, nn.Module]:
-    """One step module per step kind; they share the loop's component modules (no weight copies).
-    With `tap_points` the denoise steps are the parity tap variants."""
-    c = loop.components
-    steps = {
-        TEXT_ENCODE: TextEncodeStep(c.text_encoder),
-        DENOISE: DenoiseStep(c.transformer, loop.sampler, cfg=False, tap_points=tap_points),
-        DENOISE_CFG: DenoiseStep(c.transformer, loop.sampler, cfg=True, tap_points=tap_points),
-        VAE_DECODE: VaeDecodeStep(c.vae),
-    }
-    return {kind: step.to(c.device).eval() for kind, step in steps.items()}
-
-
 class EagerExecutor:
+    """Runs the loop's step modules (`Loop.build_steps`: one per step kind) as they are."""
+
     def __init__(self, steps: dict[str, nn.Module], counters: Counters, padded: BucketSpec | None = None):
         self.steps = steps
         self.counters = counters
@@ -54,7 +41,7 @@ class EagerExecutor:
         with torch.no_grad():
             return step(**plan.inputs)
 
-    def run_batch(self, plans: list[WorkPlan], lane: int = 0) -> list[StepResult]:
+    def run_batch(self, plans: list[WorkPlan], slots: list[RequestSlot], lane: int = 0) -> list[StepResult]:
         """Batch 1 per plan (a request's numerics never depend on its neighbours), or with `padded`
         one batch padded with zero rows up to its bucket, each plan getting its rows of every output."""
         if self.padded is None or len(plans) == 1 and self.padded.batch_for(1) == 1:
@@ -91,19 +78,19 @@ class CompiledExecutor:
         self._fallback_logged: set[tuple] = set()
         self._graph_shapes: set[tuple[int, int, int]] = set()  # shapes given graphs when BucketSpec.shapes is None
 
-    def run_batch(self, plans: list[WorkPlan], lane: int = 0) -> list[StepResult]:
-        """`plans` share one signature and fit the largest batch bucket; `lane` picks the static
-        buffers (one set per concurrent group of a signature)."""
+    def run_batch(self, plans: list[WorkPlan], slots: list[RequestSlot], lane: int = 0) -> list[StepResult]:
+        """`plans` share one signature and fit the largest batch bucket; `slots` are their requests'
+        runtime slots; `lane` picks the static buffers (one set per concurrent group of a signature)."""
         first = plans[0]
         if not self.compiler.wants(first.kind):
-            return self.eager.run_batch(plans)
+            return self.eager.run_batch(plans, slots)
         if first.pixel_shape is not None and not self._has_graphs(first.pixel_shape):
             self._log_fallback(first)
             self.counters.fallbacks += len(plans)
-            return self.eager.run_batch(plans)
+            return self.eager.run_batch(plans, slots)
         bucket = self.buckets.batch_for(len(plans))
         with torch.no_grad():
-            results = self.runner.run(self.steps[first.kind], plans, bucket, lane)
+            results = self.runner.run(self.steps[first.kind], plans, slots, bucket, lane)
         self.counters.compiled_steps += len(plans)
         self.counters.batches += 1
         return results
@@ -113,9 +100,10 @@ class CompiledExecutor:
         largest graph claims the shared memory pool and the smaller ones reuse it."""
         if not self.compiler.wants(plan.kind) or (plan.pixel_shape and not self._has_graphs(plan.pixel_shape)):
             return
+        slot = RequestSlot()  # warmup's stand-in request: its hoisted values go with it
         with torch.no_grad():
             for bucket in reversed(self.buckets.batch_sizes):
-                self.runner.run(self.steps[plan.kind], [plan] * bucket, bucket)
+                self.runner.run(self.steps[plan.kind], [plan] * bucket, [slot] * bucket, bucket)
                 if on_bucket is not None:
                     on_bucket(bucket)
 

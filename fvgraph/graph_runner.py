@@ -9,7 +9,8 @@ each request gets a view of its rows. On CPU the same code calls the compiled st
 buffers, so batching, padding and scatter are exercised without a GPU.
 
 Hoisted prologue values are per request: they are computed by the bucket's prologue when a request
-in the group has none yet and kept in that request's `request_cache`. They carry the batch in dim 0,
+in the group has none yet and kept in that request's RequestSlot (fvgraph/request_slot.py), which
+the runtime owns. They carry the batch in dim 0,
 branch-major (rows `k * bucket + i` for CFG branch k), so a value is `m` rows per request with
 `m = rows / bucket`. A row of the static buffers (hoisted values, and inputs that are constant for a
 request) is rewritten only when it changes hands; the scheduler keeps requests in their rows.
@@ -29,6 +30,7 @@ from fvgraph.compiler import CompiledStep, StepCompiler
 from fvgraph.counters import Counters
 from fvgraph.graph_capture import capture_graph
 from fvgraph.loop import StepResult, WorkPlan
+from fvgraph.request_slot import RequestSlot
 
 log = logging.getLogger(__name__)
 _UNWRITTEN = object()  # a row no request or padding has been written into yet
@@ -46,7 +48,7 @@ class BucketGraph:
     addresses: tuple[int, ...] = ()  # data_ptr of every static buffer at capture (debug checks)
     storages: frozenset[int] = frozenset()  # storage of every static argument (an output aliasing one is copied out)
     # Per row: whose request constants the input buffers hold, and whose hoisted values (the owner is
-    # the request's cache object, held so its identity cannot be reused; None: a padding row).
+    # the request's RequestSlot, held so its identity cannot be reused; None: a padding row).
     input_owners: list = field(default_factory=list)
     hoisted_for: list = field(default_factory=list)
     # The input buffers by role, fixed at preparation: each run refills the per-step ones and only
@@ -91,16 +93,18 @@ class GraphRunner:
             entry.input_owners = entry.hoisted_for = [_UNWRITTEN] * entry.bucket
             entry.pad_from = entry.bucket
 
-    def run(self, step: nn.Module, plans: list[WorkPlan], bucket: int, lane: int = 0) -> list[StepResult]:
-        """Run `plans` (same signature, len <= bucket) as one batch; one result per plan. Each `lane`
-        has its own static buffers (and graph), sharing the compiled step."""
+    def run(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int,
+            lane: int = 0) -> list[StepResult]:  # fmt: skip
+        """Run `plans` (same signature, len <= bucket) as one batch; one result per plan. `slots` are
+        the plans' requests' runtime slots, in plan order. Each `lane` has its own static buffers
+        (and graph), sharing the compiled step."""
         entry = self._graphs.get((plans[0].signature, bucket, lane))
         if entry is None:
-            entry = self._prepare(step, plans, bucket, lane)
-        owners = [plan.request_cache for plan in plans] + [None] * (bucket - len(plans))
+            entry = self._prepare(step, plans, slots, bucket, lane)
+        owners = [*slots, *[None] * (bucket - len(plans))]
         self._fill_inputs(entry, plans, owners)
         if entry.compiled.prologue_fn is not None:
-            self._fill_hoisted(entry, plans, owners)
+            self._fill_hoisted(entry, slots, owners)
         columns = [self._scatter(entry, plans, out) for out in self._replay(entry)]
         return [dict(zip(entry.compiled.output_names, row)) for row in zip(*columns)]
 
@@ -118,7 +122,8 @@ class GraphRunner:
 
     # -- preparing a bucket --------------------------------------------------------------------------
 
-    def _prepare(self, step: nn.Module, plans: list[WorkPlan], bucket: int, lane: int) -> BucketGraph:
+    def _prepare(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int,
+                 lane: int) -> BucketGraph:  # fmt: skip
         inputs = {name: self._padded_like(t, bucket) for name, t in plans[0].inputs.items()}
         example = WorkPlan(plans[0].request_id, plans[0].kind, inputs)
         entry = BucketGraph(self.compiler.get(step, example, batch=bucket), bucket, inputs)
@@ -126,7 +131,7 @@ class GraphRunner:
         entry.pad_from = bucket
         for name, buffer in inputs.items():
             (entry.constants if name in plans[0].constants else entry.per_step).append((name, buffer))
-        self._fill_inputs(entry, plans, [plan.request_cache for plan in plans] + [None] * (bucket - len(plans)))
+        self._fill_inputs(entry, plans, [*slots, *[None] * (bucket - len(plans))])
         device = next(iter(inputs.values())).device
         entry.hoisted = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in entry.compiled.hoisted_like
@@ -183,23 +188,23 @@ class GraphRunner:
                 self._write_rows(buffer, 1, entry.bucket, changed, owners, lambda i: plans[i].inputs[name])
             entry.input_owners = owners
 
-    def _fill_hoisted(self, entry: BucketGraph, plans: list[WorkPlan], owners: list) -> None:
+    def _fill_hoisted(self, entry: BucketGraph, slots: list[RequestSlot], owners: list) -> None:
         key = entry.compiled.signature.key()
-        missing = [i for i, p in enumerate(plans) if key not in p.request_cache]
+        missing = [i for i, slot in enumerate(slots) if slot.hoisted_for(key) is None]
         if missing:  # new requests: one prologue over the group, kept per request
             with torch.no_grad():
                 values = entry.compiled.prologue_fn(*entry.base_args())
             self.counters.prologue_runs += 1
             for i in missing:
-                plans[i].request_cache[key] = [
+                slots[i].keep_hoisted(key, [
                     v.view(m, entry.bucket, *v.shape[1:])[:, i].clone() for v, m in zip(values, entry.rows_per_request)
-                ]
+                ])  # fmt: skip
         # The scheduler keeps requests in their rows, so usually only the rows of requests that came
         # or went are copied; a request whose values were just computed is always copied.
         changed = sorted(set(_changed_rows(owners, entry.hoisted_for)) | set(missing))
         if changed:
             for j, (buffer, m) in enumerate(zip(entry.hoisted, entry.rows_per_request)):
-                self._write_rows(buffer, m, entry.bucket, changed, owners, lambda i: plans[i].request_cache[key][j])
+                self._write_rows(buffer, m, entry.bucket, changed, owners, lambda i: slots[i].hoisted[key][j])
             entry.hoisted_for = owners
 
     def _write_rows(self, buffer: torch.Tensor, m: int, bucket: int, rows: list[int], owners: list, value_of) -> None:
@@ -225,7 +230,7 @@ class GraphRunner:
 
 
 def _changed_rows(owners: list, previous: list) -> list[int]:
-    """Rows whose owner (a request's cache object, None for padding) is not the one they held."""
+    """Rows whose owner (a request's RequestSlot, None for padding) is not the one they held."""
     return [i for i, (owner, before) in enumerate(zip(owners, previous)) if owner is not before]
 
 

@@ -171,7 +171,7 @@ class JsonlServer:
             if not SAFE_ID.fullmatch(request.request_id):
                 raise RequestRejected("request_id", f"{shown(request.request_id)} must be 1-{MAX_REQUEST_ID_LENGTH} of "
                                                     "A-Z a-z 0-9 _ . - and not start with '.' (it names the output file)")  # fmt: skip
-            request.resolve(self.engine.card)  # the card's rules, checked now; the state is built at submit
+            request.resolve(self.engine.card, self.engine.facts)  # the card's rules, checked now; the state is built at submit
         except ValidationError as err:
             errors = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'request'}: {_cut(e['msg'])}"
                                for e in err.errors(include_input=False))  # fmt: skip

@@ -9,17 +9,26 @@
 `next()` is kernel-free: it reads the state and names the step kind, its shape signature and its input
 tensors. All per-request state lives in the loop's state object, which is serializable, so a request
 can stop between any two steps and resume elsewhere with the same result.
+
+A loop is the only place that knows its step kinds: it declares them (`StepKind`: the component a
+kind runs, whether it is compiled, its timing phase), builds their step modules, checks a request
+against its card, and moves its state to another device on resume. The runtime reads those
+declarations and names no loop; fvgraph/loops.py picks a card's loop by id.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from fvgraph.request import Request
 
 from fvgraph.saved_state import read_saved_fields
 
@@ -55,9 +64,6 @@ class WorkPlan:
     kind: str
     inputs: dict[str, torch.Tensor]
     step_index: int = 0
-    # Per-request scratch the runtime may fill with values derived from request constants (hoisted
-    # prologue outputs). It lives in the request's state, never in the runtime.
-    request_cache: dict = field(default_factory=dict)
     pixel_shape: tuple[int, int, int] | None = None  # (frames, height, width) of the video it serves
     # Inputs whose value is the same at every step of this request (embeddings, guidance scale): a
     # batch runner may keep them in place while the request keeps its row.
@@ -76,14 +82,51 @@ class Done:
     """The loop has nothing left to run; `finalize()` builds the result."""
 
 
+@dataclass(frozen=True)
+class StepKind:
+    """What the runtime needs to know about one step kind a loop emits."""
+
+    name: str
+    component: str  # the card component the step runs (a factor of the compile signature)
+    phase: str  # the key its run time is added to in Result.timings
+    compiled: bool = False  # compiled at -O1 and up unless CompileConfig.step_kinds says otherwise
+    per_inference_step: bool = False  # runs once per denoising step (progress bars, per-step timing)
+
+
+class LoopState(Protocol):
+    """What the runtime reads of any loop's state: which request, its seed, where its time went."""
+
+    request_id: str
+    seed: int
+    timings: dict[str, float]
+
+    def save(self, path: str | Path) -> None: ...
+
+
 class Loop(Protocol):
-    def init(self, request: Any) -> Any: ...
+    """The contract between a loop and the runtime. The runtime reads `loop_id`, `step_kinds` and
+    `components` and calls the methods; everything else about the loop is its own."""
+
+    loop_id: ClassVar[str]
+    state_type: ClassVar[type]  # has .load(path): what save() wrote
+    step_kinds: dict[str, StepKind]
+    components: Any  # fvgraph.components.Components
+
+    def check_request(self, request: Request) -> Request: ...  # resolved against the card; raises RequestRejected
+
+    def init(self, request: Request) -> LoopState: ...
 
     def next(self, state: Any) -> WorkPlan | Done: ...
 
     def advance(self, state: Any, result: StepResult) -> Any: ...
 
     def finalize(self, state: Any) -> Any: ...
+
+    def adopt(self, state: Any) -> Any: ...  # a state saved elsewhere (same card), moved onto this loop's device
+
+    def build_steps(self, taps: bool = False) -> dict[str, nn.Module]: ...  # one module per kind; taps: parity variants
+
+    def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request: ...
 
 
 class SerializableState:

@@ -56,14 +56,14 @@ class MemoryModel:
         loop, card = engine.loop, engine.card
         dit = loop.components.transformer.config
         vae = loop.components.vae.config
-        self.dit_bytes = next(loop.components.transformer.parameters()).element_size()
+        self.dit_bytes = loop.components.transformer.dtype.itemsize
         self.inner = dit.num_attention_heads * dit.attention_head_dim
         self.ffn = dit.ffn_dim
         self.layers = dit.num_layers
         self.patch = tuple(dit.patch_size)
         self.channels = loop.latent_channels
         self.temporal_scale, self.spatial_scale = loop.temporal_scale, loop.spatial_scale
-        self.text_len, self.text_dim = card.shapes.text_len, card.shapes.text_dim
+        self.text_len, self.text_dim = card.shapes.text_len, engine.facts.text_dim
         self.carry = len(loop.sampler.initial_carry(torch.zeros(1)))
         self.vae_top = vae.base_dim * vae.dim_mult[0]
         buckets = engine.buckets.batch_sizes

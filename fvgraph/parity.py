@@ -100,16 +100,17 @@ class ParityReport:
 
 
 def run_taps(engine: Engine, requests: Sequence[Request], batched: bool, batch_sizes: set[int] | None = None) -> Taps:
-    """Every denoise step's taps (and new latents) of each request, run alone or all together (an
+    """Every tapped step's taps (and new latents) of each request, run alone or all together (an
     eager engine then runs each step's group as one padded batch). `batch_sizes` collects the size of
-    every denoise group that ran."""
+    every tapped step's group that ran."""
     index = {r.request_id: i for i, r in enumerate(requests)}
     taps: Taps = {}
 
     def keep(state, plan, result):
-        if not plan.kind.startswith("denoise"):
+        tapped = {k: v for k, v in result.items() if k.startswith("tap.")}
+        if not tapped:  # a step kind without a tap variant (encoders, decoders)
             return
-        named = split_fused({k: v for k, v in result.items() if k.startswith("tap.")})
+        named = split_fused(tapped)
         named["tap.latents"] = result["latents"]
         for name in sorted(named, key=execution_order):
             value = named[name]
@@ -119,10 +120,11 @@ def run_taps(engine: Engine, requests: Sequence[Request], batched: bool, batch_s
     executor = engine.executor
     run_batch = executor.run_batch
 
-    def recorded(plans, lane=0):
-        if batch_sizes is not None and plans[0].kind.startswith("denoise"):
+    def recorded(plans, slots, lane=0):
+        results = run_batch(plans, slots, lane)
+        if batch_sizes is not None and any(k.startswith("tap.") for k in results[0]):  # a tapped step's group
             batch_sizes.add(len(plans))
-        return run_batch(plans, lane)
+        return results
 
     eager = isinstance(executor, EagerExecutor)
     executor.run_batch = recorded  # instance attribute: removed again below

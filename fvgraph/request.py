@@ -1,10 +1,15 @@
 """Request and Result: what crosses the public API boundary.
 
 Argument names follow diffusers (prompt, negative_prompt, num_inference_steps, guidance_scale,
-height, width, num_frames, output_type). Rules that hold for any card are checked when a Request is
-built (pydantic ValidationError, naming the field); rules that depend on the card (step range the
-recipe allows, text width, maximum size) are checked by `resolve()`, which raises RequestRejected.
-Either way the engine is untouched and serves the next request.
+height, width, num_frames, output_type). Rules that hold for any Wan-family model are checked when a
+Request is built (pydantic ValidationError, naming the field); rules that depend on the card (step
+range the recipe allows, maximum size) or on the loaded weights (text width, the multiples a VAE and
+patch size need: ModelFacts) are checked by `resolve()`, which raises RequestRejected. Either way
+the engine is untouched and serves the next request.
+
+Embeddings: `prompt_embeds` shorter than the card's text length are zero-padded to it, as Wan's own
+pipeline pads its text encoder's output (diffusers' WanPipeline uses short embeddings as given, so
+its results differ from fvgraph's for those).
 """
 
 from __future__ import annotations
@@ -12,13 +17,15 @@ from __future__ import annotations
 import secrets
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fvgraph.card import ModelCard
+from fvgraph.model_facts import ModelFacts
+from fvgraph.request_image import to_rgb_image
 
 # Ids are echoed into result lines, logs and file names: bounded, printable.
 MAX_REQUEST_ID_LENGTH = 128
@@ -56,10 +63,22 @@ class Request(BaseModel):
 
     prompt: str | None = None
     negative_prompt: str | None = Field(default=None, description="Defaults to '' when guidance is on.")
-    prompt_embeds: torch.Tensor | None = Field(default=None, description="[seq_len, dim] or [1, seq_len, dim].")
+    prompt_embeds: torch.Tensor | None = Field(
+        default=None,
+        description="[seq_len, dim] or [1, seq_len, dim]; zero-padded to the card's text length as Wan pads its encoder output.",
+    )
     negative_prompt_embeds: torch.Tensor | None = None
+    image: Any = Field(
+        default=None,
+        description="Image-to-video cards: the first frame. A path, PIL image, uint8 array/tensor [H, W, 3] "
+        "(tensor also [3, H, W]) or float tensor in [0, 1]; kept as an RGB PIL image, resized to height x width.",
+    )
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0, description="<= 1 disables CFG, as diffusers.")
+    guidance_scale_2: float | None = Field(
+        default=None, ge=0.0, le=30.0,
+        description="Two-expert cards: the low-noise expert's guidance (default: the card's, else guidance_scale).",
+    )
     height: int | None = Field(default=None, gt=0)
     width: int | None = Field(default=None, gt=0)
     num_frames: int | None = Field(default=None, gt=0)
@@ -86,7 +105,7 @@ class Request(BaseModel):
     @classmethod
     def _multiple_of_16(cls, value: int | None, info) -> int | None:
         if value is not None and value % 16:
-            raise ValueError(f"{info.field_name}={value} must be a multiple of 16 (VAE x8, patch x2)")
+            raise ValueError(f"{info.field_name}={value} must be a multiple of 16 (VAE x8, patch x2 at least)")
         return value
 
     @field_validator("num_frames")
@@ -96,12 +115,17 @@ class Request(BaseModel):
             raise ValueError(f"num_frames={value} must be 4k+1 (1, 5, 9, ...): the VAE packs 4 frames per latent")
         return value
 
-    @field_validator("guidance_scale")
+    @field_validator("guidance_scale", "guidance_scale_2")
     @classmethod
-    def _finite_guidance(cls, value: float | None) -> float | None:
+    def _finite_guidance(cls, value: float | None, info) -> float | None:
         if value is not None and not np.isfinite(value):
-            raise ValueError("guidance_scale must be a finite number")
+            raise ValueError(f"{info.field_name} must be a finite number")
         return value
+
+    @field_validator("image")
+    @classmethod
+    def _valid_image(cls, value):
+        return None if value is None else to_rgb_image(value)
 
     @field_validator("prompt_embeds", "negative_prompt_embeds")
     @classmethod
@@ -122,8 +146,9 @@ class Request(BaseModel):
     def do_cfg(self) -> bool:
         return self.guidance_scale is not None and self.guidance_scale > 1.0
 
-    def resolve(self, card: ModelCard) -> Request:
-        """A copy with every default filled from the card, checked against the card's rules."""
+    def resolve(self, card: ModelCard, facts: ModelFacts | None = None) -> Request:
+        """A copy with every default filled from the card, checked against the card's limits and,
+        when given, the loaded weights' facts (text width, spatial and temporal multiples)."""
         recipe, shapes = card.recipe, card.shapes
         values = self.model_dump()
         values["num_inference_steps"] = self.num_inference_steps or recipe.default_steps
@@ -144,15 +169,33 @@ class Request(BaseModel):
         for name, limit in (("height", shapes.max_height), ("width", shapes.max_width), ("num_frames", shapes.max_frames)):
             if values[name] > limit:
                 raise RequestRejected(name, f"{values[name]} exceeds card {card.card_id!r}'s maximum of {limit}")
+        if facts is not None:
+            _check_geometry(values, facts, card.card_id)
         for name in ("prompt_embeds", "negative_prompt_embeds"):
             embeds = values[name]
-            if embeds is not None and (embeds.shape[1] != shapes.text_dim or embeds.shape[0] > shapes.text_len):
+            width = facts.text_dim if facts is not None else embeds.shape[1] if embeds is not None else 0
+            if embeds is not None and (embeds.shape[1] != width or embeds.shape[0] > shapes.text_len):
                 raise RequestRejected(
                     name,
                     f"shape {list(embeds.shape)} does not fit card {card.card_id!r}: expected "
-                    f"[seq_len <= {shapes.text_len}, {shapes.text_dim}]",
+                    f"[seq_len <= {shapes.text_len}, {width}] (the width its weights take)",
                 )
         return Request.model_validate(values)
+
+
+def _check_geometry(values: dict, facts: ModelFacts, card_id: str) -> None:
+    """The multiples the loaded VAE and patch size need (Wan 2.2's 16x VAE needs 32, not 16)."""
+    for name in ("height", "width"):
+        if values[name] % facts.spatial_multiple:
+            raise RequestRejected(
+                name, f"{values[name]} must be a multiple of {facts.spatial_multiple} for card {card_id!r} "
+                f"(VAE x{facts.vae_spatial}, patch x{facts.patch_size[1]})",
+            )  # fmt: skip
+    if (values["num_frames"] - 1) % facts.temporal_multiple:
+        raise RequestRejected(
+            "num_frames", f"{values['num_frames']} must be k*{facts.temporal_multiple}+1 for card {card_id!r}: "
+            f"its VAE packs {facts.temporal_multiple} frames per latent frame",
+        )  # fmt: skip
 
 
 Status = Literal["ok", "rejected", "failed", "cancelled"]

@@ -13,8 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fvgraph.buckets import BucketSpec
-from fvgraph.loop import Done, WorkPlan
-from fvgraph.t2v_loop import T2VState, TextToVideoLoop
+from fvgraph.loop import Done, Loop, LoopState, WorkPlan
 
 
 @dataclass
@@ -23,29 +22,29 @@ class Group:
     each lane keeps its own static buffers, so two groups of one signature do not overwrite each
     other's rows every step."""
 
-    members: list[tuple[T2VState, WorkPlan]]
+    members: list[tuple[LoopState, WorkPlan]]
     lane: int = 0
 
 
 @dataclass
 class Tick:
-    finished: list[T2VState] = field(default_factory=list)
-    cancelled: list[T2VState] = field(default_factory=list)
+    finished: list[LoopState] = field(default_factory=list)
+    cancelled: list[LoopState] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, loop: TextToVideoLoop, buckets: BucketSpec, max_running: int):
+    def __init__(self, loop: Loop, buckets: BucketSpec, max_running: int):
         if max_running < 1:
             raise ValueError(f"max_running={max_running} must be at least 1")
         self.loop = loop
         self.buckets = buckets
         self.max_running = max_running
-        self.waiting: deque[T2VState] = deque()
-        self.running: list[T2VState] = []
+        self.waiting: deque[LoopState] = deque()
+        self.running: list[LoopState] = []
         self.cancel_requested: set[str] = set()
 
-    def submit(self, state: T2VState) -> None:
+    def submit(self, state: LoopState) -> None:
         self.waiting.append(state)
 
     def cancel(self, request_id: str) -> None:
@@ -55,7 +54,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, gone: list[T2VState]) -> None:
+    def remove(self, gone: list[LoopState]) -> None:
         """Take these requests out of the running list. Each hole is filled by the last running request
         rather than closed up, so every other request keeps its place, and with it its row in the
         batch (the graph runner then refills only the rows whose request changed)."""

@@ -50,15 +50,19 @@ class DenoiseStep(nn.Module):
         coeffs: torch.Tensor,  # [B, num_coeffs] this step's sampler row
         negative_prompt_embeds: torch.Tensor | None = None,  # [B, L, D] when cfg
         guidance_scale: torch.Tensor | None = None,  # [B] when cfg
+        condition: torch.Tensor | None = None,  # [B, C', F, H, W] image conditioning, concatenated to the latents' channels
+        image_embeds: torch.Tensor | None = None,  # [B, N, D'] image tokens the denoiser attends to beside the text
         **carry: torch.Tensor,  # sampler history: carry_0 .. carry_{n-1}, each like latents
     ) -> dict[str, torch.Tensor]:
         taps = {}
         # 1. the denoiser on the conditional branch
-        model_input = latents.to(prompt_embeds.dtype)
-        noise = taps["tap.noise.cond"] = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds))
+        model_input = latents if condition is None else torch.cat([latents, mark_request_constant(condition)], dim=1)
+        model_input = model_input.to(prompt_embeds.dtype)
+        image = {} if image_embeds is None else {"encoder_hidden_states_image": mark_request_constant(image_embeds)}
+        noise = taps["tap.noise.cond"] = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds), **image)
         # 2. the unconditional branch and the guidance combine
         if self.cfg:
-            noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds))
+            noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds), **image)
             scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
             noise = noise_uncond + scale * (noise - noise_uncond)
             taps["tap.noise.uncond"], taps["tap.noise"] = noise_uncond, noise
@@ -81,12 +85,11 @@ class DenoiseStep(nn.Module):
         tokens = (frames // p_t) * (height // p_h) * (width // p_w)
         return tokens, config.attention_head_dim, inputs["prompt_embeds"].dtype
 
-    def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states) -> torch.Tensor:
+    def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states, **extra) -> torch.Tensor:
         """One denoiser call, marked as a CFG branch for the fusion pass (markers vanish in eager)."""
-        x, t, e = mark_branch_inputs(
-            branch, "transformer", hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states
-        )
-        noise = self.transformer(hidden_states=x, timestep=t, encoder_hidden_states=e, return_dict=False)[0]
+        inputs = dict(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states, **extra)
+        marked = dict(zip(inputs, mark_branch_inputs(branch, "transformer", **inputs)))
+        noise = self.transformer(**marked, return_dict=False)[0]
         return mark_branch_output(branch, "transformer", noise)
 
 

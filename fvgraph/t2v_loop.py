@@ -1,8 +1,9 @@
 """The text-to-video loop of Wan-class models: text_encode -> denoise x N -> vae_decode.
 
-Each phase is a step kind of its own (see steps.py). The loop is host-side bookkeeping only: it
-tokenizes, draws the initial noise, plans the sampler's coefficients once, hands out one WorkPlan at
-a time and folds each step's tensors back into the request's T2VState.
+Each phase is a step kind of its own (see steps.py), declared in STEP_KINDS for the runtime. The
+loop is host-side bookkeeping only: it tokenizes, draws the initial noise, plans the sampler's
+coefficients once, hands out one WorkPlan at a time and folds each step's tensors back into the
+request's T2VState.
 """
 
 from __future__ import annotations
@@ -12,26 +13,34 @@ from typing import NamedTuple
 
 import torch
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+from torch import nn
 
 from fvgraph.card import ModelCard
 from fvgraph.components import Components
-from fvgraph.loop import Done, SerializableState, ShapeSignature, StepResult, WorkPlan
-from fvgraph.request import Request, Result
+from fvgraph.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
+from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.samplers import build_sampler
+from fvgraph.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
 from fvgraph.t2v_state_check import check_t2v_state
+from fvgraph.taps import TapPoints
 
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
-# Denoise inputs that stay the same at every step of a request.
-REQUEST_CONSTANTS = frozenset({"prompt_embeds", "negative_prompt_embeds", "guidance_scale"})
+STEP_KINDS = {
+    TEXT_ENCODE: StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode"),
+    DENOISE: StepKind(DENOISE, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
+    DENOISE_CFG: StepKind(DENOISE_CFG, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
+    VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode"),
+}
 
 
 class DenoiseFacts(NamedTuple):
-    """Derived once per request from its state (kept in `step_cache`, never saved)."""
+    """Derived once per request from its state (kept in T2VState.derived, never saved)."""
 
     kind: str
     timesteps: tuple[torch.Tensor, ...]  # [1] per step, on the device
     coeffs: tuple[torch.Tensor, ...]  # [1, num_coeffs] per step, on the device
     constants: dict[str, torch.Tensor]  # inputs equal at every step: embeddings, guidance scale
+    constant_names: frozenset[str]  # their names (WorkPlan.constants)
     pixels: tuple[int, int, int]  # (frames, height, width) of the video
     carry_names: tuple[str, ...]  # the step's inputs and outputs for the sampler's history
     signature: ShapeSignature | None  # set from the first step's plan
@@ -61,7 +70,8 @@ class T2VState(SerializableState):
     video: torch.Tensor | None = None  # [1, 3, F, H, W] in [0, 1]
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step kind, kept across resume
     weights_version: str = ""  # the weights it was started with: resuming on others would mix two models
-    step_cache: dict = field(default_factory=dict, metadata={"transient": True})  # runtime-derived, see WorkPlan
+    # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
+    derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
 
     @property
     def num_steps(self) -> int:
@@ -72,17 +82,59 @@ class TextToVideoLoop:
     """init / next / advance / finalize for one card's t2v loop; holds no per-request state."""
 
     loop_id = "t2v"
+    state_type = T2VState
+    step_kinds = STEP_KINDS
+    pre_denoise_phases: tuple[str, ...] = ()  # phases a subclass adds before the first denoise step
+    device_fields = ("latents", "prompt_embeds", "negative_prompt_embeds")  # moved by adopt()
+    takes_image = False
 
     def __init__(self, card: ModelCard, components: Components):
         self.card = card
         self.components = components
         self.sampler = build_sampler(card.recipe.sampler)
-        vae_cfg = components.vae.config
-        self.temporal_scale = 2 ** sum(vae_cfg.temperal_downsample)
-        self.spatial_scale = 2 ** len(vae_cfg.temperal_downsample)
-        self.latent_channels = components.transformer.config.in_channels
-        self.embed_dtype = next(components.transformer.parameters()).dtype
+        self.facts = components.facts  # read from the weights' configs, not the card
+        self.temporal_scale = self.facts.vae_temporal
+        self.spatial_scale = self.facts.vae_spatial
+        self.latent_channels = self.facts.latent_channels
+        # The denoiser's dtype as diffusers reports it: its first parameter may be one kept in fp32
+        # (from_pretrained loads scale_shift_table first), which is not the dtype it runs in.
+        self.embed_dtype = components.transformer.dtype
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
+
+    def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
+        """One step module per step kind; they share the components' modules (no weight copies).
+        With `taps` the denoise steps are the parity tap variants."""
+        c = self.components
+        tap_points = TapPoints(c.transformer) if taps else None
+        steps = {
+            DENOISE: DenoiseStep(c.transformer, self.sampler, cfg=False, tap_points=tap_points),
+            DENOISE_CFG: DenoiseStep(c.transformer, self.sampler, cfg=True, tap_points=tap_points),
+            VAE_DECODE: VaeDecodeStep(c.vae),
+        }
+        if c.text_encoder is not None:
+            steps[TEXT_ENCODE] = TextEncodeStep(c.text_encoder)
+        return {kind: step.to(c.device).eval() for kind, step in steps.items()}
+
+    def check_request(self, request: Request) -> Request:
+        """`request` with the card's defaults filled in, checked against the card and the loaded
+        weights (RequestRejected); text needs the text encoder."""
+        resolved = request.resolve(self.card, self.facts)
+        check_text_encoder(resolved, self.components)
+        if resolved.guidance_scale_2 is not None and len(self.facts.experts) < 2:
+            raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
+        if resolved.image is not None and not self.takes_image:
+            raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
+        return resolved
+
+    def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
+        """A request that runs every step kind of this loop at this shape (what `fvgraph warmup` serves)."""
+        text = {"prompt": "warmup"} if self.components.text_encoder is not None else {
+            "prompt_embeds": torch.zeros(1, self.facts.text_dim), "negative_prompt_embeds": torch.zeros(1, self.facts.text_dim)}  # fmt: skip
+        return Request(**text, guidance_scale=guidance_scale, num_inference_steps=steps, num_frames=num_frames,
+                       height=height, width=width, seed=0, **self._warmup_inputs(height, width))  # fmt: skip
+
+    def _warmup_inputs(self, height: int, width: int) -> dict:
+        return {}
 
     # -- init ------------------------------------------------------------------------------------
 
@@ -91,7 +143,7 @@ class TextToVideoLoop:
         device = self.components.device
         plan = self.sampler.plan(request.num_inference_steps)
         latents = self._initial_noise(request).to(device)
-        state = T2VState(
+        state = self.state_type(
             request_id=request.request_id,
             card_id=self.card.card_id,
             seed=request.seed,
@@ -107,6 +159,7 @@ class TextToVideoLoop:
             prompt_embeds=self._padded(request.prompt_embeds),
             negative_prompt_embeds=self._padded(request.negative_prompt_embeds) if request.do_cfg else None,
             weights_version=self.components.weights_version,
+            **self._conditioning(request, latents),
         )
         texts = []
         if state.prompt_embeds is None:
@@ -126,8 +179,16 @@ class TextToVideoLoop:
             state.input_ids, state.attention_mask = tokens.input_ids, tokens.attention_mask
             state.encode_slots = [slot for slot, _ in texts]
         else:
-            state.phase = "denoise"
+            state.phase = self._phase_after_text(state)
         return state
+
+    def _conditioning(self, request: Request, latents: torch.Tensor) -> dict:
+        """Extra state fields a subclass loop derives from the request (none for text-to-video)."""
+        return {}
+
+    def _phase_after_text(self, state: T2VState) -> str:
+        """The phase that follows text encoding (a subclass loop may insert its own first)."""
+        return "denoise"
 
     def _initial_noise(self, request: Request) -> torch.Tensor:
         """Drawn on a CPU generator, so a seed gives the same noise on any device (as diffusers with a CPU generator)."""
@@ -157,16 +218,15 @@ class TextToVideoLoop:
             inputs = {"input_ids": state.input_ids.to(device), "attention_mask": state.attention_mask.to(device)}
             return WorkPlan(state.request_id, TEXT_ENCODE, inputs)
         if state.phase == "denoise":
-            facts = state.step_cache.get("denoise") or self._denoise_facts(state)
+            facts = state.derived or self._denoise_facts(state)
             i = state.step_index
             inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i],
                       **facts.constants, **dict(zip(facts.carry_names, state.carry))}  # fmt: skip
-            plan = WorkPlan(state.request_id, facts.kind, inputs, i, state.step_cache, facts.pixels, REQUEST_CONSTANTS,
-                            facts.signature)  # fmt: skip
+            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, facts.constant_names, facts.signature)
             if facts.signature is None:  # the first step; every later one has the same input shapes
                 # One object per distinct signature: grouping and graph lookups then match by identity.
                 plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
-                state.step_cache["denoise"] = facts._replace(signature=plan.signature)
+                state.derived = facts._replace(signature=plan.signature)
             return plan
         if state.phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
@@ -181,12 +241,17 @@ class TextToVideoLoop:
         if state.cfg:
             constants["negative_prompt_embeds"] = state.negative_prompt_embeds
             constants["guidance_scale"] = torch.tensor([state.guidance_scale], dtype=torch.float32, device=device)
+        constants.update(self._conditioning_inputs(state))
         _, _, frames, h, w = state.latents.shape
         pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
         kind = DENOISE_CFG if state.cfg else DENOISE
         timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
         carry_names = tuple(f"carry_{k}" for k in range(len(state.carry)))
-        return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names, signature=None)
+        return DenoiseFacts(kind, timesteps, coeffs, constants, frozenset(constants), pixels, carry_names, signature=None)
+
+    def _conditioning_inputs(self, state: T2VState) -> dict[str, torch.Tensor]:
+        """Extra request-constant denoise inputs a subclass loop adds (none for text-to-video)."""
+        return {}
 
     def advance(self, state: T2VState, result: StepResult) -> T2VState:
         if state.phase == "encode":
@@ -195,14 +260,14 @@ class TextToVideoLoop:
                 setattr(state, slot, embeds[row : row + 1])
             state.input_ids = state.attention_mask = None
             state.encode_slots = []
-            state.phase = "denoise"
+            state.phase = self._phase_after_text(state)
         elif state.phase == "denoise":
             state.latents = result["latents"]
-            state.carry = [result[name] for name in state.step_cache["denoise"].carry_names]  # set by next()
+            state.carry = [result[name] for name in state.derived.carry_names]  # set by next()
             state.step_index += 1
             if state.step_index == state.num_steps:
-                state.carry = []  # history and hoisted values are dead weight once the last step ran
-                state.step_cache.clear()
+                state.carry = []  # history and derived values are dead weight once the last step ran
+                state.derived = None
                 state.phase = "decode" if state.output_type == "np" else "done"
         elif state.phase == "decode":
             state.video = result["video"]
@@ -223,7 +288,34 @@ class TextToVideoLoop:
             timings=dict(state.timings),
         )
 
-    def check_state(self, state: T2VState) -> None:
-        """Reject a saved state before it is resumed: another card, sampler or weights, or any field
-        this loop could not have produced (t2v_state_check names the field and the rule)."""
+    def adopt(self, state: T2VState) -> T2VState:
+        """A state saved by another engine of the same card, moved onto this loop's device; it
+        continues where it stopped. Raises ValueError for a state of another card or sampler."""
+        if not isinstance(state, self.state_type):
+            raise ValueError(f"loop {self.loop_id!r} resumes a {self.state_type.__name__}, got a {type(state).__name__}")
+        # A state from disk is untrusted input: another card, sampler or weights, or any field this
+        # loop could not have produced, is refused naming the field and the rule (t2v_state_check).
         check_t2v_state(state, self)
+        device = self.components.device
+        for name in self.device_fields:
+            value = getattr(state, name)
+            if value is not None:
+                setattr(state, name, value.to(device))
+        state.carry = [t.to(device) for t in state.carry]
+        state.derived = None  # derived on the other engine's device; rebuilt here on demand
+        return state
+
+
+def check_text_encoder(request: Request, components: Components) -> None:
+    """An engine built without its text encoder takes embeddings only: a text prompt (or the empty
+    negative prompt guidance would encode) is rejected, saying what to pass instead."""
+    if components.text_encoder is not None:
+        return
+    why = "this engine was built without its text encoder (text_encoder=False)"
+    if request.prompt is not None:
+        raise RequestRejected("prompt", f"{why}: pass prompt_embeds instead of text")
+    if request.do_cfg and request.negative_prompt_embeds is None:
+        raise RequestRejected(
+            "negative_prompt_embeds",
+            f"{why}: guidance_scale={request.guidance_scale} > 1 needs negative_prompt_embeds (or guidance_scale <= 1)",
+        )

@@ -59,8 +59,9 @@ def check_t2v_state(state: T2VState, loop: TextToVideoLoop) -> None:
     if state.weights_version != loop.components.weights_version:
         c.fail("weights_version", f"saved with weights {state.weights_version!r}, this engine runs "
                                   f"{loop.components.weights_version!r}: resuming would mix two models")  # fmt: skip
-    if state.phase not in PHASES:
-        c.fail("phase", f"{state.phase!r} is not one of {', '.join(PHASES)}")
+    phases = (*PHASES, *loop.pre_denoise_phases)
+    if state.phase not in phases:
+        c.fail("phase", f"{state.phase!r} is not one of {', '.join(phases)}")
     if state.output_type not in ("np", "latent"):
         c.fail("output_type", f"{state.output_type!r} must be 'np' or 'latent'")
     if not isinstance(state.guidance_scale, float | int) or not torch.isfinite(torch.tensor(float(state.guidance_scale))):
@@ -72,20 +73,20 @@ def check_t2v_state(state: T2VState, loop: TextToVideoLoop) -> None:
     coeffs = c.tensor("coeffs", dims=2)
     if tuple(coeffs.shape) != (steps, num_coeffs(loop.sampler)):
         c.fail("coeffs", f"must be [{steps}, {num_coeffs(loop.sampler)}] (one sampler row per timestep), got {list(coeffs.shape)}")
-    _check_progress(c, state, steps)
+    _check_progress(c, state, steps, loop.pre_denoise_phases)
     latents = c.tensor("latents", dims=5)
     if latents.shape[0] != 1 or latents.shape[1] != loop.latent_channels:
         c.fail("latents", f"must be [1, {loop.latent_channels}, frames, h, w], got {list(latents.shape)}")
     _check_carry(c, state, loop)
-    _check_text(c, state, card.shapes.text_len, card.shapes.text_dim)
+    _check_text(c, state, card.shapes.text_len, loop.facts.text_dim)
 
 
-def _check_progress(c: _Checker, state: T2VState, steps: int) -> None:
+def _check_progress(c: _Checker, state: T2VState, steps: int, pre_denoise: tuple[str, ...]) -> None:
     index = state.step_index
     if isinstance(index, bool) or not isinstance(index, int):
         c.fail("step_index", f"must be an int, got {type(index).__name__}")
     expected = {"encode": range(0, 1), "denoise": range(0, steps), "decode": range(steps, steps + 1),
-                "done": range(steps, steps + 1)}[state.phase]  # fmt: skip
+                "done": range(steps, steps + 1), **{phase: range(0, 1) for phase in pre_denoise}}[state.phase]  # fmt: skip
     if index not in expected:
         c.fail("step_index", f"{index} is outside [{expected.start}, {expected.stop - 1}] for phase {state.phase!r} "
                              f"of a {steps}-step schedule")  # fmt: skip

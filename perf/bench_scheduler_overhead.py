@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
         compile_config=CompileConfig(backend=backend), buckets=BucketSpec(batch_sizes=(1, 2, 4, 8)),
     )  # fmt: skip
     shapes = engine.card.shapes
-    mix = lambda: request_mix(args.requests, args.steps, shapes.text_len, shapes.text_dim)  # noqa: E731
+    mix = lambda: request_mix(args.requests, args.steps, shapes.text_len, engine.facts.text_dim)  # noqa: E731
     engine.warmup(mix()[:1])
     engine.generate(mix())  # every lane's buffers exist before timing
     watch = Stopwatch()

@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     n = args.requests or (16 if args.gpu else 10)
     level = 2 if args.gpu else 1
     buckets = BucketSpec(batch_sizes=tuple(args.buckets or ((1, 4, 8) if args.gpu else (1, 2, 4))))
-    requests = request_mix(n, shapes, rules.text_len, rules.text_dim)
+    text_dim = get_card(card).components["transformer"].config["text_dim"]  # the seeded card's width
+    requests = request_mix(n, shapes, rules.text_len, text_dim)
 
     servers, warm = build_servers(card, device, requests, level, buckets, len(shapes))
     capacity = diffusers_capacity(servers, requests)

@@ -72,12 +72,12 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     any_engine = next(iter(engines.values()))
     shapes, version = any_engine.card.shapes, any_engine.loop.components.weights_version
     g = torch.Generator().manual_seed(0)
-    pe, ne = (torch.randn(shapes.text_len, shapes.text_dim, generator=g) for _ in range(2))
+    pe, ne = (torch.randn(shapes.text_len, any_engine.facts.text_dim, generator=g) for _ in range(2))
     request = Request(prompt_embeds=pe, negative_prompt_embeds=ne, guidance_scale=GUIDANCE, height=height, width=width,
                       num_frames=frames, seed=0, num_inference_steps=steps, output_type="latent")  # fmt: skip
-    resolved = request.resolve(any_engine.card)
+    resolved = request.resolve(any_engine.card, any_engine.facts)
     latents = [any_engine.loop.init(resolved.model_copy(update={"seed": i})).latents for i in range(batch)]
-    dtype = next(any_engine.loop.components.transformer.parameters()).dtype
+    dtype = any_engine.loop.components.transformer.dtype
     pe_d, ne_d = pe[None].to(device, dtype), ne[None].to(device, dtype)
     sampler = any_engine.card.recipe.sampler
 

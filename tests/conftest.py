@@ -42,4 +42,5 @@ def tiny_checkpoint(tmp_path_factory, tiny_engine, tiny_card):
 
 def embeds(seed: int, card, n: int = 2) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, card.shapes.text_len, card.shapes.text_dim, generator=g) for _ in range(n)]
+    text_dim = card.components["transformer"].config["text_dim"]  # a seeded card: its weights' width
+    return [torch.randn(1, card.shapes.text_len, text_dim, generator=g) for _ in range(n)]

@@ -20,7 +20,7 @@ def test_the_estimate_follows_the_shapes_and_the_model_config(tiny_engine):
     cfg = model.estimate(_resolved(tiny_engine, "cfg")).parts
     plain = model.estimate(_resolved(tiny_engine, "plain", guidance_scale=1.0)).parts
     text_kv = dit.num_layers * 2 * shapes.text_len * inner * 4  # fp32, one branch
-    embeds = shapes.text_len * shapes.text_dim * 4
+    embeds = shapes.text_len * tiny_engine.facts.text_dim * 4
     assert cfg["batch_lane"] - cfg["loop_state"] == 2 * text_kv  # the lane holds the hoisted K/V of both branches
     assert plain["batch_lane"] - plain["loop_state"] == text_kv
     assert cfg["loop_state"] - plain["loop_state"] == embeds

@@ -1,0 +1,121 @@
+"""Building an engine apart from running it: (card, opt level, switches) -> the parts an Engine runs.
+
+    parts = build_engine_parts(card, checkpoint, opt_level=2, device="cuda", switches=EngineSwitches())
+
+This is the one place that reads what an -O level turns on (fvgraph/opt_levels.py) and applies it:
+the loop the card's recipe assumes (fvgraph/loops.py), its step modules, and for compiling levels
+the compile config, FP8 weights, the step compiler, the graph runner and the batching executor.
+`Engine.from_card` is a thin front to it; nothing here runs a request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from fvgraph.buckets import BucketSpec
+from fvgraph.card import ModelCard
+from fvgraph.compiler import CompileConfig, StepCompiler
+from fvgraph.components import load_components
+from fvgraph.counters import Counters
+from fvgraph.executor import CompiledExecutor, EagerExecutor
+from fvgraph.fp8_weights import apply_fp8_weights
+from fvgraph.graph_runner import GraphRunner
+from fvgraph.loop import Loop
+from fvgraph.loops import build_loop
+from fvgraph.opt_levels import OptLevel, opt_level
+from fvgraph.projection_cache import ExactProjectionCache
+from fvgraph.projection_cache_wan import apply_projection_cache
+
+log = logging.getLogger(__name__)
+
+# A CFG request of Wan 1.3B holds about 190 MB of text projections; this keeps several requests warm.
+DEFAULT_PROJECTION_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class EngineSwitches:
+    """Everything besides the card, checkpoint, level and device that changes what gets built."""
+
+    compile_config: CompileConfig | None = None  # backend, passes, step kinds; None: the defaults
+    enforce_eager: bool = False  # run eagerly whatever the level (as vLLM's flag)
+    cuda_graphs: bool = True  # at -O2 and up; False keeps everything else of the level
+    cache_dir: str | Path | None = None  # on-disk capture cache (docs/capture_cache.md)
+    projection_cache_bytes: int = DEFAULT_PROJECTION_CACHE_BYTES  # eager projection reuse; 0 turns it off
+    buckets: BucketSpec = field(default_factory=BucketSpec)
+    max_running: int = 16  # requests in flight at once; the rest wait, FIFO
+    debug: bool = False  # check static buffer addresses at every replay
+    taps: bool = False  # the parity variant: denoise steps also return named intermediates
+    text_encoder: bool = True  # False: neither text encoder nor tokenizer loads; requests carry embeddings
+
+
+@dataclass
+class EngineParts:
+    card: ModelCard
+    loop: Loop
+    executor: EagerExecutor | CompiledExecutor
+    level: OptLevel  # the level in effect (-O0 under enforce_eager)
+    counters: Counters
+    projection_cache: ExactProjectionCache | None
+
+
+def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: int, device: str | torch.device | None,
+                       switches: EngineSwitches) -> EngineParts:  # fmt: skip
+    requested = opt_level(level)
+    effective = opt_level(0) if switches.enforce_eager else requested
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer"})
+    components = load_components(card, checkpoint, device, skip)
+    loop = build_loop(card, components)
+    counters = Counters()
+    executor = EagerExecutor(loop.build_steps(taps=switches.taps), counters)
+    if effective.compiled:
+        config = compile_config_for(switches.compile_config or CompileConfig(), effective, switches.taps)
+        weights_version = components.weights_version
+        if config.passes.runs("quantize"):
+            weights_version += _apply_fp8(components.transformer, card)
+        compiler = StepCompiler(
+            config, card.card_id, weights_version, loop.loop_id, card.recipe.precision, device, counters,
+            cache_dir=switches.cache_dir, opt_level=effective.level, step_kinds=loop.step_kinds,
+        )  # fmt: skip
+        graphs = effective.cuda_graphs and switches.cuda_graphs and device.type == "cuda"
+        runner = GraphRunner(compiler, counters, cuda_graphs=graphs, debug=switches.debug)
+        executor = CompiledExecutor(executor, compiler, runner, switches.buckets)
+    elif switches.cache_dir is not None:
+        log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.cache_dir)
+    projection_cache = None
+    if effective.eager and switches.projection_cache_bytes and not switches.taps:
+        projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
+        try:
+            apply_projection_cache(components.transformer, projection_cache)
+        except (TypeError, ValueError) as err:  # a denoiser the adapter does not cover runs without it
+            log.info("eager projection cache off for %s: %s", card.card_id, err)
+            projection_cache = None
+    return EngineParts(card, loop, executor, effective, counters, projection_cache)
+
+
+def compile_config_for(config: CompileConfig, level: OptLevel, taps: bool) -> CompileConfig:
+    """The compile config a level implies: its opt-in passes (-O3: quantize) are enabled; parity tap
+    variants get their own pass pipeline (hence their own signatures)."""
+    passes = config.passes
+    added = tuple(name for name in level.enable_passes if name not in passes.enabled)
+    if added:
+        passes = dataclasses.replace(passes, enabled=(*passes.enabled, *added))
+    if taps:
+        passes = dataclasses.replace(passes, taps=True)
+    return dataclasses.replace(config, passes=passes)
+
+
+def _apply_fp8(transformer: torch.nn.Module, card: ModelCard) -> str:
+    """FP8 copies of the eligible linears' weights, beside the originals (the eager path keeps using
+    those). Returns a weights-version suffix naming the quantized layers: which layers carry FP8
+    weights changes the compiled graph's arguments, so it must change the signature too."""
+    quantized = apply_fp8_weights(transformer, card.quantization.fp8_exclude)
+    if not quantized:
+        log.warning("opt_level 3: no linear of %s is eligible for FP8 (K, N multiples of 16, not excluded)", card.card_id)
+    return "+fp8:" + hashlib.sha256("|".join(quantized).encode()).hexdigest()[:12]

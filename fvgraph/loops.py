@@ -1,0 +1,34 @@
+"""The loop registry: a card's `recipe.assumes_loop` id -> the class that runs it.
+
+Entries are import paths, imported on first use, so the registry (and the runtime that reads it)
+imports no loop module. Adding a loop: a new file with a class following fvgraph.loop.Loop, one line
+here, and a card naming its id (docs/loops.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from fvgraph.card import ModelCard
+from fvgraph.components import Components
+from fvgraph.loop import Loop
+
+LOOPS: dict[str, str] = {
+    "t2v": "fvgraph.t2v_loop:TextToVideoLoop",
+    "i2v": "fvgraph.i2v_loop:ImageToVideoLoop",
+    "t2v_two_expert": "fvgraph.expert_loop:TwoExpertTextToVideoLoop",
+    "i2v_two_expert": "fvgraph.expert_loop:TwoExpertImageToVideoLoop",
+}
+
+
+def loop_class(loop_id: str) -> type:
+    path = LOOPS.get(loop_id)
+    if path is None:
+        raise ValueError(f"loop {loop_id!r} is not registered; known loops: {', '.join(sorted(LOOPS))} (fvgraph/loops.py)")
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_loop(card: ModelCard, components: Components) -> Loop:
+    """The loop the card's recipe assumes, bound to the loaded components."""
+    return loop_class(card.recipe.assumes_loop)(card, components)

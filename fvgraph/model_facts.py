@@ -1,0 +1,50 @@
+"""ModelFacts: what follows from the weights, read from the loaded components' own configs.
+
+A card keeps recipe choices and limits; the widths, channel counts, patch size, VAE scale factors
+and experts of the model come from the configs its weights were saved with (a checkpoint folder's
+config.json files, or the card's seeded configs). A fine-tuned or resized checkpoint of a family
+therefore loads with the family's card: requests are checked against its own widths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    text_dim: int  # width of the text embeddings the denoiser takes
+    latent_channels: int  # the VAE's latent channels (z_dim)
+    denoiser_in_channels: int  # what the denoiser's patch embedding takes (latents + any conditioning)
+    patch_size: tuple[int, int, int]  # (t, h, w) of the denoiser's patch embedding
+    vae_temporal: int  # frames per latent frame (after the first)
+    vae_spatial: int  # pixels per latent pixel
+    image_dim: int | None  # width of the image embeddings the denoiser takes (None: no image input)
+    experts: tuple[str, ...]  # denoiser components present, in order of use ("transformer", "transformer_2")
+
+    @property
+    def spatial_multiple(self) -> int:
+        """height and width must be multiples of this: one latent pixel per patch row."""
+        return self.vae_spatial * self.patch_size[1]
+
+    @property
+    def temporal_multiple(self) -> int:
+        """num_frames must be k * this + 1: the VAE keeps the first frame and packs the rest."""
+        return self.vae_temporal
+
+    @classmethod
+    def of(cls, transformer: Any, vae: Any, transformer_2: Any = None) -> ModelFacts:
+        """From loaded diffusers modules (their `.config` is what their weights were saved with)."""
+        dit, vae_cfg = transformer.config, vae.config
+        downsample = list(vae_cfg.temperal_downsample)
+        return cls(
+            text_dim=int(dit.text_dim),
+            latent_channels=int(vae_cfg.z_dim),
+            denoiser_in_channels=int(dit.in_channels),
+            patch_size=tuple(int(p) for p in dit.patch_size),
+            vae_temporal=int(getattr(vae_cfg, "scale_factor_temporal", None) or 2 ** sum(downsample)),
+            vae_spatial=int(getattr(vae_cfg, "scale_factor_spatial", None) or 2 ** len(downsample)),
+            image_dim=None if dit.get("image_dim") is None else int(dit.image_dim),
+            experts=("transformer",) if transformer_2 is None else ("transformer", "transformer_2"),
+        )

@@ -1,0 +1,136 @@
+"""The runtime knows no loop: it reads a loop's declarations, keeps its own per-request slot, and is
+built from (card, opt level, switches) in one place."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fvgraph
+from fvgraph.buckets import BucketSpec
+from fvgraph.compiler import CompileConfig
+from fvgraph.engine import Engine
+from fvgraph.engine_builder import compile_config_for
+from fvgraph.loops import LOOPS, loop_class
+from fvgraph.opt_levels import OPT_LEVELS, opt_level
+from fvgraph.request import Request
+from fvgraph.expert_loop import SECOND_EXPERT_KINDS
+from fvgraph.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
+from fvgraph.t2v_loop import STEP_KINDS, T2VState, TextToVideoLoop
+
+PACKAGE = Path(fvgraph.__file__).parent
+RUNTIME = ("engine", "engine_builder", "scheduler", "executor", "compiler", "graph_runner", "parity", "cli",
+           "request_slot", "opt_levels", "loops")  # fmt: skip
+
+
+@pytest.mark.parametrize("module", RUNTIME)
+def test_runtime_modules_name_no_loop_type_or_step_kind(module):
+    source = (PACKAGE / f"{module}.py").read_text()
+    loop_names = {"t2v_loop", "i2v_loop", "expert_loop", "T2VState", "I2VState", "TextToVideoLoop", "ImageToVideoLoop",
+                  "TwoExperts", "DenoiseFacts", *STEP_KINDS, *I2V_STEP_KINDS, *SECOND_EXPERT_KINDS}  # fmt: skip
+    if module == "loops":  # the registry names loops by import path, and nothing else
+        source = re.sub(r'LOOPS: dict\[str, str\] = \{.*?\n\}', "", source, flags=re.S)
+    for name in loop_names:
+        assert not re.search(rf"[\"'.]{name}\b|\b{name}[\"']|import .*\b{name}\b", source), f"{module}.py names {name!r}"
+
+
+def _imports(path: Path) -> set[str]:
+    """fvgraph modules imported anywhere in a file (module level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fvgraph"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("fvgraph"))
+    return found
+
+
+def test_the_core_import_graph_has_no_cycle():
+    graph = {f"fvgraph.{p.stem}": _imports(p) for p in PACKAGE.glob("*.py")}
+    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(module, path):
+        if state.get(module) == 1:
+            raise AssertionError("import cycle: " + " -> ".join([*path, module]))
+        if state.get(module) == 2:
+            return
+        state[module] = 1
+        for dep in sorted(graph[module]):
+            visit(dep, [*path, module])
+        state[module] = 2
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_the_registry_picks_the_cards_loop_and_names_the_known_ones():
+    assert loop_class("t2v") is TextToVideoLoop
+    with pytest.raises(ValueError, match="loop 'v2v' is not registered; known loops: .*t2v"):
+        loop_class("v2v")
+    assert set(LOOPS) == {"t2v", "i2v", "t2v_two_expert", "i2v_two_expert"}
+
+
+def test_the_loop_declares_its_kinds_and_the_compiler_reads_them(tiny_engine):
+    kinds = tiny_engine.loop.step_kinds
+    assert {k for k, v in kinds.items() if v.compiled} == {"denoise", "denoise_cfg"}
+    assert {v.component for v in kinds.values()} == {"text_encoder", "transformer", "vae"}
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=CompileConfig(backend="eager"))
+    assert [k for k in kinds if engine.compiler.wants(k)] == ["denoise", "denoise_cfg"]
+    every = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=CompileConfig(step_kinds="all"))
+    assert all(every.compiler.wants(k) for k in kinds)
+
+
+def test_timings_are_keyed_by_the_loops_phases(tiny_engine):
+    [result] = tiny_engine.generate([Request(prompt="a kite", seed=0, num_inference_steps=2, num_frames=1)])
+    phases = {kind.phase for kind in tiny_engine.loop.step_kinds.values()}
+    assert phases <= set(result.timings) and set(result.timings) - phases == {"total"}
+
+
+def test_hoisted_values_live_in_the_runtimes_slot_and_go_with_the_request():
+    """The compiled step's prologue outputs are kept in a RequestSlot the engine owns, not in the
+    loop's state; a lone request stepped by hand keeps its slot between steps, and every slot is
+    released when its request ends."""
+    config = CompileConfig(backend="eager", step_kinds=("denoise_cfg",))
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config,
+                              buckets=BucketSpec(batch_sizes=(1,)))  # fmt: skip
+    state = engine.start(Request(prompt="a boat", seed=1, num_inference_steps=3, num_frames=5))
+    for _ in range(3):  # text encode, then two denoise steps: the prologue runs once
+        engine.step(state)
+    assert engine.counters.prologue_runs == 1
+    [hoisted] = engine._slots.of(state).hoisted.values()
+    assert hoisted and all(isinstance(t, torch.Tensor) for t in hoisted)
+    assert not hasattr(state, "step_cache") and not any(isinstance(v, dict) and v for k, v in vars(state).items() if k != "timings")
+    results = engine.generate([Request(prompt=f"p{i}", seed=i, num_inference_steps=2, num_frames=5) for i in range(2)])
+    assert all(r.ok for r in results)
+    assert len(engine._slots) == 1  # only the hand-stepped state above still holds one
+    del state
+    assert len(engine._slots) == 0
+
+
+def test_resume_goes_through_the_loops_state_type(tmp_path, tiny_engine):
+    state = tiny_engine.start(Request(prompt="x", seed=0, num_inference_steps=2, num_frames=1))
+    tiny_engine.step(state)
+    state.save(tmp_path / "s.pt")
+    loaded = tiny_engine.loop.state_type.load(tmp_path / "s.pt")
+    assert isinstance(loaded, T2VState) and loaded.derived is None
+    with pytest.raises(ValueError, match="resumes a T2VState"):
+        tiny_engine.resume(object())
+
+
+def test_one_frozen_table_says_what_each_level_turns_on():
+    assert [n for n, spec in OPT_LEVELS.items() if spec.compiled] == [1, 2, 3]
+    assert [n for n, spec in OPT_LEVELS.items() if spec.cuda_graphs] == [2, 3]
+    with pytest.raises(ValueError, match=r"opt_level=7 is not available; this build supports 0 \(eager\)"):
+        opt_level(7)
+    with pytest.raises(Exception):
+        OPT_LEVELS[1].compiled = False  # frozen
+    assert compile_config_for(CompileConfig(), OPT_LEVELS[3], taps=False).passes.enabled == ("quantize",)
+    assert compile_config_for(CompileConfig(), OPT_LEVELS[2], taps=True).passes.taps
+
+
+def test_enforce_eager_builds_the_eager_level():
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=2, enforce_eager=True)
+    assert engine.opt_level == 0 and engine.compiler is None and engine.projection_cache is not None
