@@ -30,7 +30,6 @@ from fvgraph.engine import Engine
 from fvgraph.memory_reservation import MemoryModel, default_budget
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.request_events import CancelReason, RequestEvent
-from fvgraph.t2v_loop import DENOISE, DENOISE_CFG
 
 log = logging.getLogger(__name__)
 Listener = Callable[[RequestEvent], None]
@@ -304,8 +303,10 @@ class AsyncEngine:
     def _tick(self) -> None:
         steps: list[tuple[str, str, int, int, float]] = []
 
+        kinds = self.engine.loop.step_kinds
+
         def on_step(state, kind: str) -> None:
-            phase = "denoise" if kind in (DENOISE, DENOISE_CFG) else kind
+            phase = kinds[kind].phase
             seen = self._phase_seconds.setdefault(state.request_id, {})
             spent = state.timings.get(phase, 0.0)
             steps.append((state.request_id, kind, state.step_index, state.num_steps, spent - seen.get(phase, 0.0)))
@@ -327,7 +328,7 @@ class AsyncEngine:
                 self._started.add(request_id)
                 self.admission.started(request_id)
                 events.append(RequestEvent(request_id, "started"))
-            denoise = kind in (DENOISE, DENOISE_CFG)
+            denoise = kinds[kind].per_inference_step
             events.append(RequestEvent(request_id, "step", step=index if denoise else None, total=total if denoise else None,
                                        step_kind=kind, step_seconds=seconds, batch=batch))  # fmt: skip
         self._send(events)

@@ -81,7 +81,7 @@ class VideoApi:
 
     def __init__(self, served: AsyncEngine, store: VideoStore, settings: HttpSettings):
         self.served, self.store, self.settings = served, store, settings
-        self.card = served.engine.card
+        self.card, self.facts = served.engine.card, served.engine.facts  # limits; what the weights say
         self.metrics = ServingMetrics(served)
         self.ready = False
         self.draining = False
@@ -195,14 +195,15 @@ class VideoApi:
 
     async def create_video(self, http: HttpRequest):
         fields = await self._fields(http)
-        reference = fields.pop("input_reference", None)
+        reference, image = fields.pop("input_reference", None), None
         body = parse_body(VideoBody, fields)
         if reference is not None:
             if not isinstance(reference, bytes):  # a URL or file id: fetching what a client names is not done here
                 raise RequestRejected("input_reference", "must be the image itself, uploaded as a file in a multipart "
                                                          "form; this server fetches no URLs or file ids")  # fmt: skip
-            check_input_reference(reference, self.card)
-        parsed = video_request(body, self.card, self.store.new_id("video"), self.settings.max_prompt_chars)
+            image = check_input_reference(reference, self.card, self.served.engine.loop.takes_image)
+        parsed = video_request(body, self.card, self.store.new_id("video"), self.settings.max_prompt_chars,
+                               self.facts.temporal_multiple, image)  # fmt: skip
         request = parsed.request
         item = self.store.add(StoredVideo(request.request_id, "video", self.card.card_id, body.prompt, parsed.size,
                                           parsed.seconds, request.num_frames, parsed.fps, int(time.time())))  # fmt: skip

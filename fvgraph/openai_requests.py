@@ -106,17 +106,19 @@ def _request(body: _Body, card: ModelCard, request_id: str, max_prompt_chars: in
         raise RequestRejected(".".join(str(p) for p in first["loc"]) or "body", first["msg"]) from None
 
 
-def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_chars: int) -> Parsed:
+def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_chars: int,
+                  temporal_multiple: int, image: Image.Image | None = None) -> Parsed:  # fmt: skip
     width, height = _size(body.size, card)
     fps = body.fps or DEFAULT_FPS
     if body.num_frames is not None:
         frames = body.num_frames
     elif body.seconds is not None:
-        frames = frames_for(body.seconds, fps, card.shapes.temporal_multiple)
+        frames = frames_for(body.seconds, fps, temporal_multiple)  # the weights' VAE: ModelFacts
     else:
         frames = card.shapes.default_frames
     seconds = f"{body.seconds:g}" if body.seconds is not None else f"{frames / fps:g}"
-    request = _request(body, card, request_id, max_prompt_chars, height=height, width=width, num_frames=frames)
+    shape = dict(height=height, width=width, num_frames=frames)
+    request = _request(body, card, request_id, max_prompt_chars, **shape, **({} if image is None else {"image": image}))
     return Parsed(request, f"{width}x{height}", seconds, fps, body.timeout)
 
 
@@ -128,8 +130,9 @@ def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_
     return Parsed(request, f"{width}x{height}", "0", DEFAULT_FPS, body.timeout)
 
 
-def check_input_reference(data: bytes, card: ModelCard) -> Image.Image:
-    """An image-to-video reference: it must decode as an image of sane size, and the card must take one."""
+def check_input_reference(data: bytes, card: ModelCard, takes_image: bool) -> Image.Image:
+    """An image-to-video reference: it must decode as an image of sane size, and the served loop must
+    take one (`Loop.takes_image`). Returns it as RGB, for `Request(image=...)`."""
     try:
         image = Image.open(io.BytesIO(data))
         if image.width * image.height > MAX_REFERENCE_PIXELS:
@@ -137,8 +140,7 @@ def check_input_reference(data: bytes, card: ModelCard) -> Image.Image:
         image.load()
     except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
         raise RequestRejected("input_reference", f"is not a decodable image (PNG, JPEG, WebP): {err}") from None
-    if not card.capabilities.image_to_video:
+    if not takes_image:
         raise RequestRejected("input_reference", f"card {card.card_id!r} generates from text only and takes no image; "
                                                  "serve an image-to-video card to use input_reference")  # fmt: skip
-    raise RequestRejected("input_reference", f"card {card.card_id!r} declares image input, but this build has no "
-                                             "image-to-video loop to feed it to")  # fmt: skip
+    return image.convert("RGB")

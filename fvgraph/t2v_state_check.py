@@ -1,4 +1,4 @@
-"""The full check of a T2VState before it is resumed: a state from disk is untrusted input.
+"""The full check of a T2VState (or a subclass) before it is resumed: a state from disk is untrusted input.
 
 A state another engine saved (or someone edited) must not run, and must never come back "ok", when
 it belongs to another card, sampler or set of weights, or when a field holds something the loop
@@ -9,21 +9,17 @@ ValueError naming the request, the field and the rule.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from fvgraph.loop import Loop, LoopState
 from fvgraph.samplers import num_coeffs
-
-if TYPE_CHECKING:
-    from fvgraph.t2v_loop import T2VState, TextToVideoLoop
 
 PHASES = ("encode", "denoise", "decode", "done")
 EMBED_SLOTS = ("prompt_embeds", "negative_prompt_embeds")
 
 
 class _Checker:
-    def __init__(self, state: T2VState):
+    def __init__(self, state: LoopState):
         self.state = state
 
     def fail(self, name: str, rule: str) -> None:
@@ -47,7 +43,7 @@ class _Checker:
         return t
 
 
-def check_t2v_state(state: T2VState, loop: TextToVideoLoop) -> None:
+def check_t2v_state(state: LoopState, loop: Loop) -> None:
     """Raise ValueError (request, field, rule) unless `state` is one `loop` could resume correctly."""
     c = _Checker(state)
     card = loop.card
@@ -81,7 +77,7 @@ def check_t2v_state(state: T2VState, loop: TextToVideoLoop) -> None:
     _check_text(c, state, card.shapes.text_len, loop.facts.text_dim)
 
 
-def _check_progress(c: _Checker, state: T2VState, steps: int, pre_denoise: tuple[str, ...]) -> None:
+def _check_progress(c: _Checker, state: LoopState, steps: int, pre_denoise: tuple[str, ...]) -> None:
     index = state.step_index
     if isinstance(index, bool) or not isinstance(index, int):
         c.fail("step_index", f"must be an int, got {type(index).__name__}")
@@ -94,7 +90,7 @@ def _check_progress(c: _Checker, state: T2VState, steps: int, pre_denoise: tuple
         c.fail("video", f"a decoded video belongs to phase 'done', not {state.phase!r}")
 
 
-def _check_carry(c: _Checker, state: T2VState, loop: TextToVideoLoop) -> None:
+def _check_carry(c: _Checker, state: LoopState, loop: Loop) -> None:
     if not isinstance(state.carry, list):
         c.fail("carry", f"must be a list of tensors, got {type(state.carry).__name__}")
     if state.phase in ("decode", "done"):
@@ -106,7 +102,7 @@ def _check_carry(c: _Checker, state: T2VState, loop: TextToVideoLoop) -> None:
         c.tensor(f"carry[{i}]", shape=tuple(want.shape), value=have)
 
 
-def _check_text(c: _Checker, state: T2VState, text_len: int, text_dim: int) -> None:
+def _check_text(c: _Checker, state: LoopState, text_len: int, text_dim: int) -> None:
     needed = ["prompt_embeds"] + (["negative_prompt_embeds"] if state.cfg else [])
     if state.phase == "encode":
         if not isinstance(state.encode_slots, list) or not set(state.encode_slots) <= set(EMBED_SLOTS):

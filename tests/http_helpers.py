@@ -39,11 +39,11 @@ def slow_steps(monkeypatch, engine, seconds: float = 0.05, only: set[str] | None
     later) takes `seconds` longer, so a test can act while one runs."""
     run_batch = engine.executor.run_batch
 
-    def run(plans, lane=0):
+    def run(plans, slots, lane=0):
         chosen = only is None or any(plan.request_id in only for plan in plans)
         if chosen and plans[0].kind.startswith("denoise"):
             time.sleep(seconds)
-        return run_batch(plans, lane)
+        return run_batch(plans, slots, lane)
 
     monkeypatch.setattr(engine.executor, "run_batch", run)
 

@@ -31,13 +31,13 @@ def _inject(monkeypatch, engine, slow: str = "", broken: str = "") -> None:
     """Steps of request `slow` take 50 ms more; step 1 of request `broken` raises."""
     run_batch = engine.executor.run_batch
 
-    def run(plans, lane=0):
+    def run(plans, slots, lane=0):
         ids = {plan.request_id for plan in plans}
         if slow in ids:
             time.sleep(0.05)
         if any(plan.request_id == broken and plan.step_index == 1 for plan in plans):
             raise RuntimeError("injected step failure")
-        return run_batch(plans, lane)
+        return run_batch(plans, slots, lane)
 
     monkeypatch.setattr(engine.executor, "run_batch", run)
 

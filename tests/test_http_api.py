@@ -62,10 +62,10 @@ def test_a_step_that_raises_fails_only_its_video(server, tiny_engine, monkeypatc
     broken: set[str] = set()
     run_batch = tiny_engine.executor.run_batch
 
-    def run(plans, lane=0):
+    def run(plans, slots, lane=0):
         if any(plan.request_id in broken and plan.step_index >= 2 for plan in plans):
             raise RuntimeError("injected step failure")
-        return run_batch(plans, lane)
+        return run_batch(plans, slots, lane)
 
     monkeypatch.setattr(tiny_engine.executor, "run_batch", run)
     slow_steps(monkeypatch, tiny_engine, 0.02)
@@ -191,3 +191,28 @@ def test_malformed_bodies_get_400_naming_the_field_and_rule_while_others_are_ser
     assert streamed.status_code == 413 and streamed.json()["error"]["param"] == "body"
     assert len(srv.store) == before  # nothing refused left a record
     assert api.videos.poll(bystander.id, poll_interval_ms=20).status == "completed"
+
+
+def test_an_image_to_video_card_takes_input_reference_as_its_first_frame(tmp_path):
+    """input_reference reaches Request(image=...): the same image gives the same video, another image another."""
+    from fvgraph.engine import Engine
+
+    engine = Engine.from_card("tiny-wan-i2v", device="cpu")
+
+    def png(color) -> bytes:
+        buffer = io.BytesIO()
+        Image.new("RGB", (40, 24), color).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    with live_server(engine, tmp_path) as (_, url):
+        api = client(url)
+
+        def video(image: bytes):
+            made = api.videos.create_and_poll(prompt="a fox", size="32x32", seconds="1", poll_interval_ms=20,
+                                              input_reference=("ref.png", image, "image/png"), extra_body=QUICK)  # fmt: skip
+            assert made.status == "completed", made.error
+            return decode_mp4(api.videos.download_content(made.id).read())
+
+        red, same, blue = video(png((220, 30, 30))), video(png((220, 30, 30))), video(png((30, 30, 220)))
+    assert red.shape == (5, 32, 32, 3)
+    assert (red == same).all() and not (red == blue).all()
