@@ -22,7 +22,7 @@ DEFAULT_CACHE_DIR = Path("capture_cache")
 
 
 def _compile_config(compile_backend: str, disable_pass: list[str], compile_steps: str = "loop"):
-    from fvgraph.compiler import CompileConfig
+    from fvgraph.compile.compiler import CompileConfig
     from fvgraph.passes.manager import PassConfig
 
     if compile_backend not in ("eager", "aot_eager", "inductor"):
@@ -38,7 +38,7 @@ def _serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cu
                     compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
                     fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options."""
-    from fvgraph.engine import Engine
+    from fvgraph.runtime.engine import Engine
 
     engine = Engine.from_card(
         card, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
@@ -76,7 +76,7 @@ def generate(
 ) -> None:
     """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
     from fvgraph.request import Request
-    from fvgraph.video_io import check_video_output, write_video
+    from fvgraph.serving.video_io import check_video_output, write_video
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
@@ -175,8 +175,8 @@ def serve(
     and images API over HTTP (docs/serving.md). Requests arriving mid-run join the running batch."""
     import sys
 
-    from fvgraph.jsonl_server import JsonlServer, StdoutLines
-    from fvgraph.video_io import check_video_output
+    from fvgraph.serving.jsonl_server import JsonlServer, StdoutLines
+    from fvgraph.serving.video_io import check_video_output
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
@@ -190,7 +190,7 @@ def serve(
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running)  # fmt: skip
         if port is not None:
-            from fvgraph.http_server import HttpServer
+            from fvgraph.serving.http_server import HttpServer
 
             http = HttpServer.from_options(
                 engine, output_dir, host=host, port=port, api_key=api_key, max_queue=max_queue, memory_budget=memory_budget,
@@ -246,15 +246,15 @@ def warmup(
 ) -> None:
     """Compile the compiled step kinds of every shape and batch bucket into the capture cache, so later
     processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
-    from fvgraph.buckets import BucketSpec
-    from fvgraph.capture_cache_files import check_writable
+    from fvgraph.runtime.buckets import BucketSpec
+    from fvgraph.compile.capture_cache_files import check_writable
     from fvgraph.cards import get_card
-    from fvgraph.engine import Engine
+    from fvgraph.runtime.engine import Engine
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
     try:
-        from fvgraph.opt_levels import compiling_levels
+        from fvgraph.runtime.opt_levels import compiling_levels
 
         if opt_level not in compiling_levels():
             *others, last = (f"-O{n}" for n in compiling_levels())
@@ -303,8 +303,8 @@ def cache_ls(
     as_json: bool = typer.Option(False, "--json", help="Print the manifests as JSON."),
 ) -> None:
     """List every fingerprint directory and its entries."""
-    from fvgraph.capture_cache import cache_dirs, leftovers
-    from fvgraph.capture_cache_files import size_of
+    from fvgraph.compile.capture_cache import cache_dirs, leftovers
+    from fvgraph.compile.capture_cache_files import size_of
 
     caches = cache_dirs(cache_dir)
     if as_json:
@@ -347,7 +347,7 @@ def _seconds(value, digits: int) -> str:
 def cache_verify(cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache.")) -> None:
     """Check every entry's artifacts against the sizes and sha256 in its manifest, load each one as a
     serving process would, and look for orphaned files. Exits 1 on a problem."""
-    from fvgraph.capture_cache import cache_dirs, verify
+    from fvgraph.compile.capture_cache import cache_dirs, verify
 
     problems = verify(cache_dir)
     for line in problems:
@@ -364,7 +364,7 @@ def cache_clear(
     yes: bool = typer.Option(False, "--yes", help="Do not ask."),
 ) -> None:
     """Remove every fingerprint directory under the cache root."""
-    from fvgraph.capture_cache import clear
+    from fvgraph.compile.capture_cache import clear
 
     if not yes and not typer.confirm(f"remove every compiled step under {cache_dir}?"):
         raise typer.Exit(1)
@@ -391,7 +391,7 @@ def parity(
     from fvgraph.request import Request
 
     try:
-        from fvgraph.opt_levels import opt_level as level_config
+        from fvgraph.runtime.opt_levels import opt_level as level_config
 
         for level in (opt_level, against):
             level_config(level)

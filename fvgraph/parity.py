@@ -3,7 +3,7 @@
     report = fvgraph.parity.compare("tiny-wan", requests, Setting(opt_level=0), Setting(opt_level=1))
     report.passed, report.first_divergence, report.write_jsonl("parity.jsonl")
 
-Both sides run the tap variant of the card's denoise step (fvgraph/taps.py): every block output per
+Both sides run the tap variant of the card's denoise step (fvgraph/loops/taps.py): every block output per
 CFG branch, both branch predictions, the guided prediction, and the sampler's new latents, per step.
 Each pair of tensors gets max_abs, max_rel, rel_diff (||a - b|| / ||b||), the smallest atol (at
 rtol 0) and rtol (at atol 0) that would pass, the argmax coordinate with both values, and NaN/Inf
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
-from fvgraph.executor import EagerExecutor
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
+from fvgraph.runtime.executor import EagerExecutor
 from fvgraph.passes.manager import PassConfig
 from fvgraph.request import Request
-from fvgraph.taps import split_fused
+from fvgraph.loops.taps import split_fused
 
 Taps = dict[tuple[int, int, str], torch.Tensor]  # (request index, step, tap name) -> tensor
 

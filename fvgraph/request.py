@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fvgraph.card import ModelCard
-from fvgraph.model_facts import ModelFacts
+from fvgraph.runtime.model_facts import ModelFacts
 from fvgraph.request_image import to_rgb_image
 
 # Ids are echoed into result lines, logs and file names: bounded, printable.

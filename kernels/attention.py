@@ -4,7 +4,7 @@
 small table (below). `sdpa_backend_for(...)` is the context manager around
 `torch.nn.attention.sdpa_kernel(..., set_priority=True)` that applies the choice; it traces under
 torch.compile(fullgraph=True). The compiler compiles every GPU step under it and names the choice in
-the step's signature (fvgraph/compiler.py). fvgraph has no attention kernel of its own.
+the step's signature (fvgraph/compile/compiler.py). fvgraph has no attention kernel of its own.
 """
 
 import dataclasses

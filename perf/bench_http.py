@@ -36,9 +36,9 @@ from urllib.parse import urlparse
 
 import torch
 
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
-from fvgraph.media_encode import encode_mp4
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
+from fvgraph.serving.media_encode import encode_mp4
 from fvgraph.perf import sync
 from fvgraph.request import Request
 

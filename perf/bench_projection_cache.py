@@ -23,12 +23,12 @@ from diffusers import WanTransformer3DModel
 
 from fvgraph.cards import get_card
 from fvgraph.cards.wan import WAN_1_3B_TRANSFORMER, WAN_2_1_T2V_1_3B
-from fvgraph.components import _cast
+from fvgraph.runtime.components import _cast
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
-from fvgraph.projection_cache import ExactProjectionCache
-from fvgraph.projection_cache_wan import apply_projection_cache, remove_projection_cache
-from fvgraph.samplers import build_sampler
-from fvgraph.steps import DenoiseStep
+from fvgraph.runtime.projection_cache import ExactProjectionCache
+from fvgraph.runtime.projection_cache_wan import apply_projection_cache, remove_projection_cache
+from fvgraph.loops.samplers import build_sampler
+from fvgraph.loops.steps import DenoiseStep
 
 VAE_TEMPORAL, VAE_SPATIAL = 4, 8  # Wan VAE: 4 frames and 8x8 pixels per latent
 GUIDANCE = 5.0

@@ -23,9 +23,9 @@ from collections import defaultdict
 
 import torch
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
 from fvgraph.perf.method import emit, provenance, spread, sync
 from fvgraph.request import Request
 

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from fvgraph.cards import get_card
-from fvgraph.components import Components, load_components
+from fvgraph.runtime.components import Components, load_components
 from fvgraph.perf.method import Case
-from fvgraph.samplers import diffusers_scheduler
+from fvgraph.loops.samplers import diffusers_scheduler
 
 BASELINES = ("eager", "compile_repeated_blocks", "torch_compile")
 

@@ -13,8 +13,8 @@ try:  # the HTTP client openai itself uses: httpx2 in its 3.x releases, httpx be
 except ImportError:
     import httpx
 
-from fvgraph.http_app import HttpSettings
-from fvgraph.http_server import HttpServer
+from fvgraph.serving.http_app import HttpSettings
+from fvgraph.serving.http_server import HttpServer
 
 KEY = "test-key"
 # Small and quick on a CPU: one 32x32 frame or five, a few steps.

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fvgraph.projection_cache import ExactProjectionCache
+from fvgraph.runtime.projection_cache import ExactProjectionCache
 
 
 def _run(rank: int) -> dict:

@@ -2,8 +2,8 @@
 
 import pytest
 
-from fvgraph.admission import Admission, QueueFull
-from fvgraph.memory_reservation import MemoryModel
+from fvgraph.serving.admission import Admission, QueueFull
+from fvgraph.serving.memory_reservation import MemoryModel
 from fvgraph.request import Request, RequestRejected
 
 

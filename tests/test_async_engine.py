@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
-from fvgraph.admission import Admission, QueueFull
-from fvgraph.async_engine import AsyncEngine, EngineClosed
-from fvgraph.memory_reservation import MemoryModel
+from fvgraph.serving.admission import Admission, QueueFull
+from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
+from fvgraph.serving.memory_reservation import MemoryModel
 from fvgraph.request import Request, RequestRejected
 
 

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.capture_cache import CaptureCache, clear, file_sha256, verify
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.compile.capture_cache import CaptureCache, clear, file_sha256, verify
 from fvgraph.cli import app
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
 from fvgraph.request import Request
 
 REQUEST = dict(prompt="a red fox", num_inference_steps=1, guidance_scale=4.0, height=16, width=16, num_frames=1,
@@ -73,7 +73,7 @@ def test_a_manifest_of_the_wrong_shape_is_reported_and_rebuilt_not_a_crash(tmp_p
     cache = published(tmp_path)
     path, manifest = manifest_of(tmp_path)
     path.write_text(json.dumps(WRONG_SHAPES[shape](manifest)))
-    with caplog.at_level(logging.WARNING, "fvgraph.capture_cache"):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.capture_cache"):
         assert cache.find("k1") is None
     assert "manifest" in caplog.text
     problems = verify(tmp_path)
@@ -125,7 +125,7 @@ def test_warmup_that_stores_nothing_fails_naming_what_was_not_stored(tmp_path, m
     def refuse(*args, **kwargs):
         raise PermissionError("read-only file system")
 
-    monkeypatch.setattr("fvgraph.compiler.save_graph", refuse)  # the step is then compiled in process, unstored
+    monkeypatch.setattr("fvgraph.compile.compiler.save_graph", refuse)  # the step is then compiled in process, unstored
     args = ["warmup", "--cache-dir", str(tmp_path / "cache"), "--compile-backend", "eager", "-O", "1",
             "--buckets", "1", "--shape", "1x16x16", "--device", "cpu", "--guidance", "4"]  # fmt: skip
     done = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
@@ -154,7 +154,7 @@ def test_a_held_lock_times_out_with_a_log_line_naming_the_lock(tmp_path, caplog)
         except TimeoutError as err:
             outcome.append(str(err))
 
-    with caplog.at_level(logging.WARNING, "fvgraph.capture_cache"):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.capture_cache"):
         worker = threading.Thread(target=publish, daemon=True)
         worker.start()
         worker.join(timeout=30)
@@ -164,9 +164,9 @@ def test_a_held_lock_times_out_with_a_log_line_naming_the_lock(tmp_path, caplog)
 
 
 def test_generate_serves_when_another_process_holds_the_lock(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr("fvgraph.capture_cache.LOCK_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("fvgraph.compile.capture_cache.LOCK_TIMEOUT_S", 1.0)
     # What is staged does not matter: publishing never gets the lock. Skipping the export saves seconds.
-    monkeypatch.setattr("fvgraph.compiler.save_graph", lambda gm, args, backend, path, patches: path.write_bytes(b"x"))
+    monkeypatch.setattr("fvgraph.compile.compiler.save_graph", lambda gm, args, backend, path, patches: path.write_bytes(b"x"))
     served = engine(tmp_path / "cache")
     holder = _hold_lock(served.compiler.cache.dir)
     results = []
@@ -213,7 +213,7 @@ def test_a_live_warmups_staging_is_not_an_orphan(cache_copy):
 
 
 def test_warmup_refuses_a_shape_the_card_does_not_allow_before_loading(tmp_path, monkeypatch):
-    monkeypatch.setattr("fvgraph.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("fvgraph.runtime.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
     args = ["warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", "-O", "1", "--shape", "5x512x512"]
     done = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
     assert done.exit_code == 2 and "height: 512 exceeds" in done.output, done.output

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.capture_cache import CacheEntry, CaptureCache, verify
-from fvgraph.compiler import CompileConfig, RecompileError
-from fvgraph.engine import Engine
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.compile.capture_cache import CacheEntry, CaptureCache, verify
+from fvgraph.compile.compiler import CompileConfig, RecompileError
+from fvgraph.runtime.engine import Engine
 from fvgraph.request import Request
-from fvgraph.signature import RuntimeFactors
+from fvgraph.compile.signature import RuntimeFactors
 
 REQUEST = dict(prompt="a red fox", num_inference_steps=2, guidance_scale=4.0, height=32, width=32, num_frames=5, seed=3)
 SHAPE = "5x32x32"
@@ -26,9 +26,9 @@ SHAPE = "5x32x32"
 # A process that serves REQUEST from a capture cache and reports its counters and latents.
 SERVE = """
 import json, sys, torch
-from fvgraph.buckets import BucketSpec
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
 from fvgraph.request import Request
 cache_dir, backend, out = sys.argv[1:4]
 engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", cache_dir=cache_dir,
@@ -90,7 +90,7 @@ def test_a_corrupted_artifact_is_detected_rebuilt_and_the_result_is_unchanged(tm
     assert any("sha256" in line for line in verify(tmp_path))
 
     again = engine(tmp_path)
-    with caplog.at_level(logging.WARNING, "fvgraph.compiler"), again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.compiler"), again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0):
         [result] = again.generate([Request(**REQUEST)])
     assert "corrupted" in caplog.text
     torch.testing.assert_close(result.latents, reference.latents, rtol=0, atol=0)
@@ -102,7 +102,7 @@ def test_a_changed_runtime_factor_is_not_served_and_says_which(tmp_path, monkeyp
     other_torch = dataclasses.replace(RuntimeFactors.current(torch.device("cpu")), torch="0.0.0-other")
     monkeypatch.setattr(RuntimeFactors, "current", classmethod(lambda cls, device: other_torch))
     other = engine(tmp_path)
-    with caplog.at_level(logging.WARNING, "fvgraph.capture_cache"), other.counters.expect(compiles=1, cache_hits=0):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.capture_cache"), other.counters.expect(compiles=1, cache_hits=0):
         assert other.generate([Request(**REQUEST)])[0].ok
     assert "torch: " in caplog.text and "0.0.0-other" in caplog.text
     assert len(list(tmp_path.glob("*/manifest.json"))) == 2  # one directory per process identity
@@ -128,7 +128,7 @@ def published(root, fingerprint=FINGERPRINT) -> tuple[CaptureCache, CacheEntry]:
 def test_each_fingerprint_factor_separates_caches_and_the_miss_names_it(tmp_path, factor, caplog):
     published(tmp_path)
     changed = {**FINGERPRINT, factor: f"{FINGERPRINT[factor]}-changed"}
-    with caplog.at_level(logging.WARNING, "fvgraph.capture_cache"):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.capture_cache"):
         assert CaptureCache(tmp_path, changed).find("k1") is None
     if factor == "card_id":  # another model's cache is not a stale copy of ours: nothing to explain
         assert caplog.text == ""
@@ -166,7 +166,7 @@ def test_capture_times_are_recorded_beside_an_entry_without_touching_its_checks(
 def test_an_unreadable_manifest_is_ignored_and_rewritten(tmp_path, caplog):
     cache, _ = published(tmp_path)
     (cache.dir / "manifest.json").write_text("{not json")
-    with caplog.at_level(logging.WARNING, "fvgraph.capture_cache"):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.capture_cache"):
         assert cache.find("k1") is None
     assert "unreadable" in caplog.text
     published(tmp_path)
@@ -235,8 +235,8 @@ def test_a_graph_that_cannot_be_stored_is_still_served(tmp_path, monkeypatch, ca
     def refuse(*args, **kwargs):
         raise RuntimeError("this graph cannot be packaged")
 
-    monkeypatch.setattr("fvgraph.compiler.save_graph", refuse)
+    monkeypatch.setattr("fvgraph.compile.compiler.save_graph", refuse)
     served = engine(tmp_path)
-    with caplog.at_level(logging.WARNING, "fvgraph.compiler"), served.counters.expect(compiles=1, cache_stores=0):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.compiler"), served.counters.expect(compiles=1, cache_stores=0):
         assert served.generate([Request(**REQUEST)])[0].ok
     assert "cannot be packaged" in caplog.text and verify(tmp_path) == [] and not step_artifacts(tmp_path)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.compiler import CompileConfig, RecompileError
-from fvgraph.engine import Engine
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.compile.compiler import CompileConfig, RecompileError
+from fvgraph.runtime.engine import Engine
 from fvgraph.passes.manager import PassConfig
 from fvgraph.request import Request
 

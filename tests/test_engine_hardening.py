@@ -8,11 +8,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
 from fvgraph.request import Request
-from fvgraph.t2v_loop import T2VState
+from fvgraph.loops.t2v_loop import T2VState
 
 TINY = dict(prompt="a fox", num_inference_steps=2, height=16, width=16, num_frames=1, output_type="latent", seed=4)
 

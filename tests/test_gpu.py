@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
 from fvgraph.request import Request
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +18,7 @@ def _requests():
 
 
 def test_cuda_eager_matches_cpu_eager(tiny_card):
-    """Both engines run fp32 math (TF32 off for cuDNN's patch-embedding Conv3d too: fvgraph/fp32_math.py),
+    """Both engines run fp32 math (TF32 off for cuDNN's patch-embedding Conv3d too: fvgraph/runtime/fp32_math.py),
     so what remains is the order CPU and CUDA kernels reduce in. That ulp-level difference grows through
     the guided steps (guidance multiplies the branch difference), hence ten times the loop tolerance."""
     assert torch.backends.cudnn.allow_tf32  # torch's default: the engine, not this test, turns it off
@@ -43,7 +43,7 @@ def test_cuda_inductor_step_matches_eager_with_no_recompiles(tiny_card):
 
 
 def _graph_engine(**kwargs):
-    from fvgraph.buckets import BucketSpec
+    from fvgraph.runtime.buckets import BucketSpec
 
     kwargs.setdefault("buckets", BucketSpec(batch_sizes=(1, 2, 4)))
     return Engine.from_card(
@@ -93,7 +93,7 @@ def test_long_bf16_attention_compiles_with_the_measured_sdpa_backend():
 def test_capture_cache_serves_graphs_on_cuda_with_zero_compiles(tiny_card, tmp_path):
     """AOTInductor packages load on the GPU and are captured into CUDA graphs like in-process compiles.
     One bucket: each package costs over a minute to build on an H200."""
-    from fvgraph.buckets import BucketSpec
+    from fvgraph.runtime.buckets import BucketSpec
 
     one_bucket = BucketSpec(batch_sizes=(1,))
     warm_up = _graph_engine(cache_dir=tmp_path, buckets=one_bucket)

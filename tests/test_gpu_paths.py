@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-import fvgraph.graph_artifact as graph_artifact
-from fvgraph.compiler import AttentionChoice, CompileConfig
-from fvgraph.counters import Counters
-from fvgraph.engine import Engine
-from fvgraph.fp32_math import math_mode
-from fvgraph.graph_capture import CaptureError, capture_graph
-from fvgraph.graph_runner import GraphRunner
+import fvgraph.compile.graph_artifact as graph_artifact
+from fvgraph.compile.compiler import AttentionChoice, CompileConfig
+from fvgraph.runtime.counters import Counters
+from fvgraph.runtime.engine import Engine
+from fvgraph.runtime.fp32_math import math_mode
+from fvgraph.runtime.graph_capture import CaptureError, capture_graph
+from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.request import Request
 
 
@@ -98,7 +98,7 @@ def test_after_a_failed_capture_the_next_bucket_captures_into_a_fresh_pool(fake_
 
 
 def _patches(mode="default", attention="default"):
-    from fvgraph.compiler import StepCompiler
+    from fvgraph.compile.compiler import StepCompiler
 
     compiler = StepCompiler(CompileConfig(mode=mode), "tiny-wan", "w", "t2v", "fp32", torch.device("cpu"), Counters())
     return compiler._inductor_patches(attention)

@@ -3,7 +3,7 @@
 import pytest
 from http_helpers import httpx, openai, KEY, QUICK, client, live_server, slow_steps, wait_for
 
-from fvgraph.memory_reservation import MemoryModel
+from fvgraph.serving.memory_reservation import MemoryModel
 from fvgraph.request import Request
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -8,7 +8,7 @@ import pytest
 from http_helpers import httpx, openai, KEY, QUICK, client, live_server, slow_steps, wait_for
 from PIL import Image
 
-from fvgraph.media_encode import decode_mp4
+from fvgraph.serving.media_encode import decode_mp4
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks the videos API deprecated
 
@@ -195,7 +195,7 @@ def test_malformed_bodies_get_400_naming_the_field_and_rule_while_others_are_ser
 
 def test_an_image_to_video_card_takes_input_reference_as_its_first_frame(tmp_path):
     """input_reference reaches Request(image=...): the same image gives the same video, another image another."""
-    from fvgraph.engine import Engine
+    from fvgraph.runtime.engine import Engine
 
     engine = Engine.from_card("tiny-wan-i2v", device="cpu")
 

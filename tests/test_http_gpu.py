@@ -3,10 +3,10 @@
 import pytest
 from http_helpers import QUICK, client, httpx, live_server, wait_for
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.engine import Engine
-from fvgraph.http_server import warmup_requests
-from fvgraph.media_encode import decode_mp4
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.runtime.engine import Engine
+from fvgraph.serving.http_server import warmup_requests
+from fvgraph.serving.media_encode import decode_mp4
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

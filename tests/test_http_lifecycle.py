@@ -10,8 +10,8 @@ import threading
 import pytest
 from http_helpers import httpx, KEY, QUICK, client, live_server, slow_steps, wait_for
 
-from fvgraph.media_encode import decode_mp4
-from fvgraph.video_store import StoredVideo, VideoStore
+from fvgraph.serving.media_encode import decode_mp4
+from fvgraph.serving.video_store import StoredVideo, VideoStore
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

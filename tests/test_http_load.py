@@ -11,7 +11,7 @@ import random
 import pytest
 from http_helpers import httpx, openai, KEY, live_server
 
-from fvgraph.media_encode import decode_mp4
+from fvgraph.serving.media_encode import decode_mp4
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 CLIENTS = 64

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from fvgraph.cli import app
-from fvgraph.jsonl_server import JsonlServer
+from fvgraph.serving.jsonl_server import JsonlServer
 from fvgraph.request import Request
 
 FOX = {"prompt": "a fox", "seed": 1, "request_id": "fox", "num_inference_steps": 2, "num_frames": 5}

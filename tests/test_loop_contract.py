@@ -9,20 +9,21 @@ import pytest
 import torch
 
 import fvgraph
-from fvgraph.buckets import BucketSpec
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
-from fvgraph.engine_builder import compile_config_for
-from fvgraph.loops import LOOPS, loop_class
-from fvgraph.opt_levels import OPT_LEVELS, opt_level
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
+from fvgraph.runtime.engine_builder import compile_config_for
+from fvgraph.loops.registry import LOOPS, loop_class
+from fvgraph.runtime.opt_levels import OPT_LEVELS, opt_level
 from fvgraph.request import Request
-from fvgraph.expert_loop import SECOND_EXPERT_KINDS
-from fvgraph.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
-from fvgraph.t2v_loop import STEP_KINDS, T2VState, TextToVideoLoop
+from fvgraph.loops.expert_loop import SECOND_EXPERT_KINDS
+from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
+from fvgraph.loops.t2v_loop import STEP_KINDS, T2VState, TextToVideoLoop
 
 PACKAGE = Path(fvgraph.__file__).parent
-RUNTIME = ("engine", "engine_builder", "scheduler", "executor", "compiler", "graph_runner", "parity", "cli",
-           "request_slot", "opt_levels", "loops")  # fmt: skip
+RUNTIME = ("runtime/engine", "runtime/engine_builder", "runtime/scheduler", "runtime/executor", "compile/compiler",
+           "runtime/graph_runner", "parity", "cli", "runtime/request_slot", "runtime/opt_levels", "loops/registry",
+           "serving/async_engine", "serving/jsonl_server", "serving/http_app")  # fmt: skip
 
 
 @pytest.mark.parametrize("module", RUNTIME)
@@ -30,7 +31,7 @@ def test_runtime_modules_name_no_loop_type_or_step_kind(module):
     source = (PACKAGE / f"{module}.py").read_text()
     loop_names = {"t2v_loop", "i2v_loop", "expert_loop", "T2VState", "I2VState", "TextToVideoLoop", "ImageToVideoLoop",
                   "TwoExperts", "DenoiseFacts", *STEP_KINDS, *I2V_STEP_KINDS, *SECOND_EXPERT_KINDS}  # fmt: skip
-    if module == "loops":  # the registry names loops by import path, and nothing else
+    if module == "loops/registry":  # the registry names loops by import path, and nothing else
         source = re.sub(r'LOOPS: dict\[str, str\] = \{.*?\n\}', "", source, flags=re.S)
     for name in loop_names:
         assert not re.search(rf"[\"'.]{name}\b|\b{name}[\"']|import .*\b{name}\b", source), f"{module}.py names {name!r}"
@@ -48,7 +49,11 @@ def _imports(path: Path) -> set[str]:
 
 
 def test_the_core_import_graph_has_no_cycle():
-    graph = {f"fvgraph.{p.stem}": _imports(p) for p in PACKAGE.glob("*.py")}
+    def name(path: Path) -> str:
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    graph = {name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
     graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
     state: dict[str, int] = {}
 

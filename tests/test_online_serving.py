@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
 from fvgraph.request import Request, RequestRejected
 
 

@@ -12,7 +12,7 @@ from fvgraph.passes.hoist_invariants import HoistInvariantsPass
 from fvgraph.passes.inductor_bundle import InductorPassBundle
 from fvgraph.passes.manager import PassConfig, PassManager
 from fvgraph.request import Request
-from fvgraph.step_capture import GraphBreakError, capture_step
+from fvgraph.compile.step_capture import GraphBreakError, capture_step
 
 
 @pytest.fixture(scope="module")

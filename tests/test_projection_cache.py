@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook as global_hook
 from torch.nn.modules.module import register_module_forward_pre_hook as global_pre_hook
 
-from fvgraph.projection_cache import ExactProjectionCache, ProjectionCacheStats
+from fvgraph.runtime.projection_cache import ExactProjectionCache, ProjectionCacheStats
 
 from projection_cache_tp_worker import run_two_ranks  # tests/ is on sys.path under pytest
 

@@ -15,15 +15,15 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from fvgraph.cards import get_card
-from fvgraph.engine import Engine
-from fvgraph.projection_cache import ExactProjectionCache
-from fvgraph.projection_cache_wan import (
+from fvgraph.runtime.engine import Engine
+from fvgraph.runtime.projection_cache import ExactProjectionCache
+from fvgraph.runtime.projection_cache_wan import (
     apply_projection_cache,
     remove_projection_cache,
     request_constant_projections,
 )
 from fvgraph.request import Request
-from fvgraph.t2v_loop import DENOISE_CFG
+from fvgraph.loops.t2v_loop import DENOISE_CFG
 from conftest import embeds
 
 
@@ -245,7 +245,7 @@ def test_unsupported_models_are_rejected_with_the_reason():
 
 
 def test_eager_engine_uses_the_cache_by_default_and_compiled_does_not():
-    from fvgraph.compiler import CompileConfig
+    from fvgraph.compile.compiler import CompileConfig
 
     eager = Engine.from_card("tiny-wan", device="cpu")
     eager.generate([Request(prompt="on by default", seed=0, num_inference_steps=3, num_frames=5)])

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fvgraph.engine import Engine
+from fvgraph.runtime.engine import Engine
 from fvgraph.request import Request
-from fvgraph.t2v_loop import T2VState
+from fvgraph.loops.t2v_loop import T2VState
 
 
 @pytest.mark.parametrize("steps_before_save", [0, 1, 2, 4])

@@ -5,7 +5,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
 from fvgraph.card import SamplerSpec
-from fvgraph.samplers import build_sampler, num_coeffs
+from fvgraph.loops.samplers import build_sampler, num_coeffs
 
 UNIPC = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
 

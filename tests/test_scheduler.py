@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.compiler import CompileConfig
-from fvgraph.engine import Engine
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.runtime.engine import Engine
 from fvgraph.request import Request
 
 AOT = CompileConfig(backend="aot_eager", step_kinds=("denoise_cfg",))
@@ -123,7 +123,7 @@ def test_fifo_admission_with_running_first(tiny_card):
 
 
 def test_scheduler_groups_by_signature_and_splits_at_the_largest_bucket(tiny_engine):
-    from fvgraph.scheduler import Scheduler
+    from fvgraph.runtime.scheduler import Scheduler
 
     scheduler = Scheduler(tiny_engine.loop, BucketSpec(batch_sizes=(1, 2, 4)), max_running=16)
     shapes = [64] * 6 + [96] * 3  # two signatures
@@ -154,7 +154,7 @@ def test_warmup_prepares_every_bucket_largest_first():
 
 def test_a_leaving_request_hands_its_row_to_the_last_one_and_the_rest_stay(batched):
     """Rows are stable: hoisted values are only copied for rows whose request changed."""
-    from fvgraph.scheduler import Scheduler
+    from fvgraph.runtime.scheduler import Scheduler
 
     scheduler = Scheduler(batched.loop, batched.buckets, max_running=8)
     states = [batched.start(Request(prompt=f"p{i}", seed=i, num_frames=5)) for i in range(5)]

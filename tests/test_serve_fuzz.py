@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fvgraph.jsonl_server import JsonlServer
+from fvgraph.serving.jsonl_server import JsonlServer
 
 TINY = {"prompt": "a fox", "num_inference_steps": 1, "height": 16, "width": 16, "num_frames": 1, "output_type": "latent"}
 IDS = [f"r{i}" for i in range(30)] + ["../escape", "a/b", ".hidden", "", "x" * 300, "nul\x00id", "line-3"]

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from fvgraph.cli import app
-from fvgraph.jsonl_server import JsonlServer
+from fvgraph.serving.jsonl_server import JsonlServer
 from fvgraph.request import Request
 
 TINY = {"prompt": "a fox", "num_inference_steps": 1, "height": 16, "width": 16, "num_frames": 1, "output_type": "latent"}
@@ -63,7 +63,7 @@ def test_input_that_fails_mid_read_keeps_what_was_read(tiny_engine, tmp_path, ca
         yield request_line("before")
         raise OSError("the disk went away")
 
-    with caplog.at_level(logging.ERROR, "fvgraph.jsonl_server"):
+    with caplog.at_level(logging.ERROR, "fvgraph.serving.jsonl_server"):
         emitted, counts = serve(tiny_engine, lines(), tmp_path)
     assert counts == {"ok": 1} and emitted[0]["request_id"] == "before"
     assert "reading the requests failed after line 1" in caplog.text and "disk went away" in caplog.text
@@ -135,7 +135,7 @@ def test_serve_checks_output_options_before_any_work(tmp_path, monkeypatch, args
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "r.jsonl").write_text("")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("fvgraph.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("fvgraph.runtime.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
     result = CliRunner().invoke(app, ["serve", "-O0", *args, "--requests", "r.jsonl"])
     assert result.exit_code == 2 and message in result.output, result.output
 
@@ -145,14 +145,14 @@ def test_serve_checks_output_options_before_any_work(tmp_path, monkeypatch, args
 def test_generate_checks_output_options_before_any_work(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("not a folder")
-    monkeypatch.setattr("fvgraph.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("fvgraph.runtime.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
     result = CliRunner().invoke(app, ["generate", "--steps", "1", *args])
     assert result.exit_code == 2 and message in result.output, result.output
 
 
 def test_mp4_needs_pyav_and_says_so_at_start_up(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "av", None)  # as on an install without PyAV
-    monkeypatch.setattr("fvgraph.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("fvgraph.runtime.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
     result = CliRunner().invoke(app, ["serve", "-O0", "--format", "mp4", "--requests", str(tmp_path / "r.jsonl")])
     assert result.exit_code == 2 and "PyAV" in result.output, result.output
 
@@ -161,7 +161,7 @@ def test_mp4_is_written_with_pyav(tmp_path):
     import av
     import numpy as np
 
-    from fvgraph.video_io import write_video
+    from fvgraph.serving.video_io import write_video
 
     frames = np.random.default_rng(0).integers(0, 255, size=(5, 32, 48, 3), dtype=np.uint8)
     path = write_video(frames, tmp_path / "v.mp4", fps=8)

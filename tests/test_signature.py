@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fvgraph.loop import ShapeSignature
-from fvgraph.signature import RuntimeFactors, StepSignature
+from fvgraph.loops.loop import ShapeSignature
+from fvgraph.compile.signature import RuntimeFactors, StepSignature
 
 BASE = dict(
     card_id="tiny-wan", weights_version="abc", component="transformer", loop="t2v", step_kind="denoise_cfg",
@@ -55,7 +55,7 @@ def test_each_runtime_factor_changes_the_key(field):
 
 
 def test_key_is_stable_across_processes():
-    code = "import test_signature as t; from fvgraph.signature import StepSignature; print(StepSignature(**t.BASE).key())"
+    code = "import test_signature as t; from fvgraph.compile.signature import StepSignature; print(StepSignature(**t.BASE).key())"
     here = Path(__file__).parent  # importable from there, wherever the suite runs from
     keys = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=here).stdout.strip()

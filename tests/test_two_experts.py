@@ -6,12 +6,12 @@ import torch
 from diffusers import WanPipeline
 
 from fvgraph.cards import get_card
-from fvgraph.components import load_components
-from fvgraph.engine import Engine
-from fvgraph.expert_loop import TwoExpertT2VState
+from fvgraph.runtime.components import load_components
+from fvgraph.runtime.engine import Engine
+from fvgraph.loops.expert_loop import TwoExpertT2VState
 from fvgraph.parity import Setting, compare
 from fvgraph.request import Request
-from fvgraph.samplers import diffusers_scheduler
+from fvgraph.loops.samplers import diffusers_scheduler
 from conftest import embeds
 
 SHAPE = {"height": 48, "width": 64, "num_frames": 5}

@@ -13,7 +13,7 @@ can stop between any two steps and resume elsewhere with the same result.
 A loop is the only place that knows its step kinds: it declares them (`StepKind`: the component a
 kind runs, whether it is compiled, its timing phase), builds their step modules, checks a request
 against its card, and moves its state to another device on resume. The runtime reads those
-declarations and names no loop; fvgraph/loops.py picks a card's loop by id.
+declarations and names no loop; fvgraph/loops/registry.py picks a card's loop by id.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from torch import nn
 if TYPE_CHECKING:
     from fvgraph.request import Request
 
-from fvgraph.saved_state import read_saved_fields
+from fvgraph.loops.saved_state import read_saved_fields
 
 StepResult = dict[str, torch.Tensor]
 
@@ -110,7 +110,7 @@ class Loop(Protocol):
     loop_id: ClassVar[str]
     state_type: ClassVar[type]  # has .load(path): what save() wrote
     step_kinds: dict[str, StepKind]
-    components: Any  # fvgraph.components.Components
+    components: Any  # fvgraph.runtime.components.Components
 
     def check_request(self, request: Request) -> Request: ...  # resolved against the card; raises RequestRejected
 

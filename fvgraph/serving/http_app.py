@@ -27,11 +27,11 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 
-from fvgraph.admission import QueueFull
-from fvgraph.async_engine import AsyncEngine, EngineClosed
-from fvgraph.http_guard import BodyTooLarge, HttpGuard
-from fvgraph.media_encode import encode_image, encode_mp4
-from fvgraph.openai_requests import (
+from fvgraph.serving.admission import QueueFull
+from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
+from fvgraph.serving.http_guard import BodyTooLarge, HttpGuard
+from fvgraph.serving.media_encode import encode_image, encode_mp4
+from fvgraph.serving.openai_requests import (
     ImageBody,
     Parsed,
     VideoBody,
@@ -41,9 +41,9 @@ from fvgraph.openai_requests import (
     video_request,
 )
 from fvgraph.request import Request, RequestRejected
-from fvgraph.request_events import RequestEvent
-from fvgraph.serving_metrics import ServingMetrics
-from fvgraph.video_store import StoredVideo, VideoStore
+from fvgraph.serving.request_events import RequestEvent
+from fvgraph.serving.serving_metrics import ServingMetrics
+from fvgraph.serving.video_store import StoredVideo, VideoStore
 
 log = logging.getLogger(__name__)
 CANCELLED = {  # what a video cancelled by the server says, by reason (a client's DELETE removes the video)

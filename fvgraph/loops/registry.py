@@ -1,7 +1,7 @@
 """The loop registry: a card's `recipe.assumes_loop` id -> the class that runs it.
 
 Entries are import paths, imported on first use, so the registry (and the runtime that reads it)
-imports no loop module. Adding a loop: a new file with a class following fvgraph.loop.Loop, one line
+imports no loop module. Adding a loop: a new file with a class following fvgraph.loops.loop.Loop, one line
 here, and a card naming its id (docs/loops.md).
 """
 
@@ -10,21 +10,21 @@ from __future__ import annotations
 import importlib
 
 from fvgraph.card import ModelCard
-from fvgraph.components import Components
-from fvgraph.loop import Loop
+from fvgraph.runtime.components import Components
+from fvgraph.loops.loop import Loop
 
 LOOPS: dict[str, str] = {
-    "t2v": "fvgraph.t2v_loop:TextToVideoLoop",
-    "i2v": "fvgraph.i2v_loop:ImageToVideoLoop",
-    "t2v_two_expert": "fvgraph.expert_loop:TwoExpertTextToVideoLoop",
-    "i2v_two_expert": "fvgraph.expert_loop:TwoExpertImageToVideoLoop",
+    "t2v": "fvgraph.loops.t2v_loop:TextToVideoLoop",
+    "i2v": "fvgraph.loops.i2v_loop:ImageToVideoLoop",
+    "t2v_two_expert": "fvgraph.loops.expert_loop:TwoExpertTextToVideoLoop",
+    "i2v_two_expert": "fvgraph.loops.expert_loop:TwoExpertImageToVideoLoop",
 }
 
 
 def loop_class(loop_id: str) -> type:
     path = LOOPS.get(loop_id)
     if path is None:
-        raise ValueError(f"loop {loop_id!r} is not registered; known loops: {', '.join(sorted(LOOPS))} (fvgraph/loops.py)")
+        raise ValueError(f"loop {loop_id!r} is not registered; known loops: {', '.join(sorted(LOOPS))} (fvgraph/loops/registry.py)")
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
 

@@ -74,7 +74,7 @@ def probe_load(path: Path, backend: str) -> None:
 # What the child runs: load each artifact the way load_graph does, then exit 0.
 _CHILD = """
 import sys, torch
-from fvgraph.graph_artifact import load_graph
+from fvgraph.compile.graph_artifact import load_graph
 backend, device = sys.argv[1], torch.device(sys.argv[2])
 for path in sys.argv[3:]:
     load_graph(path, backend, device, lambda gm, args: gm)

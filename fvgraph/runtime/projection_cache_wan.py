@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from diffusers import WanTransformer3DModel
 from torch import Tensor, nn
 
-from fvgraph.projection_cache import ExactProjectionCache
+from fvgraph.runtime.projection_cache import ExactProjectionCache
 
 TEXT_EMBEDDER = "condition_embedder.text_embedder"
 CROSS_ATTENTION_KV = ("to_k", "to_v")

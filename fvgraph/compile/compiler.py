@@ -21,13 +21,13 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.nn.attention import sdpa_kernel
 
-from fvgraph.capture_cache import CacheEntry, CaptureCache
-from fvgraph.counters import Counters
-from fvgraph.graph_artifact import load_graph, load_in_child, save_graph
+from fvgraph.compile.capture_cache import CacheEntry, CaptureCache
+from fvgraph.runtime.counters import Counters
+from fvgraph.compile.graph_artifact import load_graph, load_in_child, save_graph
 from fvgraph.kernels.attention import sdpa_backends
-from fvgraph.loop import StepKind, WorkPlan
-from fvgraph.signature import RuntimeFactors, StepSignature
-from fvgraph.step_capture import capture_step, step_parameters
+from fvgraph.loops.loop import StepKind, WorkPlan
+from fvgraph.compile.signature import RuntimeFactors, StepSignature
+from fvgraph.compile.step_capture import capture_step, step_parameters
 from fvgraph.passes.base import PassContext
 from fvgraph.passes.manager import PassConfig, PassManager
 

@@ -16,15 +16,15 @@ import torch
 from torch import nn
 
 from fvgraph.card import ModelCard
-from fvgraph.components import Components
-from fvgraph.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
-from fvgraph.i2v_loop import I2VState, ImageToVideoLoop
-from fvgraph.loop import StepKind, WorkPlan
+from fvgraph.runtime.components import Components
+from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
+from fvgraph.loops.i2v_loop import I2VState, ImageToVideoLoop
+from fvgraph.loops.loop import StepKind, WorkPlan
 from fvgraph.request import Request
-from fvgraph.steps import DenoiseStep
-from fvgraph.t2v_loop import DENOISE, DENOISE_CFG, DenoiseFacts, T2VState, TextToVideoLoop
-from fvgraph.t2v_loop import STEP_KINDS as T2V_STEP_KINDS
-from fvgraph.taps import TapPoints
+from fvgraph.loops.steps import DenoiseStep
+from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, DenoiseFacts, T2VState, TextToVideoLoop
+from fvgraph.loops.t2v_loop import STEP_KINDS as T2V_STEP_KINDS
+from fvgraph.loops.taps import TapPoints
 
 DENOISE_2, DENOISE_CFG_2 = "denoise_2", "denoise_cfg_2"  # the low-noise expert's kinds
 SECOND_EXPERT_KINDS = {

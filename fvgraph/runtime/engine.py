@@ -23,21 +23,21 @@ from pathlib import Path
 import torch
 from pydantic import ValidationError
 
-from fvgraph.buckets import BucketSpec
+from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
 from fvgraph.cards import get_card
-from fvgraph.compiler import CompileConfig, StepCompiler
-from fvgraph.counters import Counters
-from fvgraph.engine_builder import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches, build_engine_parts
-from fvgraph.executor import CompiledExecutor, EagerExecutor
-from fvgraph.finite_check import all_finite
-from fvgraph.fp32_math import math_mode
-from fvgraph.loop import Done, Loop, LoopState, WorkPlan
-from fvgraph.model_facts import ModelFacts
-from fvgraph.projection_cache import ExactProjectionCache
+from fvgraph.compile.compiler import CompileConfig, StepCompiler
+from fvgraph.runtime.counters import Counters
+from fvgraph.runtime.engine_builder import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches, build_engine_parts
+from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
+from fvgraph.runtime.finite_check import all_finite
+from fvgraph.runtime.fp32_math import math_mode
+from fvgraph.loops.loop import Done, Loop, LoopState, WorkPlan
+from fvgraph.runtime.model_facts import ModelFacts
+from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.request import Request, RequestRejected, Result
-from fvgraph.request_slot import RequestSlots
-from fvgraph.scheduler import Scheduler
+from fvgraph.runtime.request_slot import RequestSlots
+from fvgraph.runtime.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Engine:
         self.opt_level = opt_level
         self.counters = counters
         self.projection_cache: ExactProjectionCache | None = None  # set by from_card when eager
-        self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/fp32_math.py)
+        self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/runtime/fp32_math.py)
         self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
 
     @property

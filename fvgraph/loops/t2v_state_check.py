@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from fvgraph.loop import Loop, LoopState
-from fvgraph.samplers import num_coeffs
+from fvgraph.loops.loop import Loop, LoopState
+from fvgraph.loops.samplers import num_coeffs
 
 PHASES = ("encode", "denoise", "decode", "done")
 EMBED_SLOTS = ("prompt_embeds", "negative_prompt_embeds")

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from fvgraph.capture_cache_files import MANIFEST, STAGING, entry_problem, manifest_problem, orphans, size_of, staging_prefix
+from fvgraph.compile.capture_cache_files import MANIFEST, STAGING, entry_problem, manifest_problem, orphans, size_of, staging_prefix
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +308,7 @@ def verify(root: str | Path, load: bool = True) -> list[str]:
 
 
 def _load_problem(cache: CaptureCache, entry: CacheEntry) -> str | None:
-    from fvgraph.graph_artifact import probe_load
+    from fvgraph.compile.graph_artifact import probe_load
 
     for name in entry.artifact_names:
         try:

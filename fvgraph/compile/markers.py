@@ -10,7 +10,7 @@ denoiser's ops, and a prompt embedding is just another placeholder. The step bod
 In eager mode the helpers return their inputs untouched (no op runs). While tracing they emit
 `fvgraph::branch_input`, `fvgraph::branch_output` and `fvgraph::request_constant` nodes; passes read
 them, and the cleanup tail replaces every marker by its input before inductor sees the graph.
-`fvgraph::tap` marks an intermediate tensor of a parity run's tap variant (fvgraph/taps.py); the
+`fvgraph::tap` marks an intermediate tensor of a parity run's tap variant (fvgraph/loops/taps.py); the
 tap-outputs pass turns each into an extra graph output.
 """
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fvgraph.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
-from fvgraph.taps import TapPoints
-from fvgraph.samplers import FlowEulerSampler, UniPCSampler
+from fvgraph.compile.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.loops.taps import TapPoints
+from fvgraph.loops.samplers import FlowEulerSampler, UniPCSampler
 
 
 class TextEncodeStep(nn.Module):

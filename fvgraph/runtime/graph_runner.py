@@ -9,7 +9,7 @@ each request gets a view of its rows. On CPU the same code calls the compiled st
 buffers, so batching, padding and scatter are exercised without a GPU.
 
 Hoisted prologue values are per request: they are computed by the bucket's prologue when a request
-in the group has none yet and kept in that request's RequestSlot (fvgraph/request_slot.py), which
+in the group has none yet and kept in that request's RequestSlot (fvgraph/runtime/request_slot.py), which
 the runtime owns. They carry the batch in dim 0,
 branch-major (rows `k * bucket + i` for CFG branch k), so a value is `m` rows per request with
 `m = rows / bucket`. A row of the static buffers (hoisted values, and inputs that are constant for a
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fvgraph.compiler import CompiledStep, StepCompiler
-from fvgraph.counters import Counters
-from fvgraph.graph_capture import capture_graph
-from fvgraph.loop import StepResult, WorkPlan
-from fvgraph.request_slot import RequestSlot
+from fvgraph.compile.compiler import CompiledStep, StepCompiler
+from fvgraph.runtime.counters import Counters
+from fvgraph.runtime.graph_capture import capture_graph
+from fvgraph.loops.loop import StepResult, WorkPlan
+from fvgraph.runtime.request_slot import RequestSlot
 
 log = logging.getLogger(__name__)
 _UNWRITTEN = object()  # a row no request or padding has been written into yet

@@ -3,7 +3,7 @@
 As diffusers' WanImageToVideoPipeline: the image's CLIP embeddings (penultimate hidden states) join
 the text in cross-attention, and the first frame's VAE latents with a first-frame mask are
 concatenated to the latents' channels at every denoise step. Both are computed once per request, by
-step kinds of their own (fvgraph/i2v_steps.py), and then enter each denoise step as request
+step kinds of their own (fvgraph/loops/i2v_steps.py), and then enter each denoise step as request
 constants. Everything else (sampler, guidance, decode) is the text-to-video loop's.
 """
 
@@ -16,12 +16,12 @@ from diffusers.video_processor import VideoProcessor
 from torch import nn
 
 from fvgraph.card import ModelCard
-from fvgraph.components import Components
-from fvgraph.i2v_steps import ImageEncodeStep, VaeEncodeStep
-from fvgraph.loop import StepKind, StepResult, WorkPlan
+from fvgraph.runtime.components import Components
+from fvgraph.loops.i2v_steps import ImageEncodeStep, VaeEncodeStep
+from fvgraph.loops.loop import StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, RequestRejected
-from fvgraph.t2v_loop import STEP_KINDS as T2V_STEP_KINDS
-from fvgraph.t2v_loop import T2VState, TextToVideoLoop
+from fvgraph.loops.t2v_loop import STEP_KINDS as T2V_STEP_KINDS
+from fvgraph.loops.t2v_loop import T2VState, TextToVideoLoop
 
 IMAGE_ENCODE, VAE_ENCODE = "image_encode", "vae_encode"
 STEP_KINDS = {

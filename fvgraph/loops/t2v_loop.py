@@ -16,13 +16,13 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from torch import nn
 
 from fvgraph.card import ModelCard
-from fvgraph.components import Components
-from fvgraph.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
+from fvgraph.runtime.components import Components
+from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, RequestRejected, Result
-from fvgraph.samplers import build_sampler
-from fvgraph.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
-from fvgraph.t2v_state_check import check_t2v_state
-from fvgraph.taps import TapPoints
+from fvgraph.loops.samplers import build_sampler
+from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
+from fvgraph.loops.t2v_state_check import check_t2v_state
+from fvgraph.loops.taps import TapPoints
 
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
 STEP_KINDS = {

@@ -2,8 +2,8 @@
 
     parts = build_engine_parts(card, checkpoint, opt_level=2, device="cuda", switches=EngineSwitches())
 
-This is the one place that reads what an -O level turns on (fvgraph/opt_levels.py) and applies it:
-the loop the card's recipe assumes (fvgraph/loops.py), its step modules, and for compiling levels
+This is the one place that reads what an -O level turns on (fvgraph/runtime/opt_levels.py) and applies it:
+the loop the card's recipe assumes (fvgraph/loops/registry.py), its step modules, and for compiling levels
 the compile config, FP8 weights, the step compiler, the graph runner and the batching executor.
 `Engine.from_card` is a thin front to it; nothing here runs a request.
 """
@@ -18,19 +18,19 @@ from pathlib import Path
 
 import torch
 
-from fvgraph.buckets import BucketSpec
+from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
-from fvgraph.compiler import CompileConfig, StepCompiler
-from fvgraph.components import load_components
-from fvgraph.counters import Counters
-from fvgraph.executor import CompiledExecutor, EagerExecutor
-from fvgraph.fp8_weights import apply_fp8_weights
-from fvgraph.graph_runner import GraphRunner
-from fvgraph.loop import Loop
-from fvgraph.loops import build_loop
-from fvgraph.opt_levels import OptLevel, opt_level
-from fvgraph.projection_cache import ExactProjectionCache
-from fvgraph.projection_cache_wan import apply_projection_cache
+from fvgraph.compile.compiler import CompileConfig, StepCompiler
+from fvgraph.runtime.components import load_components
+from fvgraph.runtime.counters import Counters
+from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
+from fvgraph.compile.fp8_weights import apply_fp8_weights
+from fvgraph.runtime.graph_runner import GraphRunner
+from fvgraph.loops.loop import Loop
+from fvgraph.loops.registry import build_loop
+from fvgraph.runtime.opt_levels import OptLevel, opt_level
+from fvgraph.runtime.projection_cache import ExactProjectionCache
+from fvgraph.runtime.projection_cache_wan import apply_projection_cache
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 
-from fvgraph.memory_reservation import MemoryModel, Reservation
+from fvgraph.serving.memory_reservation import MemoryModel, Reservation
 from fvgraph.request import Request, RequestRejected
 
 

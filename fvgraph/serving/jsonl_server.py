@@ -39,9 +39,9 @@ from pathlib import Path
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from fvgraph.engine import Engine
+from fvgraph.runtime.engine import Engine
 from fvgraph.request import MAX_REQUEST_ID_LENGTH, Request, RequestRejected, Result
-from fvgraph.video_io import check_video_output, write_video
+from fvgraph.serving.video_io import check_video_output, write_video
 
 log = logging.getLogger(__name__)
 # request_id becomes a file name: no separators, no leading dot.

@@ -15,12 +15,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.graph_runner import GraphRunner, _request_rows
-from fvgraph.compiler import StepCompiler
-from fvgraph.counters import Counters
-from fvgraph.loop import StepResult, WorkPlan
-from fvgraph.request_slot import RequestSlot
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.runtime.graph_runner import GraphRunner, _request_rows
+from fvgraph.compile.compiler import StepCompiler
+from fvgraph.runtime.counters import Counters
+from fvgraph.loops.loop import StepResult, WorkPlan
+from fvgraph.runtime.request_slot import RequestSlot
 
 log = logging.getLogger(__name__)
 

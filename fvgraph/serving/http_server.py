@@ -22,14 +22,14 @@ from pathlib import Path
 
 import uvicorn
 
-from fvgraph.admission import Admission
+from fvgraph.serving.admission import Admission
 from fvgraph.card import ModelCard
-from fvgraph.async_engine import AsyncEngine
-from fvgraph.engine import Engine
-from fvgraph.http_app import HttpSettings, create_app
-from fvgraph.memory_reservation import MemoryModel, default_budget
+from fvgraph.serving.async_engine import AsyncEngine
+from fvgraph.runtime.engine import Engine
+from fvgraph.serving.http_app import HttpSettings, create_app
+from fvgraph.serving.memory_reservation import MemoryModel, default_budget
 from fvgraph.request import Request
-from fvgraph.video_store import VideoStore
+from fvgraph.serving.video_store import VideoStore
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class HttpServer:
     def __init__(self, engine: Engine, settings: HttpSettings, storage_dir: str | Path, host: str = "127.0.0.1",
                  port: int = 8000, max_queue: int = 256, memory_budget: int | None = None):  # fmt: skip
         """`port` 0 picks a free one (see `running()`); `memory_budget` in bytes defaults to the
-        device's (fvgraph.memory_reservation.default_budget)."""
+        device's (fvgraph.serving.memory_reservation.default_budget)."""
         budget = memory_budget if memory_budget is not None else default_budget(engine.loop.components.device)
         admission = Admission(MemoryModel(engine), budget, max_queue, engine.max_running)
         self.served = AsyncEngine(engine, admission)

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from fvgraph.buckets import BucketSpec
-from fvgraph.loop import Done, Loop, LoopState, WorkPlan
+from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.loops.loop import Done, Loop, LoopState, WorkPlan
 
 
 @dataclass

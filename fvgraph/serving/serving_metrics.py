@@ -20,8 +20,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
-from fvgraph.async_engine import AsyncEngine
-from fvgraph.request_events import RequestEvent
+from fvgraph.serving.async_engine import AsyncEngine
+from fvgraph.serving.request_events import RequestEvent
 
 _STATUS = {"done": "completed", "failed": "failed", "cancelled": "cancelled"}
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

@@ -8,8 +8,8 @@
 
 `submit` checks a request against the card and the admission queue at once (RequestRejected: 400;
 QueueFull: 429; EngineClosed: 503) and never blocks. Everything else reaches the engine thread as a
-command; the thread admits requests as memory frees (fvgraph.admission), ticks the engine, cancels
-requests whose deadline passed, and sends each request's events (fvgraph.request_events) back to the
+command; the thread admits requests as memory frees (fvgraph.serving.admission), ticks the engine, cancels
+requests whose deadline passed, and sends each request's events (fvgraph.serving.request_events) back to the
 event loop, where listeners (the HTTP front end's store and metrics) and per-request subscribers see
 them in order. Every accepted request ends with exactly one terminal event, whose Result's
 `timings["total"]` runs from acceptance (time spent waiting for memory counts) to the end.
@@ -25,11 +25,11 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from fvgraph.admission import Admission
-from fvgraph.engine import Engine
-from fvgraph.memory_reservation import MemoryModel, default_budget
+from fvgraph.serving.admission import Admission
+from fvgraph.runtime.engine import Engine
+from fvgraph.serving.memory_reservation import MemoryModel, default_budget
 from fvgraph.request import Request, RequestRejected, Result
-from fvgraph.request_events import CancelReason, RequestEvent
+from fvgraph.serving.request_events import CancelReason, RequestEvent
 
 log = logging.getLogger(__name__)
 Listener = Callable[[RequestEvent], None]
@@ -44,7 +44,7 @@ class EngineClosed(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: Engine, admission: Admission | None = None, max_queue: int = 256,
                  idle_wait_s: float = 0.05):  # fmt: skip
-        """`admission` defaults to the device's default budget (fvgraph.memory_reservation) and a queue
+        """`admission` defaults to the device's default budget (fvgraph.serving.memory_reservation) and a queue
         of `max_queue`. `idle_wait_s` is how often an idle engine thread checks deadlines."""
         self.engine = engine
         self.admission = admission or Admission(

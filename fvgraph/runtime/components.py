@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fvgraph.byte_tokenizer import build_byte_tokenizer
+from fvgraph.runtime.byte_tokenizer import build_byte_tokenizer
 from fvgraph.card import ComponentSpec, ModelCard
-from fvgraph.model_facts import ModelFacts
-from fvgraph.samplers import diffusers_scheduler
+from fvgraph.runtime.model_facts import ModelFacts
+from fvgraph.loops.samplers import diffusers_scheduler
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
