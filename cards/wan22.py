@@ -1,7 +1,9 @@
 """Wan 2.2 A14B cards: two experts (`transformer` for high noise, `transformer_2` for low noise),
 switched at `recipe.boundary_ratio` of the training timesteps, and the embedded `tiny-wan2.2-a14b`.
 
-Recipe values are those of the Wan 2.2 release configs: T2V A14B boundary 0.875, guidance 4.0 high /
+Recipe values are those of the Wan 2.2 release configs (wan/configs/wan_t2v_A14B.py and
+wan_i2v_A14B.py in Wan-Video/Wan2.2: `boundary`, `sample_guide_scale` as (low, high), `sample_shift`,
+`sample_steps`): T2V A14B boundary 0.875, guidance 4.0 high /
 3.0 low, shift 12.0, 40 steps; I2V A14B boundary 0.900, guidance 3.5 / 3.5, shift 5.0, 40 steps. The
 I2V model has no CLIP image encoder (the first frame enters through the VAE latents only).
 """
