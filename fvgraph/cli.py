@@ -249,12 +249,13 @@ def warmup(
     from fvgraph.runtime.buckets import BucketSpec
     from fvgraph.compile.capture_cache_files import check_writable
     from fvgraph.cards import get_card
+    from fvgraph.request import Request
     from fvgraph.runtime.engine import Engine
+    from fvgraph.runtime.opt_levels import compiling_levels
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
     try:
-        from fvgraph.runtime.opt_levels import compiling_levels
 
         if opt_level not in compiling_levels():
             *others, last = (f"-O{n}" for n in compiling_levels())
@@ -264,16 +265,15 @@ def warmup(
         rules = model.shapes
         shapes = [_shape(text) for text in shape] or [(rules.default_frames, rules.default_height, rules.default_width)]
         spec = BucketSpec(batch_sizes=tuple(int(b) for b in buckets.split(",")), shapes=tuple(shapes))
-        scales = guidance or [model.recipe.default_guidance_scale]
-        requests = [
-            engine.loop.warmup_request(f, h, w, g, model.recipe.allowed_steps[0]) for f, h, w in shapes for g in scales
-        ]
-        for request in requests:
-            request.resolve(model)  # the card's limits, before loading anything
+        scales, steps = guidance or [model.recipe.default_guidance_scale], model.recipe.allowed_steps[0]
+        for f, h, w in shapes:  # the card's limits, before loading anything
+            for g in scales:
+                Request(prompt="warmup", num_frames=f, height=h, width=w, guidance_scale=g, num_inference_steps=steps).resolve(model)
         engine = Engine.from_card(
             model, checkpoint=checkpoint, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
             compile_config=_compile_config(compile_backend, disable_pass),
         )  # fmt: skip
+        requests = [engine.loop.warmup_request(f, h, w, g, steps) for f, h, w in shapes for g in scales]
     except Exception as err:  # bad card, shape or bucket list: say why and stop
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
