@@ -4,7 +4,7 @@
 # already has transformers, tokenizers, safetensors, huggingface-hub, accelerate, typer, rich, numpy
 # and pillow; it lacks diffusers and pydantic and what they need beyond that list, and the HTTP
 # server's stack (fastapi, uvicorn, PyAV, ...) and the openai client its tests use. One version of each,
-# all pure Python or manylinux x86_64, well under the 64 MiB a GPU call can carry.
+# all pure Python or manylinux x86_64, about 47 MB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(
