@@ -247,7 +247,6 @@ def warmup(
     """Compile the compiled step kinds of every shape and batch bucket into the capture cache, so later
     processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
     from fvgraph.runtime.buckets import BucketSpec
-    from fvgraph.compile.capture_cache_files import check_writable
     from fvgraph.cards import get_card
     from fvgraph.request import Request
     from fvgraph.runtime.engine import Engine
@@ -260,7 +259,7 @@ def warmup(
         if opt_level not in compiling_levels():
             *others, last = (f"-O{n}" for n in compiling_levels())
             raise ValueError(f"-O{opt_level}: warmup compiles, so it takes {', '.join(others)} or {last}")
-        check_writable(cache_dir)  # a warmup that can store nothing is no warmup
+        _writable_dir(cache_dir, "--cache-dir")  # a warmup that can store nothing is no warmup
         model = get_card(card)
         rules = model.shapes
         shapes = [_shape(text) for text in shape] or [(rules.default_frames, rules.default_height, rules.default_width)]

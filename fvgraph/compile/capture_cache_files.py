@@ -10,7 +10,6 @@ entry. Liveness is judged by process id, so it holds for writers on this host.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -82,13 +81,3 @@ def size_of(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def check_writable(root: Path) -> None:
-    """ValueError naming `root` unless this process can create files in it."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=root, prefix=".write-probe-"):
-            pass
-    except OSError as err:
-        raise ValueError(f"cannot write the capture cache root {root}: {err}") from None
