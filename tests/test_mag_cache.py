@@ -147,3 +147,11 @@ def test_a_state_saved_between_a_keep_and_a_reuse_resumes_unchanged(tiny_engine,
     resumed = tiny_engine.finish(tiny_engine.resume(T2VState.load(tmp_path / "state.pt")))
     assert torch.equal(resumed.latents, whole.latents)
     assert resumed.cache == whole.cache
+
+
+def test_loops_without_step_caching_reject_a_cached_request():
+    engine = Engine.from_card("tiny-wan2.2-a14b", device="cpu")  # two experts: the residual of one is not the other's
+    positive, negative = embeds(2, engine.card)
+    request = Request(prompt_embeds=positive, negative_prompt_embeds=negative, seed=0, cache=_cache(0.06), **SHAPE)
+    with pytest.raises(RequestRejected, match="cache: card 'tiny-wan2.2-a14b' runs loop 't2v_two_expert'; step caching"):
+        engine.start(request)
