@@ -128,6 +128,8 @@ def test_compiled_cached_steps_equal_eager_and_add_no_recompile(tiny_engine):
     compiled = engine.generate(requests)
     with engine.counters.expect(compiles=0):  # every (kind, batch) signature of this mix is compiled now
         again = engine.generate(requests)
+    compiled_kinds = {signature.step_kind for signature in engine.compiler.signatures}
+    assert compiled_kinds == {"denoise_cfg", "denoise_keep", "denoise_reuse", "denoise_cfg_keep", "denoise_cfg_reuse"}
     eager = tiny_engine.generate(requests)
     tol = engine.card.parity.tolerance("fp32", "loop")
     for a, b, c in zip(compiled, again, eager):
