@@ -21,9 +21,10 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 
 from fvgraph.card import ModelCard
+from fvgraph.loops.interceptor import CacheSettings, parse_cache_settings
 from fvgraph.runtime.model_facts import ModelFacts
 from fvgraph.request_image import to_rgb_image
 
@@ -84,6 +85,11 @@ class Request(BaseModel):
     num_frames: int | None = Field(default=None, gt=0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     output_type: Literal["np", "latent"] = "np"
+    cache: SerializeAsAny[CacheSettings] | None = Field(
+        default=None,
+        description='Step caching (docs/interceptors.md): {"method": "magcache", ...} with the method\'s settings; '
+        "an unknown method or field is rejected naming it.",
+    )
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], min_length=1, max_length=MAX_REQUEST_ID_LENGTH,
                             description="Printable, at most 128 characters.")
 
@@ -127,6 +133,11 @@ class Request(BaseModel):
     def _valid_image(cls, value):
         return None if value is None else to_rgb_image(value)
 
+    @field_validator("cache", mode="before")
+    @classmethod
+    def _cache_settings(cls, value):
+        return parse_cache_settings(value)
+
     @field_validator("prompt_embeds", "negative_prompt_embeds")
     @classmethod
     def _valid_embeds(cls, value, info):
@@ -159,6 +170,9 @@ class Request(BaseModel):
         values["width"] = self.width or shapes.default_width
         values["num_frames"] = self.num_frames or shapes.default_frames
         values["seed"] = secrets.randbelow(2**31) if self.seed is None else self.seed
+        values["cache"] = self.cache  # the settings object itself: a dump would be validated again
+        if self.cache is not None and (problem := self.cache.check_steps(values["num_inference_steps"])):
+            raise RequestRejected(*problem)
         lo, hi = recipe.allowed_steps
         if not lo <= values["num_inference_steps"] <= hi:
             raise RequestRejected(
@@ -212,6 +226,8 @@ class Result:
     latents: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    # With step caching: {"method": ..., "computed": n, "reused": m}, denoiser calls (one per CFG branch and step).
+    cache: dict | None = None
 
     @property
     def ok(self) -> bool:

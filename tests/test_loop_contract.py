@@ -80,10 +80,11 @@ def test_the_registry_picks_the_cards_loop_and_names_the_known_ones():
 
 def test_the_loop_declares_its_kinds_and_the_compiler_reads_them(tiny_engine):
     kinds = tiny_engine.loop.step_kinds
-    assert {k for k, v in kinds.items() if v.compiled} == {"denoise", "denoise_cfg"}
+    denoise_kinds = ["denoise", "denoise_cfg", "denoise_keep", "denoise_reuse", "denoise_cfg_keep", "denoise_cfg_reuse"]
+    assert {k for k, v in kinds.items() if v.compiled} == set(denoise_kinds)  # the last four: step caching
     assert {v.component for v in kinds.values()} == {"text_encoder", "transformer", "vae"}
     engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=CompileConfig(backend="eager"))
-    assert [k for k in kinds if engine.compiler.wants(k)] == ["denoise", "denoise_cfg"]
+    assert [k for k in kinds if engine.compiler.wants(k)] == denoise_kinds
     every = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=CompileConfig(step_kinds="all"))
     assert all(every.compiler.wants(k) for k in kinds)
 

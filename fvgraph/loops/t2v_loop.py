@@ -9,7 +9,7 @@ request's T2VState.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
@@ -17,6 +17,8 @@ from torch import nn
 
 from fvgraph.card import ModelCard
 from fvgraph.runtime.components import Components
+from fvgraph.loops.cached_denoise import CachedDenoiseStep
+from fvgraph.loops.interceptor import Interceptor, parse_cache_settings
 from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.loops.samplers import build_sampler
@@ -31,6 +33,12 @@ STEP_KINDS = {
     DENOISE_CFG: StepKind(DENOISE_CFG, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
     VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode"),
 }
+# The denoise kinds of a request with a caching interceptor (fvgraph/loops/interceptor.py), by
+# (cfg, reuse): a full step that keeps the blocks' residual, or one that reuses it.
+CACHED_KINDS = {(cfg, reuse): f"denoise{'_cfg' if cfg else ''}_{'reuse' if reuse else 'keep'}"
+                for cfg in (False, True) for reuse in (False, True)}  # fmt: skip
+STEP_KINDS.update({kind: StepKind(kind, component="transformer", phase="denoise", compiled=True, per_inference_step=True)
+                   for kind in CACHED_KINDS.values()})  # fmt: skip
 
 
 class DenoiseFacts(NamedTuple):
@@ -70,8 +78,13 @@ class T2VState(SerializableState):
     video: torch.Tensor | None = None  # [1, 3, F, H, W] in [0, 1]
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step kind, kept across resume
     weights_version: str = ""  # the weights it was started with: resuming on others would mix two models
+    cache: dict | None = None  # the request's interceptor settings (CacheSettings, dumped), or None
+    cache_memo: dict[str, float] = field(default_factory=dict)  # the interceptor's accumulators after the last step
+    cache_kept: list[torch.Tensor] = field(default_factory=list)  # per CFG branch: what the last full step kept
+    cache_counts: dict[str, int] = field(default_factory=dict)  # denoiser calls computed and reused
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
     derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
+    policy: Any = field(default=None, metadata={"transient": True})  # Interceptor built from `cache`
 
     @property
     def num_steps(self) -> int:
@@ -109,6 +122,7 @@ class TextToVideoLoop:
         steps = {
             DENOISE: DenoiseStep(c.transformer, self.sampler, cfg=False, tap_points=tap_points),
             DENOISE_CFG: DenoiseStep(c.transformer, self.sampler, cfg=True, tap_points=tap_points),
+            **{kind: CachedDenoiseStep(c.transformer, self.sampler, cfg, reuse) for (cfg, reuse), kind in CACHED_KINDS.items()},
             VAE_DECODE: VaeDecodeStep(c.vae),
         }
         if c.text_encoder is not None:
@@ -124,6 +138,9 @@ class TextToVideoLoop:
             raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
         if resolved.image is not None and not self.takes_image:
             raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
+        if resolved.cache is not None and (self.takes_image or len(self.facts.experts) > 1):
+            raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
+                                           "runs on single-expert text-to-video loops only")  # fmt: skip
         return resolved
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
@@ -161,6 +178,10 @@ class TextToVideoLoop:
             weights_version=self.components.weights_version,
             **self._conditioning(request, latents),
         )
+        if request.cache is not None:
+            state.cache = request.cache.model_dump(mode="json")
+            state.cache_memo = self._policy(state).start()
+            state.cache_counts = {"computed": 0, "reused": 0}
         texts = []
         if state.prompt_embeds is None:
             texts.append(("prompt_embeds", request.prompt))
@@ -222,6 +243,9 @@ class TextToVideoLoop:
             i = state.step_index
             inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i],
                       **facts.constants, **dict(zip(facts.carry_names, state.carry))}  # fmt: skip
+            if state.cache is not None:
+                state.derived = facts  # its signature stays unset: a cached step's kind and inputs vary
+                return self._cached_plan(state, facts, inputs)
             plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, facts.constant_names, facts.signature)
             if facts.signature is None:  # the first step; every later one has the same input shapes
                 # One object per distinct signature: grouping and graph lookups then match by identity.
@@ -231,6 +255,30 @@ class TextToVideoLoop:
         if state.phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
         return Done()
+
+    def _policy(self, state: T2VState) -> Interceptor:
+        if state.policy is None:
+            state.policy = parse_cache_settings(state.cache).policy(state.num_steps)
+        return state.policy
+
+    def _cached_plan(self, state: T2VState, facts: DenoiseFacts, inputs: dict[str, torch.Tensor]) -> WorkPlan:
+        """The step the request's interceptor decides on: keep (blocks run) or reuse (blocks skipped).
+        The decision is host arithmetic on the state; advance() repeats it to move the state on."""
+        compute, _ = self._policy(state).decide(state.cache_memo, state.step_index, bool(state.cache_kept))
+        if not compute:
+            inputs.update({f"kept_{b}": t for b, t in enumerate(state.cache_kept)})
+        kind = CACHED_KINDS[(state.cfg, not compute)]
+        plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels, facts.constant_names)
+        plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
+        return plan
+
+    def _advance_cache(self, state: T2VState, result: StepResult) -> None:
+        compute, state.cache_memo = self._policy(state).decide(state.cache_memo, state.step_index, bool(state.cache_kept))
+        branches = 2 if state.cfg else 1
+        if compute:
+            state.cache_kept = [result[f"kept_{b}"] for b in range(branches)]
+        key = "computed" if compute else "reused"
+        state.cache_counts[key] = state.cache_counts.get(key, 0) + branches
 
     def _denoise_facts(self, state: T2VState) -> DenoiseFacts:
         """What every denoise step of a request shares, worked out at its first one: the schedule as
@@ -264,9 +312,12 @@ class TextToVideoLoop:
         elif state.phase == "denoise":
             state.latents = result["latents"]
             state.carry = [result[name] for name in state.derived.carry_names]  # set by next()
+            if state.cache is not None:
+                self._advance_cache(state, result)
             state.step_index += 1
             if state.step_index == state.num_steps:
                 state.carry = []  # history and derived values are dead weight once the last step ran
+                state.cache_kept = []
                 state.derived = None
                 state.phase = "decode" if state.output_type == "np" else "done"
         elif state.phase == "decode":
@@ -286,6 +337,7 @@ class TextToVideoLoop:
             frames=frames,
             latents=state.latents.cpu(),
             timings=dict(state.timings),
+            cache=None if state.cache is None else {"method": state.cache["method"], **state.cache_counts},
         )
 
     def adopt(self, state: T2VState) -> T2VState:
@@ -302,7 +354,8 @@ class TextToVideoLoop:
             if value is not None:
                 setattr(state, name, value.to(device))
         state.carry = [t.to(device) for t in state.carry]
-        state.derived = None  # derived on the other engine's device; rebuilt here on demand
+        state.cache_kept = [t.to(device) for t in state.cache_kept]
+        state.derived = state.policy = None  # derived on the other engine's device; rebuilt here on demand
         return state
 
 

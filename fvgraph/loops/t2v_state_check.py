@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from fvgraph.loops.interceptor import parse_cache_settings
 from fvgraph.loops.loop import Loop, LoopState
 from fvgraph.loops.samplers import num_coeffs
 
@@ -75,6 +76,24 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
         c.fail("latents", f"must be [1, {loop.latent_channels}, frames, h, w], got {list(latents.shape)}")
     _check_carry(c, state, loop)
     _check_text(c, state, card.shapes.text_len, loop.facts.text_dim)
+    _check_cache(c, state)
+
+
+def _check_cache(c: _Checker, state: LoopState) -> None:
+    """Settings a request could have been given; per CFG branch at most one kept residual."""
+    if state.cache is None:
+        if state.cache_kept:
+            c.fail("cache_kept", "holds kept tensors but the state has no cache settings")
+        return
+    try:
+        parse_cache_settings(state.cache)
+    except ValueError as err:
+        c.fail("cache", str(err))
+    branches = 2 if state.cfg else 1
+    if len(state.cache_kept) not in (0, branches):
+        c.fail("cache_kept", f"must hold 0 or {branches} tensors (one per CFG branch), got {len(state.cache_kept)}")
+    for i, kept in enumerate(state.cache_kept):
+        c.tensor(f"cache_kept[{i}]", dims=3, value=kept)
 
 
 def _check_progress(c: _Checker, state: LoopState, steps: int, pre_denoise: tuple[str, ...]) -> None:

@@ -1,0 +1,122 @@
+"""The two denoise step kinds of a caching interceptor: a full step that keeps the blocks' residual,
+and a reuse step that skips the blocks and adds the kept residual instead.
+
+`wan_forward` is `WanTransformer3DModel.forward` (diffusers 0.42.1) with its block loop made
+replaceable; every other line is diffusers' own, in the same order, so a full step equals the plain
+denoise step bit for bit in eager. The residual is the blocks' output minus the first block's input
+(tokens [B, S, D]), as diffusers' MagCache hooks keep it; on reuse the block stack's output is that
+input plus the kept residual, as those hooks return it.
+
+The steps are pure tensor functions like DenoiseStep (fvgraph/loops/steps.py): whether a step keeps
+or reuses is fixed when the module is built, never decided per call. They carry no CFG-branch
+markers, so the CFG fusion pass leaves their two denoiser calls apart.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fvgraph.compile.markers import mark_request_constant
+from fvgraph.loops.samplers import FlowEulerSampler, UniPCSampler
+from fvgraph.loops.steps import DenoiseStep
+
+
+def wan_forward(transformer: nn.Module, hidden_states: torch.Tensor, timestep: torch.Tensor,
+                encoder_hidden_states: torch.Tensor, encoder_hidden_states_image: torch.Tensor | None = None,
+                kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(noise prediction, blocks' residual). With `kept` the blocks do not run: their output is
+    their input plus `kept`, which is also the residual returned."""
+    batch_size, num_channels, num_frames, height, width = hidden_states.shape
+    p_t, p_h, p_w = transformer.config.patch_size
+    post_patch_num_frames = num_frames // p_t
+    post_patch_height = height // p_h
+    post_patch_width = width // p_w
+
+    # 1. rotary embedding, patch embedding, condition embedding
+    rotary_emb = transformer.rope(hidden_states)
+    hidden_states = transformer.patch_embedding(hidden_states)
+    hidden_states = hidden_states.flatten(2).transpose(1, 2).contiguous()  # [B, S, D]
+    if timestep.ndim == 2:  # [B, S] per-token timesteps (Wan 2.2 TI2V)
+        ts_seq_len = timestep.shape[1]
+        timestep = timestep.flatten()
+    else:
+        ts_seq_len = None
+    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = transformer.condition_embedder(
+        timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len
+    )
+    timestep_proj = timestep_proj.unflatten(2, (6, -1)) if ts_seq_len is not None else timestep_proj.unflatten(1, (6, -1))
+    if encoder_hidden_states_image is not None:
+        encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
+
+    # 2. the transformer blocks, or the kept residual in their place
+    block_input = hidden_states
+    if kept is None:
+        for block in transformer.blocks:
+            hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+        residual = hidden_states - block_input
+    else:
+        hidden_states = block_input + kept
+        residual = kept
+
+    # 3. output norm, projection and unpatchify
+    if temb.ndim == 3:
+        shift, scale = (transformer.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
+        shift, scale = shift.squeeze(2), scale.squeeze(2)
+    else:
+        shift, scale = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    shift, scale = shift.to(hidden_states.device), scale.to(hidden_states.device)
+    hidden_states = (transformer.norm_out(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
+    hidden_states = transformer.proj_out(hidden_states)
+    hidden_states = hidden_states.reshape(
+        batch_size, post_patch_num_frames, post_patch_height, post_patch_width, p_t, p_h, p_w, -1
+    )
+    hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3), residual
+
+
+class CachedDenoiseStep(DenoiseStep):
+    """A whole denoise step that keeps (`reuse=False`) or reuses (`reuse=True`) the blocks' residual
+    of each CFG branch: input/output "kept_0" (cond) and "kept_1" (uncond, when `cfg`)."""
+
+    def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler | UniPCSampler, cfg: bool, reuse: bool):
+        super().__init__(transformer, sampler, cfg)
+        self.reuse = reuse
+        self.num_kept = 2 if cfg else 1
+
+    def forward(
+        self,
+        latents: torch.Tensor,  # [B, C, F, H, W] float32
+        timestep: torch.Tensor,  # [B]
+        prompt_embeds: torch.Tensor,  # [B, L, D]
+        coeffs: torch.Tensor,  # [B, num_coeffs]
+        negative_prompt_embeds: torch.Tensor | None = None,
+        guidance_scale: torch.Tensor | None = None,
+        condition: torch.Tensor | None = None,
+        image_embeds: torch.Tensor | None = None,
+        **extra: torch.Tensor,  # sampler history carry_0..; on reuse, kept_0.. ([B, S, D] each)
+    ) -> dict[str, torch.Tensor]:
+        # 1. the denoiser input, as DenoiseStep builds it
+        model_input = latents if condition is None else torch.cat([latents, mark_request_constant(condition)], dim=1)
+        model_input = model_input.to(prompt_embeds.dtype)
+        image = None if image_embeds is None else mark_request_constant(image_embeds)
+        # 2. each branch: blocks computed (residual kept) or skipped (residual reused)
+        texts = (prompt_embeds, negative_prompt_embeds)
+        noises, residuals = [], []
+        for b in range(self.num_kept):
+            kept = extra[f"kept_{b}"] if self.reuse else None
+            noise, residual = wan_forward(self.transformer, model_input, timestep, mark_request_constant(texts[b]), image, kept)
+            noises.append(noise)
+            residuals.append(residual)
+        noise = noises[0]
+        if self.cfg:
+            scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
+            noise = noises[1] + scale * (noise - noises[1])
+        # 3. the sampler update
+        history = tuple(extra[f"carry_{i}"] for i in range(self.num_carry))
+        new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
+        out = {"latents": new_latents}
+        out.update({f"carry_{i}": t for i, t in enumerate(new_history)})
+        if not self.reuse:
+            out.update({f"kept_{b}": r for b, r in enumerate(residuals)})
+        return out

@@ -1,0 +1,92 @@
+"""MagCache (Ma et al., github.com/Zehong-Ma/MagCache) as an interceptor: its schedule reads no tensor.
+
+MagCache skips the transformer blocks at a step when the magnitude of the blocks' residual is
+predicted to change little since the last full step. The prediction is a per-step ratio calibrated
+once per model (`mag_ratios`), so whether step i computes depends only on the settings and the step
+index: the whole schedule is known before the run and no device value is read to decide.
+
+The decision follows diffusers' `MagCacheHeadHook` (diffusers.hooks.mag_cache, 0.42.1) step for step,
+in its float32 arithmetic (its accumulators become float32 tensors once multiplied by a ratio):
+
+    steps before round(retention_ratio * num_inference_steps) always compute; after them
+    ratio *= mag_ratios[i]; skipped += 1; err += |1 - ratio|
+    reuse if a residual is kept and err <= threshold and skipped <= max_skip_steps,
+    else compute and reset (ratio 1, skipped 0, err 0)
+
+diffusers keeps one state per CFG branch (WanPipeline's cache_context "cond" / "uncond"); both see
+the same step sequence and decide alike, so one decision per step serves both branches, while the
+kept residual is per branch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import numpy as np
+import torch
+from diffusers.hooks.mag_cache import nearest_interp
+from pydantic import Field
+
+from fvgraph.loops.interceptor import CacheSettings
+
+Ratio = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class MagCacheSettings(CacheSettings):
+    """diffusers' `MagCacheConfig` names; `calibrate` is not taken here (ratios must be given)."""
+
+    method: Literal["magcache"] = "magcache"
+    threshold: float = Field(0.06, ge=0, allow_inf_nan=False, description="Accumulated error up to which steps reuse.")
+    max_skip_steps: int = Field(3, ge=0, description="The most consecutive steps that reuse (K in the paper).")
+    retention_ratio: float = Field(0.2, ge=0, le=1, description="Fraction of the first steps that always compute.")
+    num_inference_steps: int | None = Field(
+        None, ge=1, description="The steps `mag_ratios` are interpolated to; default and only allowed value: the request's."
+    )
+    mag_ratios: tuple[Ratio, ...] = Field(
+        min_length=1, description="Per-step magnitude ratios calibrated for the model (nearest-interpolated to the steps)."
+    )
+
+    def check_steps(self, num_inference_steps: int) -> tuple[str, str] | None:
+        if self.num_inference_steps is not None and self.num_inference_steps != num_inference_steps:
+            return ("cache.num_inference_steps", f"{self.num_inference_steps} differs from the request's "
+                    f"num_inference_steps={num_inference_steps}; MagCache plans one run of the request's steps")  # fmt: skip
+        return None
+
+    def policy(self, num_inference_steps: int) -> MagCache:
+        return MagCache(self, num_inference_steps)
+
+
+class MagCache:
+    """One request's MagCache decisions; `memo` holds diffusers' three accumulators."""
+
+    def __init__(self, settings: MagCacheSettings, num_inference_steps: int):
+        ratios = torch.tensor(settings.mag_ratios)  # float32, as MagCacheConfig turns a list into a tensor
+        if len(ratios) != num_inference_steps:
+            ratios = nearest_interp(ratios, num_inference_steps)
+        self.ratios = [np.float32(r) for r in ratios.tolist()]
+        self.retention_step = int(settings.retention_ratio * num_inference_steps + 0.5)
+        self.threshold = np.float32(settings.threshold)  # torch compares a float32 tensor with a float in float32
+        self.max_skip_steps = settings.max_skip_steps
+
+    def start(self) -> dict[str, float]:
+        return {"ratio": 1.0, "skipped": 0, "err": 0.0}
+
+    def decide(self, memo: dict[str, float], step_index: int, has_kept: bool) -> tuple[bool, dict[str, float]]:
+        """(compute, memo after this step): True when step `step_index` must run the blocks."""
+        if step_index < self.retention_step:
+            return True, memo
+        scale = self.ratios[step_index] if step_index < len(self.ratios) else np.float32(1.0)
+        ratio = np.float32(memo["ratio"]) * scale
+        err = np.float32(memo["err"]) + abs(np.float32(1.0) - ratio)
+        skipped = int(memo["skipped"]) + 1
+        if has_kept and err <= self.threshold and skipped <= self.max_skip_steps:
+            return False, {"ratio": float(ratio), "skipped": skipped, "err": float(err)}
+        return True, self.start()
+
+    def schedule(self, num_inference_steps: int) -> list[bool]:
+        """Which steps compute, worked out ahead (every step keeps a residual once one computed)."""
+        memo, plan = self.start(), []
+        for i in range(num_inference_steps):
+            compute, memo = self.decide(memo, i, has_kept=i > 0)
+            plan.append(compute)
+        return plan
