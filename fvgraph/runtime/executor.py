@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.runtime.graph_runner import GraphRunner, _request_rows
+from fvgraph.runtime.graph_runner import GraphRunner, request_rows
 from fvgraph.compile.compiler import StepCompiler
 from fvgraph.runtime.counters import Counters
 from fvgraph.loops.loop import StepResult, WorkPlan
@@ -52,7 +52,7 @@ class EagerExecutor:
         self.counters.eager_steps += len(plans)
         with torch.no_grad():
             outputs = step(**inputs)
-        rows = {name: _request_rows(out, bucket, len(plans)) for name, out in outputs.items()}
+        rows = {name: request_rows(out, bucket, len(plans)) for name, out in outputs.items()}
         return [{name: rows[name][i] for name in outputs} for i in range(len(plans))]
 
 

@@ -118,7 +118,7 @@ class GraphRunner:
             return [plan.inputs[source[0]] for plan in plans]
         if entry.graph is not None or out.untyped_storage().data_ptr() in entry.storages:
             out = out.clone()
-        return _request_rows(out, entry.bucket, len(plans))
+        return request_rows(out, entry.bucket, len(plans))
 
     # -- preparing a bucket --------------------------------------------------------------------------
 
@@ -234,7 +234,7 @@ def _changed_rows(owners: list, previous: list) -> list[int]:
     return [i for i, (owner, before) in enumerate(zip(owners, previous)) if owner is not before]
 
 
-def _request_rows(out: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, ...]:
+def request_rows(out: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, ...]:
     """The first n requests' rows of a batch's (copied-out) output, as views: row i for request i, or
     rows i, bucket + i, ... when the output holds several rows per request branch-major (a fused-CFG
     tap). One unbind rather than n slices: this runs for every output of every batch."""
