@@ -1,21 +1,23 @@
-"""Ray Serve: two tiny-wan replicas on CPU behind the HTTP API, driven by the official openai client.
+"""`fvgraph serve-ray`: two tiny-wan replicas on CPU behind the HTTP API, driven by the official openai client.
 
 Needs the ray extra (`pip install -e '.[test,ray]'`, as `make test` does); skipped where Ray is missing.
 """
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'fvgraph[ray]')")
 from http_helpers import QUICK, client, httpx  # noqa: E402
-from ray import serve  # noqa: E402
 
-from fvgraph.serving.http_app import HttpSettings  # noqa: E402
 from fvgraph.serving.media_encode import decode_mp4  # noqa: E402
-from fvgraph.serving.ray_deployment import REPLICA_HEADER, ReplicaSpec, build_app  # noqa: E402
+from fvgraph.serving.ray_deployment import REPLICA_HEADER  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 KEY = "ray-test-key"
@@ -29,25 +31,35 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def ray_app(tmp_path_factory):
-    """A local Ray instance (2 CPUs, no dashboard) serving 2 tiny-wan replicas at -O0; shut down after."""
+    """`fvgraph serve-ray` with 2 tiny-wan replicas at -O0 on a local Ray instance (no dashboard), in
+    a process of its own; yields (base URL, the shared store, the process)."""
     storage = tmp_path_factory.mktemp("ray-videos")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
-             log_to_driver=False, configure_logging=False)  # fmt: skip
+    port = _free_port()
+    command = [sys.executable, "-m", "fvgraph", "serve-ray", "--replicas", "2", "--replica-cpus", "0.5",
+               "--ray-address", "local", "-O0", "--device", "cpu", "--api-key", KEY, "--port", str(port),
+               "--storage-dir", str(storage), "--drain-timeout", "0.05"]  # fmt: skip
+    log = storage.parent / "serve-ray.log"
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        spec = ReplicaSpec(storage_dir=str(storage), card="tiny-wan", opt_level=0, device="cpu",
-                           settings=HttpSettings(api_key=KEY, drain_timeout_s=0.05))  # fmt: skip
-        app = build_app(spec, num_replicas=2, ray_actor_options={"num_cpus": 0.5})
-        serve.run(app, name="fvgraph", route_prefix="/")
-        yield f"http://127.0.0.1:{port}", storage
+        deadline = time.monotonic() + 180
+        while b"serving tiny-wan -O0 on Ray Serve" not in log.read_bytes():
+            assert process.poll() is None, f"fvgraph serve-ray exited {process.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"fvgraph serve-ray did not start:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}", storage, process
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if process.poll() is None:  # a test failed before the shutdown test: stop it, then make sure
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
 
 
 def test_eight_requests_over_http_complete_on_both_replicas_and_any_replica_serves_any_video(ray_app):
-    url, storage = ray_app
+    url, storage, _ = ray_app
     api = client(url, KEY)
     made_by = {}  # video id -> the replica whose engine runs it (the replica that took the POST)
     for i in range(8):
@@ -76,10 +88,11 @@ def test_eight_requests_over_http_complete_on_both_replicas_and_any_replica_serv
     assert health.status_code == 200 and health.headers[REPLICA_HEADER] in set(made_by.values())
 
 
-def test_shutdown_drains_each_replica_and_records_its_unfinished_video(ray_app):
-    """Last in this module: Serve shuts down while a long video runs. The replica's drain (the app's
-    ASGI lifespan) cancels it after drain_timeout_s and records why in the shared store."""
-    url, storage = ray_app
+def test_sigterm_drains_each_replica_records_its_unfinished_video_and_exits_0(ray_app):
+    """Last in this module: SIGTERM while a long video runs. Each replica's drain (the app's ASGI
+    lifespan, run by Ray Serve's shutdown) cancels it after --drain-timeout and records why in the
+    shared store; the command exits 0."""
+    url, storage, process = ray_app
     api = client(url, KEY)
     # 33 frames at 256x256, 50 steps: about 6 s of denoising on one CPU thread, far past the drain timeout
     video = api.videos.create(prompt="a long one", size="256x256", seconds="8", extra_body={**QUICK, "num_inference_steps": 50})
@@ -87,7 +100,8 @@ def test_shutdown_drains_each_replica_and_records_its_unfinished_video(ray_app):
     while api.videos.retrieve(video.id).progress == 0:
         assert time.monotonic() < deadline, "the video never started"
         time.sleep(0.05)
-    serve.shutdown()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0
     record = json.loads((storage / f"{video.id}.json").read_text())
     assert record["status"] == "failed" and record["error"]["code"] == "shutdown", record
     assert not list(storage.glob("*.partial")) and not list(storage.glob(f"{video.id}.mp4"))
