@@ -40,6 +40,7 @@ from fvgraph.serving.shared_video_store import SharedVideoStore
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "fvgraph-replica"
+DEFAULT_MAX_ONGOING_REQUESTS = 256  # HTTP calls a replica serves at once (polls, event streams, posts)
 # Engine.from_card's arguments that ReplicaSpec names itself; engine_kwargs takes the others.
 _NAMED = {"card", "checkpoint", "opt_level", "device", "cache_dir"}
 
@@ -155,4 +156,7 @@ def build_app(spec: ReplicaSpec, *, num_replicas: int | str | None = None, autos
         options["ray_actor_options"] = ray_actor_options
     # Ray Serve's shutdown must outlast the drain, which gives running requests drain_timeout_s to end.
     options.setdefault("graceful_shutdown_timeout_s", spec.settings.drain_timeout_s + 10.0)
+    # Ray Serve's default (5 HTTP calls in flight per replica) would hold back polls behind a few open
+    # event streams; the engine's load is bounded by admission (max_queue, max_running) instead.
+    options.setdefault("max_ongoing_requests", DEFAULT_MAX_ONGOING_REQUESTS)
     return EngineReplica.options(**options).bind(spec)

@@ -51,7 +51,7 @@ def serve_ray(
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="FRAMESxHEIGHTxWIDTH each replica compiles before /ready (repeatable; with --cache-dir, default: the card's shape)."),
 ) -> None:
     """Serve the OpenAI videos and images API (as `fvgraph serve --port`) from N engine replicas on
-    Ray Serve, routed and scaled by Ray Serve (docs/serving.md, "Ray Serve replicas")."""
+    Ray Serve, routed and scaled by Ray Serve (docs/parallel.md, "Ray Serve replicas")."""
     from fvgraph.cli import _compile_config, _shape, _writable_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
