@@ -14,7 +14,7 @@ import time
 import pytest
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'fvgraph[ray]')")
-from http_helpers import QUICK, client, httpx  # noqa: E402
+from http_helpers import QUICK, client, httpx, openai  # noqa: E402
 
 from fvgraph.serving.media_encode import decode_mp4  # noqa: E402
 from fvgraph.serving.ray_deployment import REPLICA_HEADER  # noqa: E402
@@ -86,6 +86,41 @@ def test_eight_requests_over_http_complete_on_both_replicas_and_any_replica_serv
     assert answered_by <= set(made_by.values())
     health = httpx.get(url + "/health")
     assert health.status_code == 200 and health.headers[REPLICA_HEADER] in set(made_by.values())
+
+
+def _metric_on(url: str, replica: str, name: str) -> float:
+    """`name` from the /metrics of `replica` (Ray Serve picks the replica per call: ask until it is that one)."""
+    for _ in range(200):
+        answer = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        if answer.headers[REPLICA_HEADER] == replica:
+            return sum(float(line.split()[-1]) for line in answer.text.splitlines() if line.startswith(name))
+    raise AssertionError(f"200 calls to /metrics never reached replica {replica}")
+
+
+def test_a_delete_on_any_replica_cancels_the_running_video_on_the_replica_that_runs_it(ray_app):
+    url, storage, _ = ray_app
+    api = client(url, KEY)
+    raw = api.videos.with_raw_response.create(prompt="a long one", size="256x256", seconds="8",
+                                              extra_body={**QUICK, "num_inference_steps": 50})  # fmt: skip
+    video, owner = raw.parse(), raw.headers[REPLICA_HEADER]
+    cancelled = 'fvgraph_cancellations_total{reason="client"}'
+    before = _metric_on(url, owner, cancelled)
+    deadline = time.monotonic() + 30
+    while api.videos.retrieve(video.id).progress == 0:
+        assert time.monotonic() < deadline, "the video never started"
+        time.sleep(0.05)
+
+    deleted = api.videos.with_raw_response.delete(video.id)  # the maker or the other replica: either must do
+    assert deleted.parse().deleted
+    for _ in range(2):  # whichever replica answers, the video is gone
+        with pytest.raises(openai.NotFoundError):
+            api.videos.retrieve(video.id)
+    while _metric_on(url, owner, cancelled) != before + 1:
+        assert time.monotonic() < deadline + 30, "the replica running the video never cancelled it"
+        time.sleep(0.1)
+    assert _metric_on(url, owner, "fvgraph_running_requests") == 0
+    across = deleted.headers[REPLICA_HEADER] != owner  # then a tombstone stays for the retention
+    assert {path.suffix for path in storage.glob(f"{video.id}*")} == ({".deleted"} if across else set())
 
 
 def test_sigterm_drains_each_replica_records_its_unfinished_video_and_exits_0(ray_app):
