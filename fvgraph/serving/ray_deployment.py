@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 try:
@@ -146,8 +145,7 @@ def build_app(spec: ReplicaSpec, *, num_replicas: int | str | None = None, autos
         raise ValueError("give num_replicas or autoscaling_config, not both (Ray Serve takes one)")
     if isinstance(num_replicas, int) and num_replicas < 1:
         raise ValueError(f"num_replicas={num_replicas} must be at least 1")
-    Path(spec.storage_dir).mkdir(parents=True, exist_ok=True)
-    options = dict(deployment_options)
+    options = dict(deployment_options)  # the store's directory is made by each replica, where it runs
     if num_replicas is not None:
         options["num_replicas"] = num_replicas
     if autoscaling_config is not None:
