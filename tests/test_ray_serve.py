@@ -36,7 +36,7 @@ def ray_app(tmp_path_factory):
     storage = tmp_path_factory.mktemp("ray-videos")
     port = _free_port()
     command = [sys.executable, "-m", "fvgraph", "serve-ray", "--replicas", "2", "--replica-cpus", "0.5",
-               "--ray-address", "local", "-O0", "--device", "cpu", "--api-key", KEY, "--port", str(port),
+               "--ray-address", "local", "--ray-cpus", "2", "-O0", "--device", "cpu", "--api-key", KEY, "--port", str(port),
                "--storage-dir", str(storage), "--drain-timeout", "0.05"]  # fmt: skip
     log = storage.parent / "serve-ray.log"
     with open(log, "wb") as output:

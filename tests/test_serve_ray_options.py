@@ -18,6 +18,7 @@ runner = CliRunner()
     (["--memory-budget", "lots"], "--memory-budget='lots' must be a size"),
     (["--warmup-shape", "9x64"], "--warmup-shape='9x64' must be FRAMESxHEIGHTxWIDTH"),
     (["-O", "7"], "opt_level=7 must be 0, 1, 2 or 3"),
+    (["--ray-cpus", "0"], "--ray-cpus=0 must be at least 1"),
 ])  # fmt: skip
 def test_bad_options_exit_2_naming_the_option(tmp_path, args, message):
     pytest.importorskip("ray", reason="the ray extra is not installed")

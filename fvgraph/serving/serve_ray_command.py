@@ -28,6 +28,7 @@ def serve_ray(
     replica_gpus: float = typer.Option(0.0, help="GPUs Ray reserves for each replica (1 for one GPU each)."),
     ray_address: Optional[str] = typer.Option(None, help="Ray cluster to join ('auto', 'ray://HOST:PORT'; 'local' starts a new one). Default: Ray's own choice."),
     dashboard: bool = typer.Option(False, help="Start Ray's dashboard when this command starts a local Ray instance."),
+    ray_cpus: Optional[int] = typer.Option(None, help="CPUs a local Ray instance this command starts may use (default: all)."),
     storage_dir: Path = typer.Option(Path("outputs/http"), "--storage-dir", "-o", help="The video store every replica shares (a network file system across machines)."),
     host: str = typer.Option("127.0.0.1", help="The address Ray Serve's HTTP proxy binds (0.0.0.0 to serve other machines)."),
     port: int = typer.Option(8000, help="The port Ray Serve's HTTP proxy listens on."),
@@ -61,6 +62,8 @@ def serve_ray(
 
         if replicas is not None and autoscaling is not None:
             raise ValueError("--replicas and --autoscaling: give one (Ray Serve takes a fixed count or a policy)")
+        if ray_cpus is not None and ray_cpus < 1:
+            raise ValueError(f"--ray-cpus={ray_cpus} must be at least 1")
         if replicas is not None and replicas < 1:
             raise ValueError(f"--replicas={replicas} must be at least 1")
         scaling = _autoscaling(autoscaling) if autoscaling is not None else None
@@ -80,14 +83,19 @@ def serve_ray(
     except Exception as error:  # a bad option, or Ray missing: say why and stop
         err.print(f"[red]error:[/red] {escape(str(error))}")  # escaped: "fvgraph[ray]" is not markup
         raise typer.Exit(2) from None
-    _run(app, ray_address, dashboard, host, port, f"{card} -O{opt_level}", err)
+    local = {"include_dashboard": dashboard, **({"num_cpus": ray_cpus} if ray_cpus is not None else {})}
+    _run(app, ray_address, local, host, port, f"{card} -O{opt_level}", err)
 
 
-def _run(app, ray_address: Optional[str], dashboard: bool, host: str, port: int, label: str, err: Console) -> None:
+def _run(app, ray_address: Optional[str], local: dict, host: str, port: int, label: str, err: Console) -> None:
     import ray
     from ray import serve
 
-    ray.init(address=ray_address, include_dashboard=dashboard, log_to_driver=False, configure_logging=False)
+    try:
+        ray.init(address=ray_address, log_to_driver=False, configure_logging=False, **local)
+    except (ValueError, ConnectionError) as error:  # no cluster at the address; --ray-cpus given for one that runs
+        err.print(f"[red]error:[/red] --ray-address={ray_address}: {escape(str(error))}")
+        raise typer.Exit(2) from None
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
