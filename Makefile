@@ -15,7 +15,9 @@ setup:
 demo: setup
 	$(PYTHON) -m fvgraph generate --card tiny-wan --prompt "a red fox running through fresh snow" --output outputs/tiny-wan.gif
 
+# The suite also runs the Ray Serve replicas test (tests/test_ray_serve.py): the ray extra comes first.
 test: setup
+	$(PYTHON) -m pip install -q -e ".[test,ray]"
 	$(PYTHON) -m pytest -m "not gpu" -q
 
 # The CPU suite under the torch and triton of the reference GPU machine (torch 2.11, triton 3.6), in a

@@ -14,6 +14,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fvgraph.serving.serve_ray_command import serve_ray
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fvgraph: a compiled runtime for diffusion transformers")
 cache_app = typer.Typer(no_args_is_help=True, help="Inspect the on-disk capture cache: ls | verify | clear.")
 app.add_typer(cache_app, name="cache")
@@ -209,6 +211,10 @@ def serve(
     with source:
         counts = server.serve(source)
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
+
+
+# `fvgraph serve-ray`: the same HTTP API from N engine replicas on Ray Serve (it imports Ray only when run).
+app.command("serve-ray")(serve_ray)
 
 
 def _writable_dir(folder: Path, option: str) -> None:

@@ -1,0 +1,45 @@
+"""`fvgraph serve-ray` and ReplicaSpec refuse bad options before Ray starts, naming the option and the rule."""
+
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from fvgraph.cli import app
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "0"], "--replicas=0 must be at least 1"),
+    (["--replicas", "2", "--autoscaling", '{"max_replicas": 4}'], "--replicas and --autoscaling: give one"),
+    (["--autoscaling", "[1, 2]"], "--autoscaling='[1, 2]' must be a JSON object"),
+    (["--autoscaling", "{max"], "must be a JSON object (Ray Serve's autoscaling_config)"),
+    (["--memory-budget", "lots"], "--memory-budget='lots' must be a size"),
+    (["--warmup-shape", "9x64"], "--warmup-shape='9x64' must be FRAMESxHEIGHTxWIDTH"),
+    (["-O", "7"], "opt_level=7 must be 0, 1, 2 or 3"),
+    (["--ray-cpus", "0"], "--ray-cpus=0 must be at least 1"),
+])  # fmt: skip
+def test_bad_options_exit_2_naming_the_option(tmp_path, args, message):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    result = runner.invoke(app, ["serve-ray", "--storage-dir", str(tmp_path), *args])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_without_ray_the_error_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # what `import ray` meets where the extra is missing
+    monkeypatch.delitem(sys.modules, "fvgraph.serving.ray_deployment", raising=False)
+    result = runner.invoke(app, ["serve-ray", "--storage-dir", str(tmp_path)])
+    assert result.exit_code == 2 and "pip install 'fvgraph[ray]'" in " ".join(result.output.split()), result.output
+
+
+def test_replica_spec_names_the_field_and_the_rule(tmp_path):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    from fvgraph.serving.ray_deployment import ReplicaSpec, build_app
+
+    with pytest.raises(ValueError, match="engine_kwargs repeats \\['opt_level'\\]"):
+        ReplicaSpec(storage_dir=str(tmp_path), engine_kwargs={"opt_level": 2})
+    with pytest.raises(ValueError, match="storage_dir must name a directory"):
+        ReplicaSpec(storage_dir=" ")
+    with pytest.raises(ValueError, match="give num_replicas or autoscaling_config, not both"):
+        build_app(ReplicaSpec(storage_dir=str(tmp_path)), num_replicas=2, autoscaling_config={"max_replicas": 2})
