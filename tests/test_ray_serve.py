@@ -3,6 +3,7 @@
 Needs the ray extra (`pip install -e '.[test,ray]'`, as `make test` does); skipped where Ray is missing.
 """
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -61,11 +62,15 @@ def ray_app(tmp_path_factory):
 def test_eight_requests_over_http_complete_on_both_replicas_and_any_replica_serves_any_video(ray_app):
     url, storage, _ = ray_app
     api = client(url, KEY)
-    made_by = {}  # video id -> the replica whose engine runs it (the replica that took the POST)
-    for i in range(8):
+
+    def post(i: int):
         raw = api.videos.with_raw_response.create(prompt=f"fox {i}", size="32x32", seconds="1",
                                                   extra_body={**QUICK, "seed": i})  # fmt: skip
-        made_by[raw.parse().id] = raw.headers[REPLICA_HEADER]
+        return raw.parse().id, raw.headers[REPLICA_HEADER]
+
+    # all at once, as clients arrive: the router sees calls in flight and spreads them
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        made_by = dict(pool.map(post, range(8)))  # video id -> the replica whose engine runs it
     assert len(set(made_by.values())) == 2, f"Ray Serve sent every request to one replica: {made_by}"
 
     answered_by = set()  # the replicas that answered the polls: each reads videos the other made
