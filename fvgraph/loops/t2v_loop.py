@@ -18,7 +18,7 @@ from torch import nn
 from fvgraph.card import ModelCard
 from fvgraph.runtime.components import Components
 from fvgraph.loops.cached_denoise import CachedDenoiseStep
-from fvgraph.loops.interceptor import Interceptor, parse_cache_settings
+from fvgraph.loops.interceptor import Interceptor, PolicyContext, parse_cache_settings
 from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.loops.samplers import build_sampler
@@ -141,6 +141,8 @@ class TextToVideoLoop:
         if resolved.cache is not None and (self.takes_image or len(self.facts.experts) > 1):
             raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
                                            "runs on single-expert text-to-video loops only")  # fmt: skip
+        if resolved.cache is not None and (problem := resolved.cache.check_card(self.card)):
+            raise RequestRejected(*problem)
         return resolved
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
@@ -180,6 +182,8 @@ class TextToVideoLoop:
         )
         if request.cache is not None:
             state.cache = request.cache.model_dump(mode="json")
+            # The policy is built here, before any step is queued: one that plans from the denoiser
+            # (TeaCache runs its condition embedder on the timesteps) reads the device only now.
             state.cache_memo = self._policy(state).start()
             state.cache_counts = {"computed": 0, "reused": 0}
         texts = []
@@ -258,7 +262,8 @@ class TextToVideoLoop:
 
     def _policy(self, state: T2VState) -> Interceptor:
         if state.policy is None:
-            state.policy = parse_cache_settings(state.cache).policy(state.num_steps)
+            context = PolicyContext(state.timesteps, self.components.transformer, self.embed_dtype, self.card)
+            state.policy = parse_cache_settings(state.cache).policy(state.num_steps, context)
         return state.policy
 
     def _cached_plan(self, state: T2VState, facts: DenoiseFacts, inputs: dict[str, torch.Tensor]) -> WorkPlan:
