@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 METHODS: dict[str, str] = {
     "magcache": "fvgraph.loops.mag_cache:MagCacheSettings",
     "teacache": "fvgraph.loops.tea_cache:TeaCacheSettings",
+    "taylorseer": "fvgraph.loops.taylor_seer:TaylorSeerSettings",
 }
 
 
@@ -79,6 +80,11 @@ class CacheSettings(BaseModel):
     def check_steps(self, num_inference_steps: int) -> tuple[str, str] | None:
         """(field, message) when these settings cannot serve a request of that many steps, else None."""
         return None
+
+    def kept_layout(self, memo: dict[str, float]) -> tuple[int, int]:
+        """(tensors per CFG branch, dims of each) that `cache_kept` holds once a step computed, given
+        the policy's memo: one residual [1, S, D] per branch unless the method keeps something else."""
+        return 1, 3
 
     def check_card(self, card: ModelCard) -> tuple[str, str] | None:
         """(field, message) when these settings cannot serve a request on that card, else None."""
