@@ -9,6 +9,9 @@ that does it (fvgraph/loops/cached_denoise.py):
                           stack added to its input ("kept_0", "kept_1")
     denoise[_cfg]_reuse   the step with the block stack replaced by adding the kept residual
 
+(TaylorSeer, which keeps each branch's noise prediction instead, has kinds of its own:
+fvgraph/loops/taylor_denoise.py; its policy says so with `step_family = "taylor"`.)
+
 Both are ordinary step kinds, each compiled (and at -O2 graphed) under its own signature, so a
 decision costs no graph break and no host sync: requests that compute and requests that reuse run
 as separate groups of one tick. The policy's accumulators (plain Python numbers) and the kept
