@@ -79,6 +79,7 @@ class TaylorSeer:
         self.max_order = settings.max_order
         self.factors_dtype = DTYPES[settings.taylor_factors_dtype]
         self.device = device
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}  # forecast coefficients by (distance, orders)
 
     def start(self) -> dict[str, float]:
         return {"last": -1, "orders": 0}
@@ -107,10 +108,13 @@ class TaylorSeer:
     def forecast_coeffs(self, memo: dict[str, float], step_index: int) -> torch.Tensor:
         """[1, orders] float32: d**k / k! for the forecast at `step_index` (a per-row step input, so
         requests at different distances share one graph). diffusers multiplies by the same Python
-        number, which a float32 tensor op rounds to float32."""
-        d = step_index - int(memo["last"])
-        row = [(d**k) / math.factorial(k) for k in range(int(memo["orders"]))]
-        return torch.tensor([row], dtype=torch.float32, device=self.device)
+        number, which a float32 tensor op rounds to float32. A request has few distinct rows: each is
+        copied to the device once."""
+        key = (step_index - int(memo["last"]), int(memo["orders"]))
+        if key not in self._rows:
+            d, orders = key
+            self._rows[key] = torch.tensor([[(d**k) / math.factorial(k) for k in range(orders)]], dtype=torch.float32, device=self.device)
+        return self._rows[key]
 
     def forecast_inputs(self, kept: list[torch.Tensor], memo: dict[str, float], step_index: int) -> dict[str, torch.Tensor]:
         """The forecast step's extra inputs: each branch's factors ("taylor_{b}_{k}") and the coefficients."""
