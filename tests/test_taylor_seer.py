@@ -139,3 +139,28 @@ def test_a_state_saved_between_a_forecast_and_a_refresh_resumes_unchanged(tiny_e
     resumed = tiny_engine.finish(tiny_engine.resume(T2VState.load(tmp_path / "state.pt")))
     assert torch.equal(resumed.latents, whole.latents)
     assert resumed.cache == whole.cache
+    broken = T2VState.load(tmp_path / "state.pt")
+    broken.cache_kept = broken.cache_kept[:-1]
+    with pytest.raises(ValueError, match=r"cache_kept: must hold 0 or 6 tensors \(3 per CFG branch\), got 5"):
+        tiny_engine.resume(broken)
+    broken.cache_memo = {"last": 2, "orders": 7}
+    with pytest.raises(ValueError, match=r"cache: cache_memo.orders=7 must be an int in \[0, max_order \+ 1 = 3\]"):
+        tiny_engine.resume(broken)
+
+
+@pytest.mark.gpu
+def test_taylorseer_and_teacache_graphed_on_cuda_equal_cuda_eager(tiny_card):
+    """-O2 (inductor, CUDA graphs): the keep, reuse and forecast kinds each replay their own graphs."""
+    requests = _mixed()[:4]
+    eager = Engine.from_card("tiny-wan", device="cuda").generate(requests)
+    graphs = Engine.from_card("tiny-wan", device="cuda", opt_level=2, compile_config=CompileConfig(backend="inductor"))
+    first = graphs.generate(requests)
+    with graphs.counters.expect(compiles=0, captures=0):
+        again = graphs.generate(requests)
+    assert graphs.counters.replays > 0
+    tol = tiny_card.parity.tolerance("fp32", "loop")
+    for a, b, c in zip(first, again, eager):
+        assert a.ok and b.ok and c.ok, (a.error, b.error, c.error)
+        assert a.cache == c.cache
+        torch.testing.assert_close(a.latents, c.latents, atol=tol.atol, rtol=tol.rtol)
+        assert torch.equal(a.latents, b.latents)

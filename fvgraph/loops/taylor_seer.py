@@ -59,7 +59,9 @@ class TaylorSeerSettings(CacheSettings):
         return self
 
     def kept_layout(self, memo: dict[str, float]) -> tuple[int, int]:
-        orders = memo.get("orders")
+        last, orders = memo.get("last"), memo.get("orders")
+        if isinstance(last, bool) or not isinstance(last, int) or last < -1:
+            raise ValueError(f"cache_memo.last={last!r} must be the int step of the last refresh, or -1 before the first")
         if isinstance(orders, bool) or not isinstance(orders, int) or not 0 <= orders <= self.max_order + 1:
             raise ValueError(f"cache_memo.orders={orders!r} must be an int in [0, max_order + 1 = {self.max_order + 1}]")
         return orders, 5  # per branch: its factors, shaped like the latents
@@ -113,7 +115,8 @@ class TaylorSeer:
         key = (step_index - int(memo["last"]), int(memo["orders"]))
         if key not in self._rows:
             d, orders = key
-            self._rows[key] = torch.tensor([[(d**k) / math.factorial(k) for k in range(orders)]], dtype=torch.float32, device=self.device)
+            row = [(d**k) / math.factorial(k) for k in range(orders)]
+            self._rows[key] = torch.tensor([row], dtype=torch.float32, device=self.device)
         return self._rows[key]
 
     def forecast_inputs(self, kept: list[torch.Tensor], memo: dict[str, float], step_index: int) -> dict[str, torch.Tensor]:
@@ -127,8 +130,9 @@ class TaylorSeer:
                    result: dict[str, torch.Tensor], branches: int) -> list[torch.Tensor]:  # fmt: skip
         """`cache_kept` after a computed step: per branch (cond first) its refreshed factors, order 0 first."""
         orders = int(memo["orders"])
-        return [factor for b in range(branches)
-                for factor in self.refreshed_factors(kept[b * orders:(b + 1) * orders], memo, step_index, result[f"features_{b}"])]  # fmt: skip
+        refreshed = [self.refreshed_factors(kept[b * orders : (b + 1) * orders], memo, step_index, result[f"features_{b}"])
+                     for b in range(branches)]  # fmt: skip
+        return [factor for factors in refreshed for factor in factors]
 
     def refreshed_factors(self, factors: list[torch.Tensor], memo: dict[str, float], step_index: int,
                           features: torch.Tensor) -> list[torch.Tensor]:  # fmt: skip
