@@ -170,11 +170,17 @@ def test_latents_and_full_calls_match_the_transcribed_teacache(tiny_engine, name
     torch.testing.assert_close(result.latents, reference, atol=tol.atol, rtol=tol.rtol)
 
 
-def test_the_two_settings_give_different_schedules(tiny_engine):
-    counts = {}
-    for name, cache in SETTINGS.items():
-        state = tiny_engine.start(_request(3, cache))
-        counts[name] = sum(state.policy.schedule(STEPS))
+def test_the_two_settings_give_different_schedules_planned_when_the_request_starts(tiny_engine):
+    embedder = tiny_engine.loop.components.transformer.condition_embedder
+    counts, embedder_calls = {}, []
+    handle = embedder.register_forward_pre_hook(lambda m, a: embedder_calls.append(a[0].shape))
+    try:
+        for name, cache in SETTINGS.items():
+            state = tiny_engine.start(_request(3, cache))
+            counts[name] = sum(state.policy.schedule(STEPS))
+    finally:
+        handle.remove()
+    assert embedder_calls == [torch.Size([1])] * STEPS * 2  # once per timestep of each request, before its first step
     assert counts == {"ret_steps_published": 5, "embedding_scaled": 6}  # CCCCCRRRRR and CRCRCRCRCC
 
 
