@@ -16,6 +16,7 @@ from fvgraph.card import (
     RecipeSpec,
     SamplerSpec,
     ShapeRules,
+    TeaCacheCoefficients,
     Tolerance,
 )
 
@@ -52,6 +53,18 @@ WAN_1_3B_TRANSFORMER = {
 }
 WAN_14B_TRANSFORMER = {**WAN_1_3B_TRANSFORMER, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
 
+# TeaCache's published Wan 2.1 T2V polynomials: ali-vilab/TeaCache, TeaCache4Wan2.1/teacache_generate.py
+# (`coefficients`, set per checkpoint size, with use_ret_steps for the projection's and without for
+# the embedding's).
+TEACACHE_1_3B = TeaCacheCoefficients(
+    timestep_embedding=(2.39676752e03, -1.31110545e03, 2.01331979e02, -8.29855975e00, 1.37887774e-01),
+    timestep_projection=(-5.21862437e04, 9.23041404e03, -5.28275948e02, 1.36987616e01, -4.99875664e-02),
+)
+TEACACHE_14B = TeaCacheCoefficients(
+    timestep_embedding=(-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429, -13.02252404),
+    timestep_projection=(-3.03318725e05, 4.90537029e04, -2.65530556e03, 5.87365115e01, -3.15583525e-01),
+)
+
 PARITY = ParitySpec(
     tolerances={
         "fp32": {"component": Tolerance(atol=1e-5, rtol=1e-4), "loop": Tolerance(atol=1e-4, rtol=1e-3)},
@@ -87,7 +100,7 @@ def _components(dit: dict | None, vae: dict | None, te: dict | None, tok: dict |
     }
 
 
-def _released(card_id: str, transformer: dict) -> ModelCard:
+def _released(card_id: str, transformer: dict, teacache: TeaCacheCoefficients) -> ModelCard:
     return ModelCard(
         card_id=card_id,
         family="wan",
@@ -95,7 +108,7 @@ def _released(card_id: str, transformer: dict) -> ModelCard:
         loops=("t2v",),
         recipe=RecipeSpec(
             method="base", assumes_loop="t2v", sampler=WAN_UNIPC, default_steps=50, allowed_steps=(1, 100),
-            precision="bf16", default_guidance_scale=5.0,
+            precision="bf16", default_guidance_scale=5.0, teacache_coefficients=teacache,
         ),
         parity=PARITY,
         shapes=ShapeRules(text_len=512),
@@ -103,8 +116,8 @@ def _released(card_id: str, transformer: dict) -> ModelCard:
     )  # fmt: skip
 
 
-WAN_2_1_T2V_1_3B = _released("wan2.1-t2v-1.3b", WAN_1_3B_TRANSFORMER)
-WAN_2_1_T2V_14B = _released("wan2.1-t2v-14b", WAN_14B_TRANSFORMER)
+WAN_2_1_T2V_1_3B = _released("wan2.1-t2v-1.3b", WAN_1_3B_TRANSFORMER, TEACACHE_1_3B)
+WAN_2_1_T2V_14B = _released("wan2.1-t2v-14b", WAN_14B_TRANSFORMER, TEACACHE_14B)
 
 TINY_TEXT_LEN = 32
 TINY_WAN = ModelCard(
@@ -131,7 +144,7 @@ TINY_WAN = ModelCard(
     loops=("t2v",),
     recipe=RecipeSpec(
         method="base", assumes_loop="t2v", sampler=WAN_UNIPC, default_steps=8, allowed_steps=(1, 50),
-        precision="fp32", default_guidance_scale=5.0,
+        precision="fp32", default_guidance_scale=5.0, teacache_coefficients=TEACACHE_1_3B,  # the 1.3B's: tiny-wan is its architecture
     ),
     parity=PARITY,
     shapes=ShapeRules(

@@ -55,6 +55,14 @@ class SamplerSpec(_Spec):
     config: dict[str, Any] = Field(default_factory=dict)
 
 
+class TeaCacheCoefficients(_Spec):
+    """TeaCache's published polynomial for a model (highest power first, as numpy.poly1d takes it),
+    one per signal: it maps the relative L1 change of that signal to the change of the model output."""
+
+    timestep_embedding: tuple[float, ...] = Field(min_length=1, description="For the timestep embedding (use_ret_steps=False).")
+    timestep_projection: tuple[float, ...] = Field(min_length=1, description="For the timestep projection (use_ret_steps=True).")
+
+
 class RecipeSpec(_Spec):
     """What produced the weights, and therefore what the weights assume at serve time."""
 
@@ -71,6 +79,9 @@ class RecipeSpec(_Spec):
         "noise), the rest `transformer_2` (as diffusers' WanPipeline boundary_ratio).",
     )
     default_guidance_scale_2: float | None = Field(default=None, description="The low-noise expert's guidance.")
+    teacache_coefficients: TeaCacheCoefficients | None = Field(
+        default=None, description="TeaCache's rescaling polynomials for these weights (docs/interceptors.md)."
+    )
 
     @model_validator(mode="after")
     def _default_within_allowed(self) -> RecipeSpec:

@@ -80,8 +80,9 @@ def test_the_registry_picks_the_cards_loop_and_names_the_known_ones():
 
 def test_the_loop_declares_its_kinds_and_the_compiler_reads_them(tiny_engine):
     kinds = tiny_engine.loop.step_kinds
-    denoise_kinds = ["denoise", "denoise_cfg", "denoise_keep", "denoise_reuse", "denoise_cfg_keep", "denoise_cfg_reuse"]
-    assert {k for k, v in kinds.items() if v.compiled} == set(denoise_kinds)  # the last four: step caching
+    denoise_kinds = ["denoise", "denoise_cfg", "denoise_keep", "denoise_reuse", "denoise_cfg_keep", "denoise_cfg_reuse",
+                     "denoise_taylor_keep", "denoise_taylor_predict", "denoise_cfg_taylor_keep", "denoise_cfg_taylor_predict"]
+    assert {k for k, v in kinds.items() if v.compiled} == set(denoise_kinds)  # all but the first two: step caching
     assert {v.component for v in kinds.values()} == {"text_encoder", "transformer", "vae"}
     engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=CompileConfig(backend="eager"))
     assert [k for k in kinds if engine.compiler.wants(k)] == denoise_kinds

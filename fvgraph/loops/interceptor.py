@@ -9,6 +9,9 @@ that does it (fvgraph/loops/cached_denoise.py):
                           stack added to its input ("kept_0", "kept_1")
     denoise[_cfg]_reuse   the step with the block stack replaced by adding the kept residual
 
+(TaylorSeer, which keeps each branch's noise prediction instead, has kinds of its own:
+fvgraph/loops/taylor_denoise.py; its policy says so with `step_family = "taylor"`.)
+
 Both are ordinary step kinds, each compiled (and at -O2 graphed) under its own signature, so a
 decision costs no graph break and no host sync: requests that compute and requests that reuse run
 as separate groups of one tick. The policy's accumulators (plain Python numbers) and the kept
@@ -21,21 +24,42 @@ diffusers has the method) and a policy with
     start() -> memo                                    the accumulators before the first step
     decide(memo, step_index, has_kept) -> (compute, memo)   pure: the same arguments give the same answer
 
-listed by import path in METHODS. A policy whose schedule is known ahead (MagCache) reads no tensor.
+listed by import path in METHODS. A policy whose schedule is known ahead reads no tensor between
+steps: MagCache's follows from its settings; TeaCache's from the request's timesteps and the
+denoiser's condition embedder, which the loop hands over in a PolicyContext when it builds the policy.
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
+import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
+from torch import nn
+
+if TYPE_CHECKING:
+    from fvgraph.card import ModelCard
 
 # method name -> "module:SettingsClass"; imported on first use.
 METHODS: dict[str, str] = {
     "magcache": "fvgraph.loops.mag_cache:MagCacheSettings",
+    "teacache": "fvgraph.loops.tea_cache:TeaCacheSettings",
+    "taylorseer": "fvgraph.loops.taylor_seer:TaylorSeerSettings",
 }
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What the loop knows of a request when it builds the request's policy (when the request is
+    initialised, and again after a resume), for methods that plan from more than the step count."""
+
+    timesteps: torch.Tensor  # [N] the request's timesteps, as the scheduler emits them
+    transformer: nn.Module  # the denoiser, on the engine's device
+    embed_dtype: torch.dtype  # the dtype the text embeddings enter the denoiser in
+    card: ModelCard
 
 
 class Interceptor(Protocol):
@@ -53,11 +77,20 @@ class CacheSettings(BaseModel):
 
     method: str
 
-    def policy(self, num_inference_steps: int) -> Interceptor:
+    def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> Interceptor:
         raise NotImplementedError(f"cache method {self.method!r} builds no policy")
 
     def check_steps(self, num_inference_steps: int) -> tuple[str, str] | None:
         """(field, message) when these settings cannot serve a request of that many steps, else None."""
+        return None
+
+    def kept_layout(self, memo: dict[str, float]) -> tuple[int, int]:
+        """(tensors per CFG branch, dims of each) that `cache_kept` holds once a step computed, given
+        the policy's memo: one residual [1, S, D] per branch unless the method keeps something else."""
+        return 1, 3
+
+    def check_card(self, card: ModelCard) -> tuple[str, str] | None:
+        """(field, message) when these settings cannot serve a request on that card, else None."""
         return None
 
 

@@ -27,7 +27,7 @@ import torch
 from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import Field
 
-from fvgraph.loops.interceptor import CacheSettings
+from fvgraph.loops.interceptor import CacheSettings, PolicyContext
 
 Ratio = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -52,7 +52,7 @@ class MagCacheSettings(CacheSettings):
                     f"num_inference_steps={num_inference_steps}; MagCache plans one run of the request's steps")  # fmt: skip
         return None
 
-    def policy(self, num_inference_steps: int) -> MagCache:
+    def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> MagCache:
         return MagCache(self, num_inference_steps)
 
 

@@ -18,12 +18,13 @@ from torch import nn
 from fvgraph.card import ModelCard
 from fvgraph.runtime.components import Components
 from fvgraph.loops.cached_denoise import CachedDenoiseStep
-from fvgraph.loops.interceptor import Interceptor, parse_cache_settings
+from fvgraph.loops.interceptor import Interceptor, PolicyContext, parse_cache_settings
 from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.loops.samplers import build_sampler
 from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
 from fvgraph.loops.t2v_state_check import check_t2v_state
+from fvgraph.loops.taylor_denoise import TaylorDenoiseStep
 from fvgraph.loops.taps import TapPoints
 
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
@@ -37,8 +38,12 @@ STEP_KINDS = {
 # (cfg, reuse): a full step that keeps the blocks' residual, or one that reuses it.
 CACHED_KINDS = {(cfg, reuse): f"denoise{'_cfg' if cfg else ''}_{'reuse' if reuse else 'keep'}"
                 for cfg in (False, True) for reuse in (False, True)}  # fmt: skip
+# TaylorSeer's (fvgraph/loops/taylor_seer.py), by (cfg, forecast): a full step that keeps each branch's
+# noise prediction, or one that forecasts it from the kept Taylor factors.
+TAYLOR_KINDS = {(cfg, forecast): f"denoise{'_cfg' if cfg else ''}_taylor_{'predict' if forecast else 'keep'}"
+                for cfg in (False, True) for forecast in (False, True)}  # fmt: skip
 STEP_KINDS.update({kind: StepKind(kind, component="transformer", phase="denoise", compiled=True, per_inference_step=True)
-                   for kind in CACHED_KINDS.values()})  # fmt: skip
+                   for kind in (*CACHED_KINDS.values(), *TAYLOR_KINDS.values())})  # fmt: skip
 
 
 class DenoiseFacts(NamedTuple):
@@ -123,6 +128,7 @@ class TextToVideoLoop:
             DENOISE: DenoiseStep(c.transformer, self.sampler, cfg=False, tap_points=tap_points),
             DENOISE_CFG: DenoiseStep(c.transformer, self.sampler, cfg=True, tap_points=tap_points),
             **{kind: CachedDenoiseStep(c.transformer, self.sampler, cfg, reuse) for (cfg, reuse), kind in CACHED_KINDS.items()},
+            **{kind: TaylorDenoiseStep(c.transformer, self.sampler, cfg, forecast) for (cfg, forecast), kind in TAYLOR_KINDS.items()},
             VAE_DECODE: VaeDecodeStep(c.vae),
         }
         if c.text_encoder is not None:
@@ -141,6 +147,8 @@ class TextToVideoLoop:
         if resolved.cache is not None and (self.takes_image or len(self.facts.experts) > 1):
             raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
                                            "runs on single-expert text-to-video loops only")  # fmt: skip
+        if resolved.cache is not None and (problem := resolved.cache.check_card(self.card)):
+            raise RequestRejected(*problem)
         return resolved
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
@@ -180,6 +188,8 @@ class TextToVideoLoop:
         )
         if request.cache is not None:
             state.cache = request.cache.model_dump(mode="json")
+            # The policy is built here, before any step is queued: one that plans from the denoiser
+            # (TeaCache runs its condition embedder on the timesteps) reads the device only now.
             state.cache_memo = self._policy(state).start()
             state.cache_counts = {"computed": 0, "reused": 0}
         texts = []
@@ -258,24 +268,34 @@ class TextToVideoLoop:
 
     def _policy(self, state: T2VState) -> Interceptor:
         if state.policy is None:
-            state.policy = parse_cache_settings(state.cache).policy(state.num_steps)
+            context = PolicyContext(state.timesteps, self.components.transformer, self.embed_dtype, self.card)
+            state.policy = parse_cache_settings(state.cache).policy(state.num_steps, context)
         return state.policy
 
     def _cached_plan(self, state: T2VState, facts: DenoiseFacts, inputs: dict[str, torch.Tensor]) -> WorkPlan:
         """The step the request's interceptor decides on: keep (blocks run) or reuse (blocks skipped).
         The decision is host arithmetic on the state; advance() repeats it to move the state on."""
-        compute, _ = self._policy(state).decide(state.cache_memo, state.step_index, bool(state.cache_kept))
-        if not compute:
-            inputs.update({f"kept_{b}": t for b, t in enumerate(state.cache_kept)})
-        kind = CACHED_KINDS[(state.cfg, not compute)]
+        policy = self._policy(state)
+        compute, _ = policy.decide(state.cache_memo, state.step_index, bool(state.cache_kept))
+        if getattr(policy, "step_family", "residual") == "taylor":
+            if not compute:
+                inputs.update(policy.forecast_inputs(state.cache_kept, state.cache_memo, state.step_index))
+            kind = TAYLOR_KINDS[(state.cfg, not compute)]
+        else:
+            if not compute:
+                inputs.update({f"kept_{b}": t for b, t in enumerate(state.cache_kept)})
+            kind = CACHED_KINDS[(state.cfg, not compute)]
         plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels, facts.constant_names)
         plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
         return plan
 
     def _advance_cache(self, state: T2VState, result: StepResult) -> None:
-        compute, state.cache_memo = self._policy(state).decide(state.cache_memo, state.step_index, bool(state.cache_kept))
+        policy, memo = self._policy(state), state.cache_memo
+        compute, state.cache_memo = policy.decide(memo, state.step_index, bool(state.cache_kept))
         branches = 2 if state.cfg else 1
-        if compute:
+        if compute and getattr(policy, "step_family", "residual") == "taylor":
+            state.cache_kept = policy.kept_after(state.cache_kept, memo, state.step_index, result, branches)
+        elif compute:
             state.cache_kept = [result[f"kept_{b}"] for b in range(branches)]
         key = "computed" if compute else "reused"
         state.cache_counts[key] = state.cache_counts.get(key, 0) + branches

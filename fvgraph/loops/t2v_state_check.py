@@ -86,14 +86,15 @@ def _check_cache(c: _Checker, state: LoopState) -> None:
             c.fail("cache_kept", "holds kept tensors but the state has no cache settings")
         return
     try:
-        parse_cache_settings(state.cache)
+        per_branch, dims = parse_cache_settings(state.cache).kept_layout(state.cache_memo)
     except ValueError as err:
         c.fail("cache", str(err))
     branches = 2 if state.cfg else 1
-    if len(state.cache_kept) not in (0, branches):
-        c.fail("cache_kept", f"must hold 0 or {branches} tensors (one per CFG branch), got {len(state.cache_kept)}")
+    if len(state.cache_kept) not in (0, branches * per_branch):
+        c.fail("cache_kept", f"must hold 0 or {branches * per_branch} tensors ({per_branch} per CFG branch), "
+                             f"got {len(state.cache_kept)}")  # fmt: skip
     for i, kept in enumerate(state.cache_kept):
-        c.tensor(f"cache_kept[{i}]", dims=3, value=kept)
+        c.tensor(f"cache_kept[{i}]", dims=dims, value=kept)
 
 
 def _check_progress(c: _Checker, state: LoopState, steps: int, pre_denoise: tuple[str, ...]) -> None:

@@ -1,0 +1,78 @@
+"""The two denoise step kinds of TaylorSeer (fvgraph/loops/taylor_seer.py): a full step that also
+returns each CFG branch's noise prediction (the features the Taylor factors are formed from), and a
+forecast step that runs no transformer: each branch's noise prediction is the Taylor series of its
+kept factors at the request's step distance.
+
+The features are the noise predictions rather than `proj_out`'s output, which diffusers' lite mode
+keeps: one is the other reshaped and permuted, and the series is elementwise, so the forecast is the
+same numbers. The forecast's coefficients d**k / k! enter as a per-row [B, orders] tensor, never a
+Python number, so requests at different distances share one graph; the number of orders (1 ..
+max_order + 1) is fixed by the step's inputs, one signature each.
+
+Like CachedDenoiseStep the full step calls the denoiser without CFG-branch markers, so the CFG
+fusion pass leaves its two calls apart; whether a step keeps or forecasts is fixed when the module
+is built, never decided per call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fvgraph.compile.markers import mark_request_constant
+from fvgraph.loops.samplers import FlowEulerSampler, UniPCSampler
+from fvgraph.loops.steps import DenoiseStep
+
+
+class TaylorDenoiseStep(DenoiseStep):
+    """A whole denoise step that keeps (`forecast=False`: outputs "features_0" cond, "features_1"
+    uncond) or forecasts (`forecast=True`: inputs "taylor_{branch}_{order}" and "taylor_coeffs")."""
+
+    def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler | UniPCSampler, cfg: bool, forecast: bool):
+        super().__init__(transformer, sampler, cfg)
+        self.forecast = forecast
+        self.num_branches = 2 if cfg else 1
+
+    def forward(
+        self,
+        latents: torch.Tensor,  # [B, C, F, H, W] float32
+        timestep: torch.Tensor,  # [B]
+        prompt_embeds: torch.Tensor,  # [B, L, D]
+        coeffs: torch.Tensor,  # [B, num_coeffs]
+        negative_prompt_embeds: torch.Tensor | None = None,
+        guidance_scale: torch.Tensor | None = None,
+        taylor_coeffs: torch.Tensor | None = None,  # [B, orders] float32 when forecasting: d**k / k!
+        **extra: torch.Tensor,  # sampler history carry_0..; when forecasting, taylor_{b}_{k} ([B, C, F, H, W] each)
+    ) -> dict[str, torch.Tensor]:
+        # 1. each branch's noise prediction: the denoiser, or the Taylor series of its factors
+        dtype = prompt_embeds.dtype  # the denoiser's compute dtype (its input is cast to it)
+        texts = (prompt_embeds, negative_prompt_embeds)
+        noises = []
+        for b in range(self.num_branches):
+            if self.forecast:
+                noises.append(self._series([extra[f"taylor_{b}_{k}"] for k in range(taylor_coeffs.shape[1])], taylor_coeffs, dtype))
+            else:
+                noises.append(self.transformer(hidden_states=latents.to(dtype), timestep=timestep,
+                                               encoder_hidden_states=mark_request_constant(texts[b]), return_dict=False)[0])  # fmt: skip
+        noise = noises[0]
+        if self.cfg:
+            scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
+            noise = noises[1] + scale * (noise - noises[1])
+        # 2. the sampler update
+        history = tuple(extra[f"carry_{i}"] for i in range(self.num_carry))
+        new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
+        out = {"latents": new_latents}
+        out.update({f"carry_{i}": t for i, t in enumerate(new_history)})
+        if not self.forecast:
+            out.update({f"features_{b}": n for b, n in enumerate(noises)})
+        return out
+
+    @staticmethod
+    def _series(factors: list[torch.Tensor], taylor_coeffs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """sum_k F_k * c_k in `dtype`, term by term as diffusers' TaylorSeerState.predict adds them: each
+        product in float32 (where a scalar multiply of a low-precision tensor computes) rounded to `dtype`."""
+        out = torch.zeros_like(factors[0], dtype=dtype)
+        for k, factor in enumerate(factors):
+            c = taylor_coeffs[:, k].view(-1, *([1] * (factor.dim() - 1)))
+            out = out + (factor.to(dtype).float() * c).to(dtype)
+        return out
