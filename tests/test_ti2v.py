@@ -3,6 +3,7 @@
 and image requests share one compiled step; the loop interleaves, resumes and runs through the CLI."""
 
 import json
+import re
 
 import numpy as np
 import PIL.Image
@@ -102,6 +103,17 @@ def test_interleaved_equals_serial_and_a_saved_request_resumes(tmp_path, ti2v):
     assert "vae_encode" not in serial[1].timings
 
 
+def test_a_saved_state_with_a_bad_frame_mask_is_refused_naming_the_field(tmp_path, ti2v):
+    state = ti2v.start(_requests()[1])
+    ti2v.step(state)
+    for bad, rule in ((state.frame_mask[:, :, :1], "frame_mask: must be a finite float tensor of shape [1, 1, 2, 4, 6]"),
+                      (state.frame_mask * 0.5, "frame_mask: must hold only 0 and 1")):  # fmt: skip
+        state.frame_mask = bad
+        state.save(tmp_path / "bad.pt")
+        with pytest.raises(ValueError, match=re.escape(rule)):
+            ti2v.resume(TI2VState.load(tmp_path / "bad.pt"))
+
+
 def test_compiled_equals_eager_and_text_and_image_requests_share_one_step_graph():
     """fvgraph.parity: -O1 (aot_eager) against -O0 tap by tap; both requests run the one CFG denoise signature."""
     compiled = []
@@ -127,3 +139,22 @@ def test_warmup_and_serve_run_the_card_through_the_cli(tmp_path):
     assert served.exit_code == 0, served.output
     results = {r["request_id"]: r["status"] for r in (json.loads(s) for s in served.output.splitlines() if s.startswith("{"))}
     assert results == {"fox": "ok", "hare": "ok"}
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_replay_text_and_image_requests_after_a_text_only_warmup():
+    """-O2 on CUDA: the warmup (text only) captures the one denoise graph per bucket, and an image
+    request then replays it with no compile and no capture, within the card's loop tolerance of eager."""
+    from fvgraph.compile.compiler import CompileConfig
+    from fvgraph.runtime.buckets import BucketSpec
+
+    eager = Engine.from_card(CARD, device="cuda").generate(_requests())
+    graphs = Engine.from_card(CARD, device="cuda", opt_level=2, compile_config=CompileConfig(backend="inductor"),
+                              buckets=BucketSpec(batch_sizes=(1, 2)))  # fmt: skip
+    graphs.warmup(_requests()[1:])
+    with graphs.counters.expect(compiles=0, captures=0):
+        replayed = graphs.generate(_requests())
+    tol = graphs.card.parity.tolerance("fp32", "loop")
+    for a, b in zip(eager, replayed):
+        assert b.ok, b.error
+        torch.testing.assert_close(b.latents, a.latents, atol=tol.atol, rtol=tol.rtol)

@@ -43,6 +43,7 @@ class TextImageToVideoLoop(ImageToVideoLoop):
     state_type = TI2VState
     step_kinds = STEP_KINDS
     device_fields = (*ImageToVideoLoop.device_fields, "frame_mask")
+    image_required = False
     pre_denoise_phases = (VAE_ENCODE,)
 
     def __init__(self, card: ModelCard, components: Components):
@@ -61,9 +62,6 @@ class TextImageToVideoLoop(ImageToVideoLoop):
         c = self.components
         steps[VAE_ENCODE] = FirstFrameEncodeStep(c.vae).to(c.device).eval()
         return steps
-
-    def check_request(self, request: Request) -> Request:
-        return super(ImageToVideoLoop, self).check_request(request)  # the image is optional here
 
     def _warmup_inputs(self, height: int, width: int) -> dict:
         return {}  # a text-only request runs the same denoise step; `fvgraph warmup` need not encode an image
@@ -89,3 +87,23 @@ class TextImageToVideoLoop(ImageToVideoLoop):
 
     def _conditioning_inputs(self, state: TI2VState) -> dict[str, torch.Tensor]:
         return {"first_frame": state.condition, "frame_mask": state.frame_mask}
+
+    def adopt(self, state: TI2VState) -> TI2VState:
+        """As the t2v loop's, plus the first-frame fields: until the last denoise step ran, a mask of
+        the latents' frames holding only 0 and 1, and a given frame of the latents' channels and size."""
+        state = super().adopt(state)
+        if state.phase in ("decode", "done") and state.frame_mask is None and state.condition is None:
+            return state
+        _, channels, frames, h, w = state.latents.shape
+        for name, shape in (("frame_mask", (1, 1, frames, h, w)), ("condition", (1, channels, 1, h, w))):
+            value = getattr(state, name)
+            if name == "condition" and value is None and state.image is not None:
+                continue  # the image is still to encode
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or not value.is_floating_point() \
+                    or not torch.isfinite(value).all():  # fmt: skip
+                got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"state of request {state.request_id!r}: {name}: must be a finite float tensor "
+                                 f"of shape {list(shape)}, got {got}")  # fmt: skip
+        if not ((state.frame_mask == 0) | (state.frame_mask == 1)).all():
+            raise ValueError(f"state of request {state.request_id!r}: frame_mask: must hold only 0 and 1")
+        return state
