@@ -127,7 +127,7 @@ def test_warmup_and_serve_run_the_card_through_the_cli(tmp_path):
     """`fvgraph warmup` compiles the one denoise step from the loop's warmup request; `fvgraph serve`
     takes a request with a first frame (a path) and one without."""
     runner = CliRunner()
-    warm = runner.invoke(app, ["warmup", "--card", CARD, "-O1", "--compile-backend", "aot_eager", "--buckets", "1",
+    warm = runner.invoke(app, ["warmup", "--card", CARD, "-O1", "--compile-backend", "eager", "--buckets", "1",
                                "--shape", "5x64x64", "--cache-dir", str(tmp_path / "cache")])  # fmt: skip
     assert warm.exit_code == 0, warm.output
     assert "1 step graphs (1 compiled" in warm.output
