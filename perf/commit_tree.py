@@ -93,6 +93,11 @@ class Worker:
         return self.read()
 
     def close(self) -> None:
+        """End of input: the worker exits; one that does not within a minute is killed."""
         if self.process.poll() is None:
             self.process.stdin.close()
-            self.process.wait(timeout=60)
+            try:
+                self.process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
