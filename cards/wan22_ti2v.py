@@ -3,11 +3,12 @@ VAE (48 latent channels, 16x spatial compression: 8x in the VAE after a 2x2 pixe
 per-token timesteps (loop 'ti2v', fvgraph/loops/ti2v_loop.py), and the embedded `tiny-wan2.2-ti2v`.
 
 Recipe values are those of the release config (wan/configs/wan_ti2v_5B.py in Wan-Video/Wan2.2:
-`sample_shift` 5.0, `sample_steps` 50, `sample_guide_scale` 5.0, `frame_num` 121, 720p sizes
-704x1280 and 1280x704), and diffusers' scripts/convert_wan_to_diffusers.py writes the model as a
-WanPipeline with `expand_timesteps=True` and a UniPC scheduler of flow_shift 5.0. The released card
-holds no configs: widths, channels and VAE scales come from the checkpoint folder
-(fvgraph/runtime/model_facts.py).
+`sample_shift` 5.0, `sample_steps` 50, `sample_guide_scale` 5.0, `frame_num` 121; and
+`SUPPORTED_SIZES['ti2v-5B']` in wan/configs/__init__.py: '1280*704' and '704*1280', width by height,
+so the default here is 1280 wide by 704 high), and diffusers' scripts/convert_wan_to_diffusers.py
+writes the model as a WanPipeline with `expand_timesteps=True` and a UniPC scheduler of flow_shift
+5.0. The released card holds no configs: widths, channels and VAE scales come from the checkpoint
+folder (fvgraph/runtime/model_facts.py).
 """
 
 from __future__ import annotations
