@@ -2,6 +2,7 @@
 
     python perf/bench_scheduler_overhead.py            # CPU, -O1, the inductor-compiled wan-cpu-bench step
     python perf/bench_scheduler_overhead.py --gpu      # CUDA, -O2: the step is a CUDA graph replay
+    python perf/bench_scheduler_overhead.py --against-commit SHA   # A/B: SHA's tree vs this one, one run
 
 Runs a mix of requests at the smallest shape (1 frame, 32x32: the step is kept short, since it is
 subtracted; different seeds, guidance scales and step counts; 16 in flight, batch buckets 1/2/4/8)
@@ -11,23 +12,37 @@ loop bookkeeping. Timed apart and subtracted: the step (the compiled callable, o
 CPU side of a graph replay), the per-request prologue it feeds, request admission (validation,
 noise, sampler plan) and finalize (on a GPU that is where the host waits for the device). Prints
 one JSON line (fvgraph.perf.method): each figure as min / median / max over `--repeats` runs, per
-batch and per request-step. Target: <= 100 us per batch. A comparison across commits runs both
-commits with this script, alternating, and quotes both spreads.
+batch and per request-step. Target: <= 100 us per batch.
+
+With `--against-commit SHA` the same mix runs on SHA's tree and on this one, each in a worker process
+of its own (perf/commit_tree.py), timed by this script's method on both: after both are warm, each
+round times one mix on each side, the order alternating, never both at once. The line then holds
+both spreads and the per-round ratio (this tree / SHA) of the overhead per batch.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
-from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
-from fvgraph.perf.method import emit, provenance, spread, sync
-from fvgraph.request import Request
+
+def _perf_module(name: str):
+    """A module beside this file, loaded from its path: a worker on another commit's tree times with
+    this tree's method and helpers, whatever `fvgraph.perf` is first on its path."""
+    spec = importlib.util.spec_from_file_location(f"fvgraph_bench_{name}", Path(__file__).resolve().with_name(f"{name}.py"))
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+method, commit_tree = _perf_module("method"), _perf_module("commit_tree")
+emit, paired_ratio, provenance, spread, sync = method.emit, method.paired_ratio, method.provenance, method.spread, method.sync
 
 
 class Stopwatch:
@@ -48,7 +63,9 @@ class Stopwatch:
         return timed
 
 
-def request_mix(n: int, steps: int, text_len: int, text_dim: int, seed: int = 0) -> list[Request]:
+def request_mix(n: int, steps: int, text_len: int, text_dim: int, seed: int = 0) -> list:
+    from fvgraph.request import Request
+
     g = torch.Generator().manual_seed(seed)
     embeds = lambda: torch.randn(text_len, text_dim, generator=g)  # noqa: E731
     return [
@@ -70,53 +87,142 @@ def instrument(engine: Engine, watch: Stopwatch) -> None:
     engine.loop.finalize = watch.wrap("finalize", engine.loop.finalize)
 
 
+def _engine_api():
+    """(Engine, BucketSpec, CompileConfig) of the fvgraph on the path: this layout, or the flat one
+    before fvgraph/ had subpackages (a worker on an older commit imports through here too)."""
+    import fvgraph
+
+    if (Path(fvgraph.__file__).parent / "runtime").is_dir():
+        from fvgraph.compile.compiler import CompileConfig
+        from fvgraph.runtime.buckets import BucketSpec
+        from fvgraph.runtime.engine import Engine
+    else:
+        from fvgraph.buckets import BucketSpec
+        from fvgraph.compiler import CompileConfig
+        from fvgraph.engine import Engine
+    return Engine, BucketSpec, CompileConfig
+
+
+class Bench:
+    """One engine serving the mix, warm, instrumented; `run()` times the mix once."""
+
+    def __init__(self, args: argparse.Namespace, backend: str, device: torch.device):
+        Engine, BucketSpec, CompileConfig = _engine_api()
+        self.args, self.device = args, device
+        self.engine = Engine.from_card(
+            args.card, device=device, opt_level=2 if args.gpu else 1,
+            compile_config=CompileConfig(backend=backend), buckets=BucketSpec(batch_sizes=tuple(args.batch_sizes)),
+        )  # fmt: skip
+        facts = getattr(self.engine, "facts", None)  # older commits: the card's shapes held the text width
+        self.text_dim = facts.text_dim if facts is not None else self.engine.card.shapes.text_dim
+        self.engine.warmup(self.mix()[:1])
+        self.engine.generate(self.mix())  # every lane's buffers exist before timing
+        self.watch = Stopwatch()
+        instrument(self.engine, self.watch)
+
+    def mix(self) -> list:
+        return request_mix(self.args.requests, self.args.steps, self.engine.card.shapes.text_len, self.text_dim)
+
+    def run(self) -> dict:
+        self.watch.seconds.clear()
+        before = self.engine.counters.snapshot()
+        sync(self.device)
+        began = time.perf_counter()
+        results = self.engine.generate(self.mix())
+        sync(self.device)
+        wall = time.perf_counter() - began
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+        done = self.engine.counters.since(before)
+        outside = wall - sum(self.watch.seconds.values())
+        return dict(batches=done["batches"], request_steps=done["compiled_steps"], outside=outside,
+                    step=self.watch.seconds["step"], start=self.watch.seconds["start"])  # fmt: skip
+
+
+def figures(runs: list[dict], requests: int) -> dict:
+    us = lambda what, per: spread([run[what] / run[per] for run in runs], 1e6, 1)  # noqa: E731
+    return {"batches": runs[0]["batches"], "request_steps": runs[0]["request_steps"],
+            "overhead_us_per_batch": us("outside", "batches"), "overhead_us_per_request_step": us("outside", "request_steps"),
+            "step_us_per_batch": us("step", "batches"), "start_us_per_request": spread([r["start"] / requests for r in runs], 1e6, 1)}  # fmt: skip
+
+
+def worker(args: argparse.Namespace, backend: str, device: torch.device) -> None:
+    """Answer one JSON line per stdin command ("run"), on the fvgraph first on PYTHONPATH."""
+    try:
+        commit_tree.isolate(Path(args.worker_root))
+        bench = Bench(args, backend, device)
+        mixed = commit_tree.foreign_modules(Path(args.worker_root))
+        if mixed:
+            raise RuntimeError(f"fvgraph modules from outside {args.worker_root}: {', '.join(mixed[:3])}")
+        emit({"ready": True, "engine_module": type(bench.engine).__module__})
+        for command in sys.stdin:
+            if command.strip() != "run":
+                raise RuntimeError(f"unknown command {command.strip()!r} (expected 'run')")
+            emit(bench.run())
+    except Exception as err:  # the driver reads it as this side's failure
+        emit({"error": f"{type(err).__name__}: {err}"})
+        raise SystemExit(1) from None
+
+
+def against_commit(args: argparse.Namespace, device: torch.device, backend: str) -> None:
+    """Both trees warm in worker processes, then `--repeats` rounds of one run each, order alternating."""
+    import tempfile
+
+    sha = commit_tree.resolve_commit(args.against_commit)
+    forwarded = ["--card", args.card, "--requests", str(args.requests), "--steps", str(args.steps), "--backend", backend,
+                 "--batch-sizes", *map(str, args.batch_sizes), *(["--gpu"] if args.gpu else [])]  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="fvgraph-ab-") as tmp:
+        trees = {"base": commit_tree.materialize(sha, Path(tmp)), "this": commit_tree.REPO}
+        workers, engines = {}, {}
+        try:
+            for side, root in trees.items():  # one at a time: their compiles do not overlap
+                workers[side] = commit_tree.Worker(side, root, Path(__file__).resolve(), forwarded)
+                engines[side] = workers[side].read()["engine_module"]
+            runs = {side: [] for side in trees}
+            for r in range(args.repeats):
+                for side in (("base", "this") if r % 2 == 0 else ("this", "base")):
+                    runs[side].append(workers[side].ask("run"))
+        finally:
+            for w in workers.values():
+                w.close()
+    per_batch = {side: [run["outside"] / run["batches"] for run in side_runs] for side, side_runs in runs.items()}
+    emit({
+        **provenance("scheduler_overhead_ab", device), "card": args.card, "opt_level": 2 if args.gpu else 1,
+        "backend": backend, "requests": args.requests, "batch_sizes": args.batch_sizes, "base_commit": sha,
+        "base": {"engine_module": engines["base"], **figures(runs["base"], args.requests)},
+        "this": {"engine_module": engines["this"], **figures(runs["this"], args.requests)},
+        "overhead_ratio_this_over_base": paired_ratio(per_batch["this"], per_batch["base"]), "target_us_per_batch": 100,
+    })  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--card", default="wan-cpu-bench", help="the card whose step the engine serves")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs of the mix")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs of the mix (per side with --against-commit)")
     parser.add_argument("--gpu", action="store_true", help="run on CUDA at -O2 (graph replays)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="the engine's batch buckets")
     parser.add_argument("--backend", choices=("inductor", "aot_eager", "eager"),
                         help="the step's compile backend, timed apart either way (default: inductor on CPU, "
                              "aot_eager on a GPU, where a replay costs the same whatever compiled it)")  # fmt: skip
+    parser.add_argument("--against-commit", metavar="SHA", help="also run the mix on this commit's tree, interleaved (A/B)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit(f"--repeats={args.repeats} must be >= 1")
     backend = args.backend or ("aot_eager" if args.gpu else "inductor")
     device = torch.device("cuda" if args.gpu else "cpu")
-    engine = Engine.from_card(
-        args.card, device=device, opt_level=2 if args.gpu else 1,
-        compile_config=CompileConfig(backend=backend), buckets=BucketSpec(batch_sizes=(1, 2, 4, 8)),
-    )  # fmt: skip
-    shapes = engine.card.shapes
-    mix = lambda: request_mix(args.requests, args.steps, shapes.text_len, engine.facts.text_dim)  # noqa: E731
-    engine.warmup(mix()[:1])
-    engine.generate(mix())  # every lane's buffers exist before timing
-    watch = Stopwatch()
-    instrument(engine, watch)
-    runs = []
-    for _ in range(args.repeats):
-        watch.seconds.clear()
-        before = engine.counters.snapshot()
-        sync(device)
-        began = time.perf_counter()
-        results = engine.generate(mix())
-        sync(device)
-        wall = time.perf_counter() - began
-        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
-        done = engine.counters.since(before)
-        outside = wall - sum(watch.seconds.values())
-        runs.append(dict(batches=done["batches"], request_steps=done["compiled_steps"], outside=outside,
-                         step=watch.seconds["step"], start=watch.seconds["start"]))  # fmt: skip
-    us = lambda what, per: spread([run[what] / run[per] for run in runs], 1e6, 1)  # noqa: E731
+    if args.worker:
+        return worker(args, backend, device)
+    if args.against_commit:
+        return against_commit(args, device, backend)
+    bench = Bench(args, backend, device)
+    runs = [bench.run() for _ in range(args.repeats)]
     emit({
-        **provenance("scheduler_overhead", device), "card": args.card, "opt_level": engine.opt_level,
-        "backend": backend, "requests": args.requests, "batches": runs[0]["batches"],
-        "request_steps": runs[0]["request_steps"], "overhead_us_per_batch": us("outside", "batches"),
-        "overhead_us_per_request_step": us("outside", "request_steps"), "step_us_per_batch": us("step", "batches"),
-        "target_us_per_batch": 100, "start_us_per_request": spread([r["start"] / args.requests for r in runs], 1e6, 1),
-        "replays": engine.counters.replays,
+        **provenance("scheduler_overhead", device), "card": args.card, "opt_level": bench.engine.opt_level,
+        "backend": backend, "requests": args.requests, **figures(runs, args.requests),
+        "target_us_per_batch": 100, "replays": bench.engine.counters.replays,
     })  # fmt: skip
 
 

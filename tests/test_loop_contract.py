@@ -29,8 +29,9 @@ RUNTIME = ("runtime/engine", "runtime/engine_builder", "runtime/scheduler", "run
 @pytest.mark.parametrize("module", RUNTIME)
 def test_runtime_modules_name_no_loop_type_or_step_kind(module):
     source = (PACKAGE / f"{module}.py").read_text()
-    loop_names = {"t2v_loop", "i2v_loop", "expert_loop", "T2VState", "I2VState", "TextToVideoLoop", "ImageToVideoLoop",
-                  "TwoExperts", "DenoiseFacts", *STEP_KINDS, *I2V_STEP_KINDS, *SECOND_EXPERT_KINDS}  # fmt: skip
+    loop_names = {"t2v_loop", "i2v_loop", "expert_loop", "ti2v_loop", "T2VState", "I2VState", "TI2VState", "TextToVideoLoop",
+                  "ImageToVideoLoop", "TextImageToVideoLoop", "TwoExperts", "DenoiseFacts", *STEP_KINDS, *I2V_STEP_KINDS,
+                  *SECOND_EXPERT_KINDS}  # fmt: skip
     if module == "loops/registry":  # the registry names loops by import path, and nothing else
         source = re.sub(r'LOOPS: dict\[str, str\] = \{.*?\n\}', "", source, flags=re.S)
     for name in loop_names:
@@ -75,7 +76,7 @@ def test_the_registry_picks_the_cards_loop_and_names_the_known_ones():
     assert loop_class("t2v") is TextToVideoLoop
     with pytest.raises(ValueError, match="loop 'v2v' is not registered; known loops: .*t2v"):
         loop_class("v2v")
-    assert set(LOOPS) == {"t2v", "i2v", "t2v_two_expert", "i2v_two_expert"}
+    assert set(LOOPS) == {"t2v", "i2v", "t2v_two_expert", "i2v_two_expert", "ti2v"}
 
 
 def test_the_loop_declares_its_kinds_and_the_compiler_reads_them(tiny_engine):

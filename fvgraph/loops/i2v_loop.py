@@ -47,6 +47,7 @@ class ImageToVideoLoop(TextToVideoLoop):
     step_kinds = STEP_KINDS
     device_fields = (*TextToVideoLoop.device_fields, "clip_pixels", "image", "image_embeds", "condition")
     takes_image = True
+    image_required = True  # a subclass whose model also runs from text alone sets False
     pre_denoise_phases = (IMAGE_ENCODE, VAE_ENCODE)
 
     def __init__(self, card: ModelCard, components: Components):
@@ -65,7 +66,7 @@ class ImageToVideoLoop(TextToVideoLoop):
 
     def check_request(self, request: Request) -> Request:
         resolved = super().check_request(request)
-        if resolved.image is None:
+        if self.image_required and resolved.image is None:
             raise RequestRejected("image", f"card {self.card.card_id!r} generates video from an image: pass image=...")
         return resolved
 

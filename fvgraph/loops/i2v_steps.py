@@ -51,3 +51,21 @@ class VaeEncodeStep(nn.Module):
         mask = torch.zeros(batch, self.temporal_scale, frames, h, w, dtype=encoded.dtype, device=encoded.device)
         mask[:, :, 0] = 1
         return {"condition": torch.cat([mask, encoded], dim=1)}
+
+
+class FirstFrameEncodeStep(nn.Module):
+    """The first frame alone -> its normalized VAE latents [B, C, 1, h, w], the argmax of the posterior
+    (diffusers' WanImageToVideoPipeline.prepare_latents with `expand_timesteps`). They replace the
+    first latent frame of the noise at every denoise step (steps.masked_frames)."""
+
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.vae = vae
+        z_dim = vae.config.z_dim
+        self.register_buffer("latents_mean", torch.tensor(vae.config.latents_mean).view(1, z_dim, 1, 1, 1))
+        self.register_buffer("latents_inv_std", 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1))
+
+    def forward(self, image: torch.Tensor, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`image` [B, 3, H, W] in [-1, 1]; `latents` is the plan's shape witness and is not read."""
+        encoded = self.vae.encode(image.to(self.latents_mean.dtype).unsqueeze(2), return_dict=False)[0].mode()
+        return {"condition": (encoded.float() - self.latents_mean.float()) * self.latents_inv_std.float()}

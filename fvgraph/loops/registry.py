@@ -18,6 +18,7 @@ LOOPS: dict[str, str] = {
     "i2v": "fvgraph.loops.i2v_loop:ImageToVideoLoop",
     "t2v_two_expert": "fvgraph.loops.expert_loop:TwoExpertTextToVideoLoop",
     "i2v_two_expert": "fvgraph.loops.expert_loop:TwoExpertImageToVideoLoop",
+    "ti2v": "fvgraph.loops.ti2v_loop:TextImageToVideoLoop",
 }
 
 

@@ -52,11 +52,16 @@ class DenoiseStep(nn.Module):
         guidance_scale: torch.Tensor | None = None,  # [B] when cfg
         condition: torch.Tensor | None = None,  # [B, C', F, H, W] image conditioning, concatenated to the latents' channels
         image_embeds: torch.Tensor | None = None,  # [B, N, D'] image tokens the denoiser attends to beside the text
+        first_frame: torch.Tensor | None = None,  # [B, C, 1, H, W] latents that replace the noise where frame_mask is 0
+        frame_mask: torch.Tensor | None = None,  # [B, 1, F, H, W] 1 where the latents are denoised, 0 where given
         **carry: torch.Tensor,  # sampler history: carry_0 .. carry_{n-1}, each like latents
     ) -> dict[str, torch.Tensor]:
         taps = {}
         # 1. the denoiser on the conditional branch
         model_input = latents if condition is None else torch.cat([latents, mark_request_constant(condition)], dim=1)
+        if frame_mask is not None:  # given frames enter as latents at timestep 0 (fvgraph/loops/ti2v_loop.py)
+            model_input, timestep = masked_frames(latents, timestep, mark_request_constant(first_frame),
+                                                  mark_request_constant(frame_mask), self.transformer.config.patch_size)  # fmt: skip
         model_input = model_input.to(prompt_embeds.dtype)
         image = {} if image_embeds is None else {"encoder_hidden_states_image": mark_request_constant(image_embeds)}
         noise = taps["tap.noise.cond"] = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds), **image)
@@ -91,6 +96,17 @@ class DenoiseStep(nn.Module):
         marked = dict(zip(inputs, mark_branch_inputs(branch, "transformer", **inputs)))
         noise = self.transformer(**marked, return_dict=False)[0]
         return mark_branch_output(branch, "transformer", noise)
+
+
+def masked_frames(latents: torch.Tensor, timestep: torch.Tensor, first_frame: torch.Tensor, frame_mask: torch.Tensor,
+                  patch_size: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The denoiser's input and per-token timesteps [B, S] when some latent frames are given, as
+    diffusers' Wan pipelines with `expand_timesteps`: the given frames replace the noise, and their
+    tokens see timestep 0 (the mask sampled once per patch, flattened in the patch embedding's order)."""
+    model_input = (1 - frame_mask) * first_frame + frame_mask * latents
+    p_t, p_h, p_w = patch_size
+    token_mask = frame_mask[:, 0, ::p_t, ::p_h, ::p_w].flatten(1)  # [B, S]
+    return model_input, token_mask * timestep.unsqueeze(1)
 
 
 class VaeDecodeStep(nn.Module):
