@@ -22,6 +22,10 @@ diffusers has the method) and a policy with
     decide(memo, step_index, has_kept) -> (compute, memo)   pure: the same arguments give the same answer
 
 listed by import path in METHODS. A policy whose schedule is known ahead (MagCache) reads no tensor.
+A data-dependent policy (FBCache, fvgraph/loops/fb_cache.py) is a MeasuringInterceptor instead: the
+loop runs each step as two launches, a measuring one and the rest, and the policy decides per CFG
+branch in between from one small output of the first that the runtime copies to the host for the
+whole group at once (StepKind.host_outputs).
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ import importlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 # method name -> "module:SettingsClass"; imported on first use.
 METHODS: dict[str, str] = {
     "magcache": "fvgraph.loops.mag_cache:MagCacheSettings",
+    "fbcache": "fvgraph.loops.fb_cache:FirstBlockCacheSettings",
 }
 
 
@@ -46,6 +52,18 @@ class Interceptor(Protocol):
     def decide(self, memo: dict[str, float], step_index: int, has_kept: bool) -> tuple[bool, dict[str, float]]: ...
 
 
+class MeasuringInterceptor(Protocol):
+    """A policy decided from the step's own data: `measures` names the output of the loop's measuring
+    launch it reads (on the host, [branches, ...] per request); the answer is one decision per branch."""
+
+    measures: str
+
+    def start(self) -> dict[str, float]: ...
+
+    def decide_branches(self, memo: dict[str, float], step_index: int, change: torch.Tensor,
+                        has_kept: bool) -> tuple[tuple[bool, ...], dict[str, float]]: ...  # fmt: skip
+
+
 class CacheSettings(BaseModel):
     """Base of every method's settings: frozen, unknown fields rejected."""
 
@@ -53,7 +71,7 @@ class CacheSettings(BaseModel):
 
     method: str
 
-    def policy(self, num_inference_steps: int) -> Interceptor:
+    def policy(self, num_inference_steps: int) -> Interceptor | MeasuringInterceptor:
         raise NotImplementedError(f"cache method {self.method!r} builds no policy")
 
     def check_steps(self, num_inference_steps: int) -> tuple[str, str] | None:

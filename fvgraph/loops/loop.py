@@ -91,6 +91,9 @@ class StepKind:
     phase: str  # the key its run time is added to in Result.timings
     compiled: bool = False  # compiled at -O1 and up unless CompileConfig.step_kinds says otherwise
     per_inference_step: bool = False  # runs once per denoising step (progress bars, per-step timing)
+    # Small outputs the loop reads on the host to decide its next step: the runtime copies each of
+    # them for the whole group in one transfer, so the loop never syncs once per request.
+    host_outputs: tuple[str, ...] = ()
 
 
 class LoopState(Protocol):

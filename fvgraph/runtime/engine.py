@@ -31,6 +31,7 @@ from fvgraph.runtime.counters import Counters
 from fvgraph.runtime.engine_builder import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches, build_engine_parts
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.runtime.finite_check import all_finite
+from fvgraph.runtime.host_outputs import copy_to_host
 from fvgraph.runtime.fp32_math import math_mode
 from fvgraph.loops.loop import Done, Loop, LoopState, WorkPlan
 from fvgraph.runtime.model_facts import ModelFacts
@@ -313,7 +314,10 @@ class Engine:
             return [(state, err)]
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
         elapsed = time.perf_counter() - began - compiled_for_it
-        phase = self.loop.step_kinds[plans[0].kind].phase
+        kind = self.loop.step_kinds[plans[0].kind]
+        if kind.host_outputs:
+            copy_to_host(results, kind.host_outputs)
+        phase = kind.phase
         failures = []
         for (state, plan), result, finite in zip(group, results, all_finite(results)):
             if not finite:  # garbage must not come back as ok: the request fails here, naming the step
