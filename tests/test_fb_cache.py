@@ -141,6 +141,21 @@ def test_fbcache_magcache_and_uncached_requests_together_equal_each_alone(tiny_e
     assert together[0].cache["reused"] > 0 and together[3].cache["reused"] > 0
 
 
+def test_both_launches_of_a_step_run_in_one_tick(tiny_engine):
+    """The first launch's kind `continues`: its request's second launch runs in the same tick, so a
+    request with FBCache moves one step per tick, as an uncached one beside it."""
+    requests = [_request(21, _fb(MIXED)), _request(3, None)]
+    for request in requests:
+        tiny_engine.submit(request)
+    ticks, results = 0, {}
+    while tiny_engine.has_work():
+        results.update({r.request_id: r for r in tiny_engine.tick()})
+        ticks += 1
+    assert ticks == STEPS + 1  # a denoise step per tick, then the tick that finishes both
+    alone = tiny_engine.generate(requests[:1])[0]
+    assert torch.equal(results[requests[0].request_id].latents, alone.latents)
+
+
 def test_compiled_first_block_steps_equal_eager_and_add_no_recompile(tiny_engine):
     engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", compile_config=CompileConfig(backend="aot_eager"))
     requests = [_request(21, _fb(MIXED)), _request(3, _fb(LOW))]
@@ -181,3 +196,25 @@ def test_a_resumed_state_between_launches_is_checked(tiny_engine, tmp_path):
     state.save(tmp_path / "state.pt")
     with pytest.raises(ValueError, match=r"cache_compute: must hold one decision per tensor of cache_head \(2\), got 1"):
         tiny_engine.resume(T2VState.load(tmp_path / "state.pt"))
+
+
+@pytest.mark.gpu
+def test_graphed_first_block_steps_on_cuda_equal_eager_and_read_the_change_on_the_host(tiny_card):
+    """-O2: both launches replay CUDA graphs; the first launch's change comes back as a host tensor."""
+    requests = [_request(21, _fb(MIXED)), _request(3, _fb(LOW))]
+    eager = Engine.from_card("tiny-wan", device="cuda").generate(requests)
+    engine = Engine.from_card("tiny-wan", device="cuda", opt_level=2, compile_config=CompileConfig(backend="inductor"))
+    engine.generate(requests)
+    devices = set()
+
+    def record(state, plan, result):
+        if CHANGE in result:
+            devices.add(result[CHANGE].device.type)
+
+    with engine.counters.expect(compiles=0, captures=0):
+        graphed = engine.generate(requests, on_result=record)
+    assert devices == {"cpu"} and engine.counters.replays > 0
+    tol = tiny_card.parity.tolerance("fp32", "loop")
+    for a, b in zip(eager, graphed):
+        assert b.ok and a.cache == b.cache, (b.error, a.cache, b.cache)
+        torch.testing.assert_close(b.latents, a.latents, atol=tol.atol, rtol=tol.rtol)

@@ -43,7 +43,8 @@ AFTER_FIRST_KINDS = {
     for cfg in (False, True) for compute in itertools.product((True, False), repeat=2 if cfg else 1)
 }  # fmt: skip
 FB_STEP_KINDS = {
-    **{kind: StepKind(kind, component="transformer", phase="denoise", compiled=True, host_outputs=(CHANGE,))
+    **{kind: StepKind(kind, component="transformer", phase="denoise", compiled=True, host_outputs=(CHANGE,),
+                       continues=True)
        for kind in FIRST_BLOCK_KINDS.values()},
     **{kind: StepKind(kind, component="transformer", phase="denoise", compiled=True, per_inference_step=True)
        for kind in AFTER_FIRST_KINDS.values()},

@@ -94,6 +94,9 @@ class StepKind:
     # Small outputs the loop reads on the host to decide its next step: the runtime copies each of
     # them for the whole group in one transfer, so the loop never syncs once per request.
     host_outputs: tuple[str, ...] = ()
+    # The first launch of a step the loop splits in two: the engine runs the request's next step (the
+    # rest, chosen from this one's outputs) within the same scheduler tick, after this kind's group.
+    continues: bool = False
 
 
 class LoopState(Protocol):

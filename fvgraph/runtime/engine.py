@@ -267,12 +267,20 @@ class Engine:
                 log.exception("request %s failed in finalize", state.request_id)
                 result = Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err))
             self._done(result)
-        for group in tick.groups:
-            for state, err in self._run_group(group.members, on_step, on_result, group.lane):
-                self._scheduler.remove([state])
-                self._slots.release(state)
-                self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
-                                  error=repr(err)))  # fmt: skip
+        groups = tick.groups
+        while groups:  # a step of a kind that `continues` has its request's next step run in this tick too
+            continuing = []
+            for group in groups:
+                failed = self._run_group(group.members, on_step, on_result, group.lane)
+                for state, err in failed:
+                    self._scheduler.remove([state])
+                    self._slots.release(state)
+                    self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
+                                      error=repr(err)))  # fmt: skip
+                if self.loop.step_kinds[group.members[0][1].kind].continues:
+                    gone = {id(state) for state, _ in failed}
+                    continuing += [state for state, _ in group.members if id(state) not in gone]
+            groups = self._scheduler.continue_within_tick(continuing) if continuing else []
 
     def _abandon(self, ids: set[str]) -> None:
         """Drop these requests wherever they are (waiting, running, ended): nobody will take their results."""

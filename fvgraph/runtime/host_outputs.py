@@ -1,8 +1,9 @@
 """Step outputs a loop reads on the host (`StepKind.host_outputs`), brought back for a whole group at once.
 
-A loop that decides its next step from what a step returned reads a small tensor per request. Each such output is gathered over the group's requests on its device and
-copied in one transfer, so a group costs one device-to-host copy per declared output, not one per
-request; each request then gets its own host row.
+A loop that decides its next step from what a step returned reads a small tensor per request. Each
+such output is gathered over the group's requests on its device and copied in one transfer, so a
+group costs one device-to-host copy per declared output, not one per request; each request then
+gets its own host row.
 """
 
 from __future__ import annotations
