@@ -273,15 +273,14 @@ class TextToVideoLoop:
     def _cached_plan(self, state: T2VState, facts: DenoiseFacts, inputs: dict[str, torch.Tensor]) -> WorkPlan:
         """The step the request's interceptor decides on: keep (blocks run) or reuse (blocks skipped).
         The decision is host arithmetic on the state; advance() repeats it to move the state on."""
-        if getattr(self._policy(state), "measures", None):  # decided from the step's data: two launches
+        policy = self._policy(state)
+        if getattr(policy, "measures", None):  # decided from the step's own data: two launches (fb_cache.py)
             kind, inputs = first_block_plan(state, inputs, self.components.transformer)
-            plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels, facts.constant_names)
-            plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
-            return plan
-        compute, _ = self._policy(state).decide(state.cache_memo, state.step_index, bool(state.cache_kept))
-        if not compute:
-            inputs.update({f"kept_{b}": t for b, t in enumerate(state.cache_kept)})
-        kind = CACHED_KINDS[(state.cfg, not compute)]
+        else:
+            compute, _ = policy.decide(state.cache_memo, state.step_index, bool(state.cache_kept))
+            if not compute:
+                inputs.update({f"kept_{b}": t for b, t in enumerate(state.cache_kept)})
+            kind = CACHED_KINDS[(state.cfg, not compute)]
         plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels, facts.constant_names)
         plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
         return plan
@@ -291,7 +290,7 @@ class TextToVideoLoop:
         policy = self._policy(state)
         if getattr(policy, "measures", None):
             return advance_first_block(policy, state, result)
-        compute, state.cache_memo = self._policy(state).decide(state.cache_memo, state.step_index, bool(state.cache_kept))
+        compute, state.cache_memo = policy.decide(state.cache_memo, state.step_index, bool(state.cache_kept))
         branches = 2 if state.cfg else 1
         if compute:
             state.cache_kept = [result[f"kept_{b}"] for b in range(branches)]
