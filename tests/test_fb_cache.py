@@ -176,6 +176,19 @@ def test_compiled_first_block_steps_equal_eager_and_add_no_recompile(tiny_engine
         assert torch.equal(a.latents, b.latents)
 
 
+def test_the_launches_without_guidance_trace_whole_and_equal_eager(tiny_engine):
+    """fullgraph capture (a graph break would fail) of the single-branch kinds, with dynamo's eager backend."""
+    engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", compile_config=CompileConfig(backend="eager"),
+                              buckets=BucketSpec(batch_sizes=(1,)))  # fmt: skip
+    request = _request(21, _fb(LOW), guidance_scale=1.0)
+    [compiled], [eager] = engine.generate([request]), tiny_engine.generate([request])
+    kinds = {signature.step_kind for signature in engine.compiler.signatures}
+    assert kinds == {"denoise_first_block", "denoise_after_first_c", "denoise_after_first_r"}
+    assert compiled.ok and compiled.cache == eager.cache and 0 < eager.cache["reused"] < STEPS
+    tol = engine.card.parity.tolerance("fp32", "loop")
+    torch.testing.assert_close(compiled.latents, eager.latents, atol=tol.atol, rtol=tol.rtol)
+
+
 @pytest.mark.parametrize("between_launches", [True, False], ids=["between-launches", "between-steps"])
 def test_a_saved_state_resumes_unchanged(tiny_engine, tmp_path, between_launches):
     request = _request(21, _fb(MIXED))
