@@ -75,8 +75,11 @@ class FirstBlockCache:
 def first_block_plan(state: T2VState, inputs: dict[str, torch.Tensor], transformer) -> tuple[str, dict[str, torch.Tensor]]:
     """The kind and inputs of the request's next launch: the first block, or (once it ran) the rest."""
     if not state.cache_head:
-        kept = state.cache_first or [torch.zeros(first_block_shape(transformer, state.latents), dtype=transformer.dtype,
-                                                 device=state.latents.device)] * (2 if state.cfg else 1)  # fmt: skip
+        kept = state.cache_first
+        if not kept:  # before the first full step: zeros in the tokens' dtype (the patch embedding's, which
+            # `transformer.dtype` may not be when the model keeps its first parameter in fp32)
+            kept = [torch.zeros(first_block_shape(transformer, state.latents), dtype=transformer.patch_embedding.weight.dtype,
+                                device=state.latents.device)] * (2 if state.cfg else 1)  # fmt: skip
         first_inputs = {name: inputs[name] for name in FIRST_BLOCK_INPUTS if name in inputs}
         first_inputs.update({f"first_kept_{b}": t for b, t in enumerate(kept)})
         return FIRST_BLOCK_KINDS[state.cfg], first_inputs
