@@ -17,6 +17,7 @@ from fvgraph.loops.registry import LOOPS, loop_class
 from fvgraph.runtime.opt_levels import OPT_LEVELS, opt_level
 from fvgraph.request import Request
 from fvgraph.loops.expert_loop import SECOND_EXPERT_KINDS
+from fvgraph.loops.fb_cache_steps import FB_STEP_KINDS
 from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
 from fvgraph.loops.t2v_loop import STEP_KINDS, T2VState, TextToVideoLoop
 
@@ -82,7 +83,8 @@ def test_the_registry_picks_the_cards_loop_and_names_the_known_ones():
 def test_the_loop_declares_its_kinds_and_the_compiler_reads_them(tiny_engine):
     kinds = tiny_engine.loop.step_kinds
     denoise_kinds = ["denoise", "denoise_cfg", "denoise_keep", "denoise_reuse", "denoise_cfg_keep", "denoise_cfg_reuse",
-                     "denoise_taylor_keep", "denoise_taylor_predict", "denoise_cfg_taylor_keep", "denoise_cfg_taylor_predict"]
+                     "denoise_taylor_keep", "denoise_taylor_predict", "denoise_cfg_taylor_keep", "denoise_cfg_taylor_predict",
+                     *FB_STEP_KINDS]  # fmt: skip
     assert {k for k, v in kinds.items() if v.compiled} == set(denoise_kinds)  # all but the first two: step caching
     assert {v.component for v in kinds.values()} == {"text_encoder", "transformer", "vae"}
     engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=CompileConfig(backend="eager"))

@@ -27,6 +27,10 @@ diffusers has the method) and a policy with
 listed by import path in METHODS. A policy whose schedule is known ahead reads no tensor between
 steps: MagCache's follows from its settings; TeaCache's from the request's timesteps and the
 denoiser's condition embedder, which the loop hands over in a PolicyContext when it builds the policy.
+A data-dependent policy (FBCache, fvgraph/loops/fb_cache.py) is a MeasuringInterceptor instead: the
+loop runs each step as two launches, a measuring one and the rest, and the policy decides per CFG
+branch in between from one small output of the first that the runtime copies to the host for the
+whole group at once (StepKind.host_outputs).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ METHODS: dict[str, str] = {
     "magcache": "fvgraph.loops.mag_cache:MagCacheSettings",
     "teacache": "fvgraph.loops.tea_cache:TeaCacheSettings",
     "taylorseer": "fvgraph.loops.taylor_seer:TaylorSeerSettings",
+    "fbcache": "fvgraph.loops.fb_cache:FirstBlockCacheSettings",
 }
 
 
@@ -70,6 +75,18 @@ class Interceptor(Protocol):
     def decide(self, memo: dict[str, float], step_index: int, has_kept: bool) -> tuple[bool, dict[str, float]]: ...
 
 
+class MeasuringInterceptor(Protocol):
+    """A policy decided from the step's own data: `measures` names the output of the loop's measuring
+    launch it reads (on the host, [branches, ...] per request); the answer is one decision per branch."""
+
+    measures: str
+
+    def start(self) -> dict[str, float]: ...
+
+    def decide_branches(self, memo: dict[str, float], step_index: int, change: torch.Tensor,
+                        has_kept: bool) -> tuple[tuple[bool, ...], dict[str, float]]: ...  # fmt: skip
+
+
 class CacheSettings(BaseModel):
     """Base of every method's settings: frozen, unknown fields rejected."""
 
@@ -77,7 +94,7 @@ class CacheSettings(BaseModel):
 
     method: str
 
-    def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> Interceptor:
+    def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> Interceptor | MeasuringInterceptor:
         raise NotImplementedError(f"cache method {self.method!r} builds no policy")
 
     def check_steps(self, num_inference_steps: int) -> tuple[str, str] | None:

@@ -91,6 +91,12 @@ class StepKind:
     phase: str  # the key its run time is added to in Result.timings
     compiled: bool = False  # compiled at -O1 and up unless CompileConfig.step_kinds says otherwise
     per_inference_step: bool = False  # runs once per denoising step (progress bars, per-step timing)
+    # Small outputs the loop reads on the host to decide its next step: the runtime copies each of
+    # them for the whole group in one transfer, so the loop never syncs once per request.
+    host_outputs: tuple[str, ...] = ()
+    # The first launch of a step the loop splits in two: the engine runs the request's next step (the
+    # rest, chosen from this one's outputs) within the same scheduler tick, after this kind's group.
+    continues: bool = False
 
 
 class LoopState(Protocol):

@@ -18,6 +18,8 @@ from torch import nn
 from fvgraph.card import ModelCard
 from fvgraph.runtime.components import Components
 from fvgraph.loops.cached_denoise import CachedDenoiseStep
+from fvgraph.loops.fb_cache import advance_first_block, first_block_plan
+from fvgraph.loops.fb_cache_steps import FB_STEP_KINDS, build_fb_steps
 from fvgraph.loops.interceptor import Interceptor, PolicyContext, parse_cache_settings
 from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, RequestRejected, Result
@@ -44,6 +46,7 @@ TAYLOR_KINDS = {(cfg, forecast): f"denoise{'_cfg' if cfg else ''}_taylor_{'predi
                 for cfg in (False, True) for forecast in (False, True)}  # fmt: skip
 STEP_KINDS.update({kind: StepKind(kind, component="transformer", phase="denoise", compiled=True, per_inference_step=True)
                    for kind in (*CACHED_KINDS.values(), *TAYLOR_KINDS.values())})  # fmt: skip
+STEP_KINDS.update(FB_STEP_KINDS)  # FBCache's two launches per step (fvgraph/loops/fb_cache_steps.py)
 
 
 class DenoiseFacts(NamedTuple):
@@ -87,6 +90,11 @@ class T2VState(SerializableState):
     cache_memo: dict[str, float] = field(default_factory=dict)  # the interceptor's accumulators after the last step
     cache_kept: list[torch.Tensor] = field(default_factory=list)  # per CFG branch: what the last full step kept
     cache_counts: dict[str, int] = field(default_factory=dict)  # denoiser calls computed and reused
+    # FBCache (fvgraph/loops/fb_cache.py): per CFG branch the first block's residual at its last full
+    # step; between a step's two launches, the first block's output and whether the rest runs.
+    cache_first: list[torch.Tensor] = field(default_factory=list)
+    cache_head: list[torch.Tensor] = field(default_factory=list)
+    cache_compute: list[bool] = field(default_factory=list)
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
     derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
     policy: Any = field(default=None, metadata={"transient": True})  # Interceptor built from `cache`
@@ -129,6 +137,7 @@ class TextToVideoLoop:
             DENOISE_CFG: DenoiseStep(c.transformer, self.sampler, cfg=True, tap_points=tap_points),
             **{kind: CachedDenoiseStep(c.transformer, self.sampler, cfg, reuse) for (cfg, reuse), kind in CACHED_KINDS.items()},
             **{kind: TaylorDenoiseStep(c.transformer, self.sampler, cfg, forecast) for (cfg, forecast), kind in TAYLOR_KINDS.items()},
+            **build_fb_steps(c.transformer, self.sampler),
             VAE_DECODE: VaeDecodeStep(c.vae),
         }
         if c.text_encoder is not None:
@@ -276,12 +285,15 @@ class TextToVideoLoop:
         """The step the request's interceptor decides on: keep (blocks run) or reuse (blocks skipped).
         The decision is host arithmetic on the state; advance() repeats it to move the state on."""
         policy = self._policy(state)
-        compute, _ = policy.decide(state.cache_memo, state.step_index, bool(state.cache_kept))
-        if getattr(policy, "step_family", "residual") == "taylor":
+        if getattr(policy, "measures", None):  # decided from the step's own data: two launches (fb_cache.py)
+            kind, inputs = first_block_plan(state, inputs, self.components.transformer)
+        elif getattr(policy, "step_family", "residual") == "taylor":
+            compute, _ = policy.decide(state.cache_memo, state.step_index, bool(state.cache_kept))
             if not compute:
                 inputs.update(policy.forecast_inputs(state.cache_kept, state.cache_memo, state.step_index))
             kind = TAYLOR_KINDS[(state.cfg, not compute)]
         else:
+            compute, _ = policy.decide(state.cache_memo, state.step_index, bool(state.cache_kept))
             if not compute:
                 inputs.update({f"kept_{b}": t for b, t in enumerate(state.cache_kept)})
             kind = CACHED_KINDS[(state.cfg, not compute)]
@@ -289,8 +301,11 @@ class TextToVideoLoop:
         plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
         return plan
 
-    def _advance_cache(self, state: T2VState, result: StepResult) -> None:
+    def _advance_cache(self, state: T2VState, result: StepResult) -> bool:
+        """Fold the cache's outputs into the state; False when the step has a launch still to run."""
         policy, memo = self._policy(state), state.cache_memo
+        if getattr(policy, "measures", None):
+            return advance_first_block(policy, state, result)
         compute, state.cache_memo = policy.decide(memo, state.step_index, bool(state.cache_kept))
         branches = 2 if state.cfg else 1
         if compute and getattr(policy, "step_family", "residual") == "taylor":
@@ -299,6 +314,7 @@ class TextToVideoLoop:
             state.cache_kept = [result[f"kept_{b}"] for b in range(branches)]
         key = "computed" if compute else "reused"
         state.cache_counts[key] = state.cache_counts.get(key, 0) + branches
+        return True
 
     def _denoise_facts(self, state: T2VState) -> DenoiseFacts:
         """What every denoise step of a request shares, worked out at its first one: the schedule as
@@ -330,14 +346,14 @@ class TextToVideoLoop:
             state.encode_slots = []
             state.phase = self._phase_after_text(state)
         elif state.phase == "denoise":
+            if state.cache is not None and not self._advance_cache(state, result):
+                return state  # the first of the step's two launches ran (FBCache)
             state.latents = result["latents"]
             state.carry = [result[name] for name in state.derived.carry_names]  # set by next()
-            if state.cache is not None:
-                self._advance_cache(state, result)
             state.step_index += 1
             if state.step_index == state.num_steps:
                 state.carry = []  # history and derived values are dead weight once the last step ran
-                state.cache_kept = []
+                state.cache_kept, state.cache_first = [], []
                 state.derived = None
                 state.phase = "decode" if state.output_type == "np" else "done"
         elif state.phase == "decode":
@@ -375,6 +391,8 @@ class TextToVideoLoop:
                 setattr(state, name, value.to(device))
         state.carry = [t.to(device) for t in state.carry]
         state.cache_kept = [t.to(device) for t in state.cache_kept]
+        state.cache_first = [t.to(device) for t in state.cache_first]
+        state.cache_head = [t.to(device) for t in state.cache_head]
         state.derived = state.policy = None  # derived on the other engine's device; rebuilt here on demand
         return state
 

@@ -82,8 +82,9 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
 def _check_cache(c: _Checker, state: LoopState) -> None:
     """Settings a request could have been given; per CFG branch at most one kept residual."""
     if state.cache is None:
-        if state.cache_kept:
-            c.fail("cache_kept", "holds kept tensors but the state has no cache settings")
+        for name in ("cache_kept", "cache_first", "cache_head"):
+            if getattr(state, name):
+                c.fail(name, "holds kept tensors but the state has no cache settings")
         return
     try:
         per_branch, dims = parse_cache_settings(state.cache).kept_layout(state.cache_memo)
@@ -95,6 +96,17 @@ def _check_cache(c: _Checker, state: LoopState) -> None:
                              f"got {len(state.cache_kept)}")  # fmt: skip
     for i, kept in enumerate(state.cache_kept):
         c.tensor(f"cache_kept[{i}]", dims=dims, value=kept)
+    for name in ("cache_first", "cache_head"):  # FBCache's (fvgraph/loops/fb_cache.py)
+        if len(getattr(state, name)) not in (0, branches):
+            c.fail(name, f"must hold 0 or {branches} tensors (one per CFG branch), got {len(getattr(state, name))}")
+        for i, kept in enumerate(getattr(state, name)):
+            c.tensor(f"{name}[{i}]", dims=3, value=kept)
+    if len(state.cache_compute) != len(state.cache_head):
+        c.fail("cache_compute", f"must hold one decision per tensor of cache_head ({len(state.cache_head)}), "
+                                f"got {len(state.cache_compute)}")  # fmt: skip
+    if state.cache_head and (state.phase != "denoise" or any(not c_ and not state.cache_kept for c_ in state.cache_compute)):
+        c.fail("cache_head", "a step between its two launches must be in phase 'denoise', and a branch that "
+                             "reuses needs a kept residual (cache_kept)")  # fmt: skip
 
 
 def _check_progress(c: _Checker, state: LoopState, steps: int, pre_denoise: tuple[str, ...]) -> None:

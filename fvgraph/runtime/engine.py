@@ -31,6 +31,7 @@ from fvgraph.runtime.counters import Counters
 from fvgraph.runtime.engine_builder import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches, build_engine_parts
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.runtime.finite_check import all_finite
+from fvgraph.runtime.host_outputs import copy_to_host
 from fvgraph.runtime.fp32_math import math_mode
 from fvgraph.loops.loop import Done, Loop, LoopState, WorkPlan
 from fvgraph.runtime.model_facts import ModelFacts
@@ -266,12 +267,20 @@ class Engine:
                 log.exception("request %s failed in finalize", state.request_id)
                 result = Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err))
             self._done(result)
-        for group in tick.groups:
-            for state, err in self._run_group(group.members, on_step, on_result, group.lane):
-                self._scheduler.remove([state])
-                self._slots.release(state)
-                self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
-                                  error=repr(err)))  # fmt: skip
+        groups = tick.groups
+        while groups:  # a step of a kind that `continues` has its request's next step run in this tick too
+            continuing = []
+            for group in groups:
+                failed = self._run_group(group.members, on_step, on_result, group.lane)
+                for state, err in failed:
+                    self._scheduler.remove([state])
+                    self._slots.release(state)
+                    self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
+                                      error=repr(err)))  # fmt: skip
+                if self.loop.step_kinds[group.members[0][1].kind].continues:
+                    gone = {id(state) for state, _ in failed}
+                    continuing += [state for state, _ in group.members if id(state) not in gone]
+            groups = self._scheduler.continue_within_tick(continuing) if continuing else []
 
     def _abandon(self, ids: set[str]) -> None:
         """Drop these requests wherever they are (waiting, running, ended): nobody will take their results."""
@@ -313,7 +322,10 @@ class Engine:
             return [(state, err)]
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
         elapsed = time.perf_counter() - began - compiled_for_it
-        phase = self.loop.step_kinds[plans[0].kind].phase
+        kind = self.loop.step_kinds[plans[0].kind]
+        if kind.host_outputs:
+            copy_to_host(results, kind.host_outputs)
+        phase = kind.phase
         failures = []
         for (state, plan), result, finite in zip(group, results, all_finite(results)):
             if not finite:  # garbage must not come back as ok: the request fails here, naming the step

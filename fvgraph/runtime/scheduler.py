@@ -4,7 +4,9 @@ Each tick: admit waiting requests FIFO while there is room (running requests alw
 place), drop cancelled ones at the step boundary, ask every running loop for its next WorkPlan, and
 group the plans that can share one graph: same step kind and same shapes past the batch dim. A group
 larger than the biggest batch bucket is split into lanes. Requests at different timesteps, with different
-guidance scales, seeds and step counts fall into one group: those are [B] tensors, not shapes.
+guidance scales, seeds and step counts fall into one group: those are [B] tensors, not shapes. A step
+whose kind `continues` (the first launch of a step its loop splits in two) has its request's next
+step grouped again in the same tick (`continue_within_tick`), once the engine ran it.
 """
 
 from __future__ import annotations
@@ -85,12 +87,23 @@ class Scheduler:
             plan_of = {id(state): plan for state, plan in zip(self.running, plans)}
             self.remove(tick.finished)
             plans = [plan_of[id(state)] for state in self.running]
-        groups: dict[object, list] = {}
-        for member in zip(self.running, plans):  # in row order
-            groups.setdefault(member[1].signature, []).append(member)
-        for members in groups.values():
-            start = 0
-            for lane, size in enumerate(self.buckets.chunks(len(members))):
-                tick.groups.append(Group(members[start : start + size], lane))
-                start += size
+        tick.groups = self._grouped(list(zip(self.running, plans)))
         return tick
+
+    def continue_within_tick(self, states: list[LoopState]) -> list[Group]:
+        """The next steps of requests whose last step continues in the same tick (StepKind.continues),
+        grouped as a tick groups. A request whose loop is done waits for the next tick to finish."""
+        members = [(state, plan) for state in states if not isinstance(plan := self.loop.next(state), Done)]
+        return self._grouped(members)
+
+    def _grouped(self, members: list[tuple[LoopState, WorkPlan]]) -> list[Group]:
+        by_signature: dict[object, list] = {}
+        for member in members:  # in row order
+            by_signature.setdefault(member[1].signature, []).append(member)
+        groups = []
+        for same in by_signature.values():
+            start = 0
+            for lane, size in enumerate(self.buckets.chunks(len(same))):
+                groups.append(Group(same[start : start + size], lane))
+                start += size
+        return groups

@@ -1,0 +1,77 @@
+"""diffusers' `WanTransformer3DModel.forward` (diffusers 0.42.1) cut around its block loop, for steps
+that run the blocks in parts (FBCache's first block in one launch, the rest in the next).
+
+`embed` is the forward's first section (rotary, patch and condition embeddings) and `project_out` its
+last (output norm, projection, unpatchify), each line diffusers' own in diffusers' order, so
+
+    tokens = embed(transformer, x, t, text)
+    hidden = tokens.hidden_states
+    for block in transformer.blocks:
+        hidden = block(hidden, tokens.encoder_hidden_states, tokens.timestep_proj, tokens.rotary_emb)
+    noise = project_out(transformer, hidden, tokens)
+
+equals `transformer(x, t, text, return_dict=False)[0]` bit for bit in eager. Both are pure tensor
+functions of their inputs: running `embed` again in a later launch gives the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+class WanTokens(NamedTuple):
+    """What the blocks and the output section take from the embeddings."""
+
+    hidden_states: torch.Tensor  # [B, S, D] patch tokens: the first block's input
+    encoder_hidden_states: torch.Tensor  # [B, L, D] projected text (image tokens first, when given)
+    timestep_proj: torch.Tensor  # [B, 6, D] ([B, S, 6, D] for per-token timesteps)
+    temb: torch.Tensor  # [B, D] ([B, S, D] for per-token timesteps)
+    rotary_emb: tuple[torch.Tensor, torch.Tensor]
+    grid: tuple[int, int, int, int]  # batch, frames, height, width after patching
+
+
+def embed(transformer: nn.Module, hidden_states: torch.Tensor, timestep: torch.Tensor,
+          encoder_hidden_states: torch.Tensor, encoder_hidden_states_image: torch.Tensor | None = None) -> WanTokens:  # fmt: skip
+    """The forward up to its block loop: `hidden_states` [B, C, F, H, W] -> tokens and conditions."""
+    batch_size, num_channels, num_frames, height, width = hidden_states.shape
+    p_t, p_h, p_w = transformer.config.patch_size
+    grid = (batch_size, num_frames // p_t, height // p_h, width // p_w)
+
+    rotary_emb = transformer.rope(hidden_states)
+    hidden_states = transformer.patch_embedding(hidden_states)
+    hidden_states = hidden_states.flatten(2).transpose(1, 2).contiguous()  # [B, S, D]
+    if timestep.ndim == 2:  # [B, S] per-token timesteps (Wan 2.2 TI2V)
+        ts_seq_len = timestep.shape[1]
+        timestep = timestep.flatten()
+    else:
+        ts_seq_len = None
+    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = transformer.condition_embedder(
+        timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len
+    )
+    timestep_proj = timestep_proj.unflatten(2, (6, -1)) if ts_seq_len is not None else timestep_proj.unflatten(1, (6, -1))
+    if encoder_hidden_states_image is not None:
+        encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
+    return WanTokens(hidden_states, encoder_hidden_states, timestep_proj, temb, rotary_emb, grid)
+
+
+def project_out(transformer: nn.Module, hidden_states: torch.Tensor, tokens: WanTokens) -> torch.Tensor:
+    """The forward after its block loop: the blocks' output [B, S, D] -> noise prediction [B, C, F, H, W]."""
+    batch_size, post_patch_num_frames, post_patch_height, post_patch_width = tokens.grid
+    p_t, p_h, p_w = transformer.config.patch_size
+    temb = tokens.temb
+    if temb.ndim == 3:
+        shift, scale = (transformer.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
+        shift, scale = shift.squeeze(2), scale.squeeze(2)
+    else:
+        shift, scale = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    shift, scale = shift.to(hidden_states.device), scale.to(hidden_states.device)
+    hidden_states = (transformer.norm_out(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
+    hidden_states = transformer.proj_out(hidden_states)
+    hidden_states = hidden_states.reshape(
+        batch_size, post_patch_num_frames, post_patch_height, post_patch_width, p_t, p_h, p_w, -1
+    )
+    hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
+    return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
