@@ -34,14 +34,34 @@ def _compile_config(compile_backend: str, disable_pass: list[str], compile_steps
     return CompileConfig(backend=compile_backend, passes=PassConfig(disabled=tuple(disable_pass)), step_kinds=step_kinds)
 
 
+CACHE_HELP = ("Step caching for requests that give none (docs/interceptors.md): METHOD[:k=v,...], e.g. "
+              "magcache:threshold=0.06; 'none' turns the card's default off.")  # fmt: skip
+
+
+def _card_with_cache(card: str, cache: Optional[str]):
+    """The card, its `default_cache` replaced by `--cache` when given (the same errors as Request(cache=...))."""
+    from fvgraph.cards import get_card
+    from fvgraph.loops.interceptor import parse_cache_settings
+
+    model = get_card(card)
+    if cache is None:
+        return model
+    try:
+        settings = parse_cache_settings(cache)
+    except ValueError as err:
+        raise ValueError(f"--cache: {err}") from None
+    return model.model_copy(update={"default_cache": settings})
+
+
 def _serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
                     compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
-                    fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16):  # fmt: skip
+                    fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
+                    cache: Optional[str] = None):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options."""
     from fvgraph.runtime.engine import Engine
 
     engine = Engine.from_card(
-        card, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
+        _card_with_cache(card, cache), checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
         compile_config=_compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
         cache_dir=cache_dir, max_running=max_running,
     )  # fmt: skip
@@ -71,6 +91,7 @@ def generate(
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
+    cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
@@ -84,7 +105,7 @@ def generate(
         check_video_output(output, fps)  # before any work: a bad option must not cost the run
         _writable_dir(output.parent, "--output")
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
-                                 device, cache_dir, fail_on_recompile, compile_steps)  # fmt: skip
+                                 device, cache_dir, fail_on_recompile, compile_steps, cache=cache)  # fmt: skip
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
@@ -92,6 +113,7 @@ def generate(
             )
             for i, text in enumerate(prompt)
         ]  # fmt: skip
+        engine.loop.check_request(requests[0])  # the card's rules and calibrated settings, before any work
     except Exception as err:  # bad card, checkpoint or request: say why and stop
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
@@ -134,6 +156,9 @@ def generate(
         table.add_row(result.request_id, result.status, fmt("compile"), *cells, fmt("total"))
         if not result.ok:
             console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
+    for result in results:
+        if result.cache is not None:
+            console.print(f"{result.request_id} cache {_cache_line(result.cache)}", highlight=False)
     c = engine.counters
     table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {c.compiles}, cache hits: {c.cache_hits}"
     console.print(table)
@@ -168,6 +193,7 @@ def serve(
     retention_s: float = typer.Option(3600.0, help="HTTP: finished videos and their files are deleted this long after they end."),
     drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
     max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
+    cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
 ) -> None:
     """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
@@ -188,7 +214,7 @@ def serve(
         if port is None:
             source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
-                                 device, cache_dir, fail_on_recompile, max_running=max_running)  # fmt: skip
+                                 device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache)  # fmt: skip
         if port is not None:
             from fvgraph.serving.http_server import HttpServer
 
@@ -209,6 +235,11 @@ def serve(
     with source:
         counts = server.serve(source)
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
+
+
+def _cache_line(cache: dict) -> str:
+    """What a request's step caching did, in words (Result.cache)."""
+    return f"{cache['method']}: {cache['computed']} denoiser calls computed, {cache['reused']} reused"
 
 
 def _writable_dir(folder: Path, option: str) -> None:
@@ -294,6 +325,46 @@ def warmup(
                       f"({signature.key()}); see the warnings above")  # fmt: skip
     if failed or unstored:
         raise typer.Exit(1)
+
+
+@app.command()
+def calibrate(
+    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    num_inference_steps: int = typer.Option(..., "--steps", help="Steps of the calibration run (ratios are interpolated to other counts)."),
+    method: str = typer.Option("magcache", help="The cache method whose settings are calibrated."),
+    prompt: str = typer.Option("a red fox running through fresh snow", "--prompt", "-p"),
+    guidance_scale: Optional[float] = typer.Option(None, "--guidance", help="Default: the card's recipe."),
+    height: Optional[int] = typer.Option(None),
+    width: Optional[int] = typer.Option(None),
+    num_frames: Optional[int] = typer.Option(None, "--frames"),
+    seed: int = typer.Option(0),
+    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager (the reference), 1 and up compiled."),
+    compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
+    cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache; the settings go to its calibration/ folder."),
+) -> None:
+    """Measure a cache method's calibrated settings (MagCache: mag_ratios) on the loaded weights and
+    store them where engines of this card and weights find them, so `--cache magcache` needs none."""
+    from fvgraph.loops.cache_calibration import CalibrationStore, calibrate as run_calibration, calibration_root
+    from fvgraph.runtime.engine import Engine
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        store = CalibrationStore(calibration_root(None, cache_dir))
+        _writable_dir(store.root, "--cache-dir")
+        engine = Engine.from_card(card, checkpoint=checkpoint, opt_level=opt_level, device=device,
+                                  compile_config=_compile_config(compile_backend, []))  # fmt: skip
+        shape = {k: v for k, v in {"guidance_scale": guidance_scale, "height": height, "width": width,
+                                   "num_frames": num_frames}.items() if v is not None}  # fmt: skip
+        record, path = run_calibration(engine, method, num_inference_steps, seed=seed, store=store, prompt=prompt, **shape)
+    except Exception as err:  # bad card, checkpoint, method or shape: say why and stop
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    for name, value in record["values"].items():
+        shown = ", ".join(f"{v:.4f}" for v in value) if isinstance(value, list) else str(value)
+        console.print(f"{name}: [{shown}]", highlight=False)
+    console.print(f"wrote {path} ({record['seconds']:.1f} s)")
 
 
 @cache_app.command("ls")

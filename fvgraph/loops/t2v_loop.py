@@ -17,6 +17,7 @@ from torch import nn
 
 from fvgraph.card import ModelCard
 from fvgraph.runtime.components import Components
+from fvgraph.loops.cache_calibration import CalibrationStore
 from fvgraph.loops.cached_denoise import CachedDenoiseStep
 from fvgraph.loops.interceptor import Interceptor, parse_cache_settings
 from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
@@ -113,6 +114,7 @@ class TextToVideoLoop:
         # (from_pretrained loads scale_shift_table first), which is not the dtype it runs in.
         self.embed_dtype = components.transformer.dtype
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
+        self.calibration = CalibrationStore()  # where calibrated cache settings are found (the engine sets its root)
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
         """One step module per step kind; they share the components' modules (no weight copies).
@@ -138,10 +140,23 @@ class TextToVideoLoop:
             raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
         if resolved.image is not None and not self.takes_image:
             raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
-        if resolved.cache is not None and (self.takes_image or len(self.facts.experts) > 1):
+        if resolved.caching is not None and (self.takes_image or len(self.facts.experts) > 1):
             raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
                                            "runs on single-expert text-to-video loops only")  # fmt: skip
+        if resolved.caching is not None and resolved.caching.missing_calibration():
+            resolved = resolved.model_copy(update={"cache": self._calibrated(resolved.caching)})
         return resolved
+
+    def _calibrated(self, settings):
+        """`settings` with their calibrated fields filled from the store, for these weights."""
+        c, method = self.components, settings.method
+        record = self.calibration.load(self.card.card_id, c.weights_version, method)
+        missing = settings.missing_calibration()
+        if record is None:
+            raise RequestRejected(f"cache.{missing[0]}", f"not given, and none calibrated for card {self.card.card_id!r} "
+                                  f"with weights {c.weights_version} under {self.calibration.root}: run `fvgraph calibrate "
+                                  f"--card {self.card.card_id} [--checkpoint P] --steps N` or pass {missing[0]}")  # fmt: skip
+        return settings.calibrated(record["values"])
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
         """A request that runs every step kind of this loop at this shape (what `fvgraph warmup` serves)."""
@@ -178,8 +193,8 @@ class TextToVideoLoop:
             weights_version=self.components.weights_version,
             **self._conditioning(request, latents),
         )
-        if request.cache is not None:
-            state.cache = request.cache.model_dump(mode="json")
+        if request.caching is not None:
+            state.cache = request.caching.model_dump(mode="json")
             state.cache_memo = self._policy(state).start()
             state.cache_counts = {"computed": 0, "reused": 0}
         texts = []
