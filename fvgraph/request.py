@@ -234,7 +234,8 @@ class Result:
     latents: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
-    # With step caching: {"method": ..., "computed": n, "reused": m}, denoiser calls (one per CFG branch and step).
+    # With step caching: {"method", "computed", "reused"} in denoiser calls (one per CFG branch and step), and
+    # {"flops", "flops_uncached"}: the FLOPs of the denoise steps that ran, and of the uncached step at every step.
     cache: dict | None = None
 
     @property

@@ -23,6 +23,7 @@ from fvgraph.loops.interceptor import Interceptor, parse_cache_settings
 from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.loops.samplers import build_sampler
+from fvgraph.loops.step_flops import StepFlops, meta_twin
 from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
 from fvgraph.loops.t2v_state_check import check_t2v_state
 from fvgraph.loops.taps import TapPoints
@@ -82,10 +83,11 @@ class T2VState(SerializableState):
     cache: dict | None = None  # the request's interceptor settings (CacheSettings, dumped), or None
     cache_memo: dict[str, float] = field(default_factory=dict)  # the interceptor's accumulators after the last step
     cache_kept: list[torch.Tensor] = field(default_factory=list)  # per CFG branch: what the last full step kept
-    cache_counts: dict[str, int] = field(default_factory=dict)  # denoiser calls computed and reused
+    cache_counts: dict[str, int] = field(default_factory=dict)  # denoiser calls computed and reused; FLOPs run and uncached
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
     derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
     policy: Any = field(default=None, metadata={"transient": True})  # Interceptor built from `cache`
+    step_flops: tuple[int, int] | None = field(default=None, metadata={"transient": True})  # planned step's, uncached step's
 
     @property
     def num_steps(self) -> int:
@@ -115,21 +117,23 @@ class TextToVideoLoop:
         self.embed_dtype = components.transformer.dtype
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
         self.calibration = CalibrationStore()  # where calibrated cache settings are found (the engine sets its root)
+        self._flops: StepFlops | None = None  # built at the first cached request
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
         """One step module per step kind; they share the components' modules (no weight copies).
         With `taps` the denoise steps are the parity tap variants."""
         c = self.components
-        tap_points = TapPoints(c.transformer) if taps else None
-        steps = {
-            DENOISE: DenoiseStep(c.transformer, self.sampler, cfg=False, tap_points=tap_points),
-            DENOISE_CFG: DenoiseStep(c.transformer, self.sampler, cfg=True, tap_points=tap_points),
-            **{kind: CachedDenoiseStep(c.transformer, self.sampler, cfg, reuse) for (cfg, reuse), kind in CACHED_KINDS.items()},
-            VAE_DECODE: VaeDecodeStep(c.vae),
-        }
+        steps = {**self._denoise_steps(c.transformer, TapPoints(c.transformer) if taps else None), VAE_DECODE: VaeDecodeStep(c.vae)}
         if c.text_encoder is not None:
             steps[TEXT_ENCODE] = TextEncodeStep(c.text_encoder)
         return {kind: step.to(c.device).eval() for kind, step in steps.items()}
+
+    def _denoise_steps(self, transformer: nn.Module, tap_points: TapPoints | None = None) -> dict[str, nn.Module]:
+        return {
+            DENOISE: DenoiseStep(transformer, self.sampler, cfg=False, tap_points=tap_points),
+            DENOISE_CFG: DenoiseStep(transformer, self.sampler, cfg=True, tap_points=tap_points),
+            **{kind: CachedDenoiseStep(transformer, self.sampler, cfg, reuse) for (cfg, reuse), kind in CACHED_KINDS.items()},
+        }
 
     def check_request(self, request: Request) -> Request:
         """`request` with the card's defaults filled in, checked against the card and the loaded
@@ -196,7 +200,7 @@ class TextToVideoLoop:
         if request.caching is not None:
             state.cache = request.caching.model_dump(mode="json")
             state.cache_memo = self._policy(state).start()
-            state.cache_counts = {"computed": 0, "reused": 0}
+            state.cache_counts = {"computed": 0, "reused": 0, "flops": 0, "flops_uncached": 0}
         texts = []
         if state.prompt_embeds is None:
             texts.append(("prompt_embeds", request.prompt))
@@ -283,6 +287,10 @@ class TextToVideoLoop:
         if not compute:
             inputs.update({f"kept_{b}": t for b, t in enumerate(state.cache_kept)})
         kind = CACHED_KINDS[(state.cfg, not compute)]
+        if self._flops is None:  # the denoise steps on a data-free twin of the denoiser
+            self._flops = StepFlops(self._denoise_steps(meta_twin(self.components.transformer)))
+        uncached = {name: t for name, t in inputs.items() if not name.startswith("kept_")}
+        state.step_flops = (self._flops.count(kind, inputs), self._flops.count(facts.kind, uncached))
         plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels, facts.constant_names)
         plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
         return plan
@@ -294,6 +302,9 @@ class TextToVideoLoop:
             state.cache_kept = [result[f"kept_{b}"] for b in range(branches)]
         key = "computed" if compute else "reused"
         state.cache_counts[key] = state.cache_counts.get(key, 0) + branches
+        ran, uncached = state.step_flops or (0, 0)
+        state.cache_counts["flops"] = state.cache_counts.get("flops", 0) + ran
+        state.cache_counts["flops_uncached"] = state.cache_counts.get("flops_uncached", 0) + uncached
 
     def _denoise_facts(self, state: T2VState) -> DenoiseFacts:
         """What every denoise step of a request shares, worked out at its first one: the schedule as
