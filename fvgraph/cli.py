@@ -14,9 +14,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from fvgraph.cli_caching import CACHE_HELP, cache_line, cache_quality, calibrate, card_with_cache
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fvgraph: a compiled runtime for diffusion transformers")
 cache_app = typer.Typer(no_args_is_help=True, help="Inspect the on-disk capture cache: ls | verify | clear.")
 app.add_typer(cache_app, name="cache")
+app.command()(calibrate)
 console = Console()
 DEFAULT_CACHE_DIR = Path("capture_cache")
 
@@ -34,25 +37,6 @@ def _compile_config(compile_backend: str, disable_pass: list[str], compile_steps
     return CompileConfig(backend=compile_backend, passes=PassConfig(disabled=tuple(disable_pass)), step_kinds=step_kinds)
 
 
-CACHE_HELP = ("Step caching for requests that give none (docs/interceptors.md): METHOD[:k=v,...], e.g. "
-              "magcache:threshold=0.06; 'none' turns the card's default off.")  # fmt: skip
-
-
-def _card_with_cache(card: str, cache: Optional[str]):
-    """The card, its `default_cache` replaced by `--cache` when given (the same errors as Request(cache=...))."""
-    from fvgraph.cards import get_card
-    from fvgraph.loops.interceptor import parse_cache_settings
-
-    model = get_card(card)
-    if cache is None:
-        return model
-    try:
-        settings = parse_cache_settings(cache)
-    except ValueError as err:
-        raise ValueError(f"--cache: {err}") from None
-    return model.model_copy(update={"default_cache": settings})
-
-
 def _serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
                     compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
                     fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
@@ -61,7 +45,7 @@ def _serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cu
     from fvgraph.runtime.engine import Engine
 
     engine = Engine.from_card(
-        _card_with_cache(card, cache), checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
+        card_with_cache(card, cache), checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
         compile_config=_compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
         cache_dir=cache_dir, max_running=max_running,
     )  # fmt: skip
@@ -158,7 +142,7 @@ def generate(
             console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
     for result in results:
         if result.cache is not None:
-            console.print(f"{result.request_id} cache {_cache_line(result.cache)}", highlight=False)
+            console.print(f"{result.request_id} cache {cache_line(result.cache)}", highlight=False)
     c = engine.counters
     table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {c.compiles}, cache hits: {c.cache_hits}"
     console.print(table)
@@ -235,11 +219,6 @@ def serve(
     with source:
         counts = server.serve(source)
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
-
-
-def _cache_line(cache: dict) -> str:
-    """What a request's step caching did, in words (Result.cache)."""
-    return f"{cache['method']}: {cache['computed']} denoiser calls computed, {cache['reused']} reused"
 
 
 def _writable_dir(folder: Path, option: str) -> None:
@@ -327,46 +306,6 @@ def warmup(
         raise typer.Exit(1)
 
 
-@app.command()
-def calibrate(
-    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
-    num_inference_steps: int = typer.Option(..., "--steps", help="Steps of the calibration run (ratios are interpolated to other counts)."),
-    method: str = typer.Option("magcache", help="The cache method whose settings are calibrated."),
-    prompt: str = typer.Option("a red fox running through fresh snow", "--prompt", "-p"),
-    guidance_scale: Optional[float] = typer.Option(None, "--guidance", help="Default: the card's recipe."),
-    height: Optional[int] = typer.Option(None),
-    width: Optional[int] = typer.Option(None),
-    num_frames: Optional[int] = typer.Option(None, "--frames"),
-    seed: int = typer.Option(0),
-    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager (the reference), 1 and up compiled."),
-    compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
-    device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
-    cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache; the settings go to its calibration/ folder."),
-) -> None:
-    """Measure a cache method's calibrated settings (MagCache: mag_ratios) on the loaded weights and
-    store them where engines of this card and weights find them, so `--cache magcache` needs none."""
-    from fvgraph.loops.cache_calibration import CalibrationStore, calibrate as run_calibration, calibration_root
-    from fvgraph.runtime.engine import Engine
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        store = CalibrationStore(calibration_root(None, cache_dir))
-        _writable_dir(store.root, "--cache-dir")
-        engine = Engine.from_card(card, checkpoint=checkpoint, opt_level=opt_level, device=device,
-                                  compile_config=_compile_config(compile_backend, []))  # fmt: skip
-        shape = {k: v for k, v in {"guidance_scale": guidance_scale, "height": height, "width": width,
-                                   "num_frames": num_frames}.items() if v is not None}  # fmt: skip
-        record, path = run_calibration(engine, method, num_inference_steps, seed=seed, store=store, prompt=prompt, **shape)
-    except Exception as err:  # bad card, checkpoint, method or shape: say why and stop
-        console.print(f"[red]error:[/red] {err}")
-        raise typer.Exit(2) from None
-    for name, value in record["values"].items():
-        shown = ", ".join(f"{v:.4f}" for v in value) if isinstance(value, list) else str(value)
-        console.print(f"{name}: [{shown}]", highlight=False)
-    console.print(f"wrote {path} ({record['seconds']:.1f} s)")
-
-
 @cache_app.command("ls")
 def cache_ls(
     cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache."),
@@ -446,7 +385,7 @@ def parity(
     card: str = typer.Option("tiny-wan"),
     checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
     opt_level: int = typer.Option(1, "-O", "--opt-level", help="The setting under test."),
-    against: int = typer.Option(0, help="The reference opt level."),
+    against: str = typer.Option("0", help="The reference opt level; 'none' (with --cache): the same level uncached."),
     compile_backend: str = typer.Option("inductor"),
     disable_pass: list[str] = typer.Option([], "--disable-pass"),
     prompt: list[str] = typer.Option(["a red fox running through fresh snow", "waves at dusk"], "--prompt", "-p"),
@@ -454,25 +393,36 @@ def parity(
     num_frames: int = typer.Option(5, "--frames"),
     device: Optional[str] = typer.Option(None),
     report: Optional[Path] = typer.Option(None, help="Write the JSON-lines report here."),
+    cache: Optional[str] = typer.Option(None, "--cache", help="Step caching on both sides (METHOD[:k=v,...]); with "
+                                        "--against none, the distance of the cached run from the uncached one."),
 ) -> None:
     """Diff two settings tap by tap (every block, both CFG branches, predictions, latents) per step.
-    Exits 1 when a tap exceeds the card's tolerance, naming the first divergence."""
+    Exits 1 when a tap exceeds the card's tolerance, naming the first divergence. With `--cache ...
+    --against none`: report how far the cached run lands from the uncached one (relative L2 of the
+    latents per step, PSNR of the frames); reported, not asserted."""
     from fvgraph.parity import Setting, compare
     from fvgraph.request import Request
 
     try:
         from fvgraph.runtime.opt_levels import opt_level as level_config
 
-        for level in (opt_level, against):
+        if against == "none" and cache is None:
+            raise ValueError("--against none compares a cached run with the uncached one: give --cache METHOD[:k=v,...]")
+        reference = None if against == "none" else _level(against, "--against")
+        for level in (opt_level, reference if reference is not None else opt_level):
             level_config(level)
         requests = [
-            Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames)
+            Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames,
+                    cache=cache)  # fmt: skip
             for i, text in enumerate(prompt)
         ]
         if report is not None:
             _writable_dir(report.parent, "--report")  # the report is written after the whole comparison
+        if reference is None:
+            cache_quality(card, checkpoint, opt_level, compile_backend, disable_pass, device, requests, cache, report)
+            return
         b = Setting(opt_level, compile_backend, tuple(disable_pass))
-        result = compare(card, requests, Setting(against, compile_backend), b, checkpoint=checkpoint, device=device)
+        result = compare(card, requests, Setting(reference, compile_backend), b, checkpoint=checkpoint, device=device)
     except Exception as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
@@ -493,10 +443,17 @@ def parity(
     console.print(f"passed: {summary['comparisons']} comparisons within atol={result.config['atol']} rtol={result.config['rtol']}")
 
 
+def _level(text: str, option: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{option}={text!r} must be an opt level (0-3) or 'none'") from None
+
+
 BENCHMARKS = {
     "step": "bench_step", "serving": "bench_serving", "scheduler": "bench_scheduler_overhead",
     "projection-cache": "bench_projection_cache", "coldstart": "bench_coldstart", "kernels": "bench_kernels",
-    "http": "bench_http",
+    "http": "bench_http", "interceptors": "bench_interceptors",
 }  # fmt: skip
 
 

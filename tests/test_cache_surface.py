@@ -1,6 +1,8 @@
 """Step caching as users choose it: the METHOD[:k=v,...] text, a card's default and how a request opts
 out, the HTTP body field, and `--cache` on the command line."""
 
+import json
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -68,7 +70,7 @@ def test_the_card_default_applies_to_a_request_without_cache_and_none_opts_out(d
     assert opted_out.resolve(card).resolve(card).caching is None  # resolving again does not bring the default back
     results = default_engine.generate([absent, opted_out, explicit])
     assert all(r.ok for r in results), [r.error for r in results]
-    default, off, own = (r.cache for r in results)
+    default, off, own = ({k: r.cache[k] for k in ("method", "computed", "reused")} if r.cache else r.cache for r in results)
     assert default == {"method": "magcache", "computed": 4, "reused": 8}  # steps 0, 3 keep (max_skip_steps 2); the rest reuse
     assert off is None
     assert own == {"method": "magcache", "computed": 2 * STEPS, "reused": 0}  # threshold 0: nothing reuses
@@ -102,3 +104,15 @@ def test_generate_takes_cache_and_reports_what_ran(tmp_path, monkeypatch):
     uncalibrated = runner.invoke(app, [*base, "--cache", "magcache"])
     assert uncalibrated.exit_code == 2, uncalibrated.output
     assert "cache.mag_ratios: not given, and none calibrated for card 'tiny-wan'" in " ".join(uncalibrated.output.split())
+
+
+def test_serve_takes_cache_as_the_default_of_requests_without_one(tmp_path):
+    lines = tmp_path / "requests.jsonl"
+    common = {"prompt": "a fox", "num_inference_steps": STEPS, "num_frames": 1, "output_type": "latent"}
+    lines.write_text("\n".join(json.dumps({**common, **extra}) for extra in
+                               ({"request_id": "default"}, {"request_id": "off", "cache": "none"})) + "\n")  # fmt: skip
+    result = runner.invoke(app, ["serve", "-O0", "-r", str(lines), "-o", str(tmp_path / "out"), "--cache", TEXT])
+    assert result.exit_code == 0, result.output
+    answers = {a["request_id"]: a for a in map(json.loads, (t for t in result.stdout.splitlines() if t.startswith("{")))}
+    assert answers["default"]["status"] == answers["off"]["status"] == "ok"
+    assert answers["default"]["cache"]["reused"] == 8 and "cache" not in answers["off"]
