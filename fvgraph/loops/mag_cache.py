@@ -29,6 +29,7 @@ from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from diffusers.hooks import MagCacheConfig
 from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import Field
 
@@ -54,6 +55,10 @@ class MagCacheSettings(CacheSettings):
 
     def missing_calibration(self) -> tuple[str, ...]:
         return ("mag_ratios",) if self.mag_ratios is None else ()
+
+    def diffusers_config(self, num_inference_steps: int) -> MagCacheConfig:
+        return MagCacheConfig(threshold=self.threshold, max_skip_steps=self.max_skip_steps, retention_ratio=self.retention_ratio,
+                              num_inference_steps=num_inference_steps, mag_ratios=list(self.mag_ratios))  # fmt: skip
 
     @classmethod
     def calibration(cls) -> MagCacheCalibration:
