@@ -116,3 +116,12 @@ def test_serve_takes_cache_as_the_default_of_requests_without_one(tmp_path):
     answers = {a["request_id"]: a for a in map(json.loads, (t for t in result.stdout.splitlines() if t.startswith("{")))}
     assert answers["default"]["status"] == answers["off"]["status"] == "ok"
     assert answers["default"]["cache"]["reused"] == 8 and "cache" not in answers["off"]
+
+
+def test_a_resumed_state_must_hold_complete_active_settings(tiny_engine):
+    state = tiny_engine.start(_request(tiny_engine.card, 2, cache=TEXT))
+    tiny_engine.step(state)
+    for bad in ({"method": "none"}, {"method": "magcache", "threshold": 0.1}):
+        state.cache = bad
+        with pytest.raises(ValueError, match=r"cache: must be complete settings of a caching method"):
+            tiny_engine.resume(state)

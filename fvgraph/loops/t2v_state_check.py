@@ -86,9 +86,12 @@ def _check_cache(c: _Checker, state: LoopState) -> None:
             c.fail("cache_kept", "holds kept tensors but the state has no cache settings")
         return
     try:
-        parse_cache_settings(state.cache)
+        settings = parse_cache_settings(state.cache)
     except ValueError as err:
         c.fail("cache", str(err))
+    if settings.method == "none" or settings.missing_calibration():  # init stores only complete, active settings
+        c.fail("cache", f"must be complete settings of a caching method, got method {settings.method!r} "
+                        f"missing {list(settings.missing_calibration())}")  # fmt: skip
     branches = 2 if state.cfg else 1
     if len(state.cache_kept) not in (0, branches):
         c.fail("cache_kept", f"must hold 0 or {branches} tensors (one per CFG branch), got {len(state.cache_kept)}")
