@@ -15,6 +15,8 @@ case is a whole request's denoise loop (every step, both CFG branches, no text e
                                                       weights, with `transformer.enable_cache(...)`
                                                       (the method's `diffusers_config`) where diffusers
                                                       has the method; baselines: eager, compile_repeated_blocks
+                                                      (fullgraph=False with hooks on: they disable compile
+                                                      around the blocks' forwards)
 
 Prints one JSON line: per case the wall time (ms, min / median / max over interleaved rounds); per
 method the per-round speedup over its side's uncached case, fvgraph's FLOPs ratio (the step graphs
@@ -84,11 +86,22 @@ def diffusers_case(name: str, pipe: WanPipeline, request: Request) -> Case:
 def diffusers_pipe(card: str, device: torch.device, version: str, sampler, baseline: str, config) -> WanPipeline:
     """WanPipeline on an untouched copy of the weights: cache hooks first, then the baseline's compile."""
     c = untouched_components(card, device, version)
-    if config is not None:
+    if config is None:
+        transformer = baseline_transformer(baseline, c)
+    else:
         c.transformer.enable_cache(config)
-    transformer = baseline_transformer(baseline, c)
-    return WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=transformer,
+        transformer = c.transformer
+        if baseline == "compile_repeated_blocks":
+            # diffusers' hooks wrap the blocks' forwards in torch.compiler.disable, which fullgraph=True
+            # refuses (measured: "Skip calling `torch.compiler.disable()`d function"): with hooks on,
+            # the regional compile runs with graph breaks, as a diffusers user has to run it.
+            transformer.compile_repeated_blocks(fullgraph=False)
+        elif baseline != "eager":
+            raise ValueError(f"baseline={baseline!r}: expected one of {BASELINES}")
+    pipe = WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=transformer,
                        scheduler=diffusers_scheduler(sampler))  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def bench(args: argparse.Namespace, device: torch.device) -> dict:
