@@ -20,3 +20,4 @@ def test_the_bench_prints_one_line_per_run_with_every_method(capsys):
     assert 0 < magcache["fvgraph"]["flops_ratio"] <= 1 and magcache["fvgraph"]["computed"] > 0
     assert len(magcache["quality"]["rel_l2_per_step"]) == 4
     assert set(magcache["diffusers_eager"]) == {"wall_ms", "speedup"}
+    assert set(magcache["goals"]) == {"speedup_at_least_diffusers_eager"}
