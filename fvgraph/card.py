@@ -14,7 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+
+from fvgraph.loops.interceptor import CacheSettings, parse_cache_settings
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 
@@ -158,6 +160,16 @@ class ModelCard(_Spec):
     seed: int | None = Field(
         default=None, description="Seed for deterministic weights when the card embeds its own (no checkpoint)."
     )
+    default_cache: SerializeAsAny[CacheSettings] | None = Field(
+        default=None,
+        description='Step caching a request gets when it gives no `cache` (docs/interceptors.md), e.g. '
+        '{"method": "magcache", "threshold": 0.06}; a request opts out with cache="none".',
+    )
+
+    @field_validator("default_cache", mode="before")
+    @classmethod
+    def _cache_settings(cls, value):
+        return parse_cache_settings(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelCard:

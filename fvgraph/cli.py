@@ -15,10 +15,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fvgraph.serving.serve_ray_command import serve_ray
+from fvgraph.cli_caching import CACHE_HELP, cache_line, cache_quality, calibrate, card_with_cache
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="fvgraph: a compiled runtime for diffusion transformers")
 cache_app = typer.Typer(no_args_is_help=True, help="Inspect the on-disk capture cache: ls | verify | clear.")
 app.add_typer(cache_app, name="cache")
+app.command()(calibrate)
 console = Console()
 DEFAULT_CACHE_DIR = Path("capture_cache")
 
@@ -38,12 +40,13 @@ def _compile_config(compile_backend: str, disable_pass: list[str], compile_steps
 
 def _serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
                     compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
-                    fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16):  # fmt: skip
+                    fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
+                    cache: Optional[str] = None):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options."""
     from fvgraph.runtime.engine import Engine
 
     engine = Engine.from_card(
-        card, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
+        card_with_cache(card, cache), checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
         compile_config=_compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
         cache_dir=cache_dir, max_running=max_running,
     )  # fmt: skip
@@ -73,6 +76,7 @@ def generate(
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
+    cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
@@ -86,7 +90,7 @@ def generate(
         check_video_output(output, fps)  # before any work: a bad option must not cost the run
         _writable_dir(output.parent, "--output")
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
-                                 device, cache_dir, fail_on_recompile, compile_steps)  # fmt: skip
+                                 device, cache_dir, fail_on_recompile, compile_steps, cache=cache)  # fmt: skip
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
@@ -94,6 +98,7 @@ def generate(
             )
             for i, text in enumerate(prompt)
         ]  # fmt: skip
+        engine.loop.check_request(requests[0])  # the card's rules and calibrated settings, before any work
     except Exception as err:  # bad card, checkpoint or request: say why and stop
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
@@ -136,6 +141,9 @@ def generate(
         table.add_row(result.request_id, result.status, fmt("compile"), *cells, fmt("total"))
         if not result.ok:
             console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
+    for result in results:
+        if result.cache is not None:
+            console.print(f"{result.request_id} cache {cache_line(result.cache)}", highlight=False)
     c = engine.counters
     table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {c.compiles}, cache hits: {c.cache_hits}"
     console.print(table)
@@ -170,6 +178,7 @@ def serve(
     retention_s: float = typer.Option(3600.0, help="HTTP: finished videos and their files are deleted this long after they end."),
     drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
     max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
+    cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
 ) -> None:
     """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
@@ -190,7 +199,7 @@ def serve(
         if port is None:
             source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
-                                 device, cache_dir, fail_on_recompile, max_running=max_running)  # fmt: skip
+                                 device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache)  # fmt: skip
         if port is not None:
             from fvgraph.serving.http_server import HttpServer
 
@@ -381,7 +390,7 @@ def parity(
     card: str = typer.Option("tiny-wan"),
     checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
     opt_level: int = typer.Option(1, "-O", "--opt-level", help="The setting under test."),
-    against: int = typer.Option(0, help="The reference opt level."),
+    against: str = typer.Option("0", help="The reference opt level; 'none' (with --cache): the same level uncached."),
     compile_backend: str = typer.Option("inductor"),
     disable_pass: list[str] = typer.Option([], "--disable-pass"),
     prompt: list[str] = typer.Option(["a red fox running through fresh snow", "waves at dusk"], "--prompt", "-p"),
@@ -389,25 +398,36 @@ def parity(
     num_frames: int = typer.Option(5, "--frames"),
     device: Optional[str] = typer.Option(None),
     report: Optional[Path] = typer.Option(None, help="Write the JSON-lines report here."),
+    cache: Optional[str] = typer.Option(None, "--cache", help="Step caching on both sides (METHOD[:k=v,...]); with "
+                                        "--against none, the distance of the cached run from the uncached one."),
 ) -> None:
     """Diff two settings tap by tap (every block, both CFG branches, predictions, latents) per step.
-    Exits 1 when a tap exceeds the card's tolerance, naming the first divergence."""
+    Exits 1 when a tap exceeds the card's tolerance, naming the first divergence. With `--cache ...
+    --against none`: report how far the cached run lands from the uncached one (relative L2 of the
+    latents per step, PSNR of the frames); reported, not asserted."""
     from fvgraph.parity import Setting, compare
     from fvgraph.request import Request
 
     try:
         from fvgraph.runtime.opt_levels import opt_level as level_config
 
-        for level in (opt_level, against):
+        if against == "none" and cache is None:
+            raise ValueError("--against none compares a cached run with the uncached one: give --cache METHOD[:k=v,...]")
+        reference = None if against == "none" else _level(against, "--against")
+        for level in (opt_level, reference if reference is not None else opt_level):
             level_config(level)
         requests = [
-            Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames)
+            Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames,
+                    cache=cache)  # fmt: skip
             for i, text in enumerate(prompt)
         ]
         if report is not None:
             _writable_dir(report.parent, "--report")  # the report is written after the whole comparison
+        if reference is None:
+            cache_quality(card, checkpoint, opt_level, compile_backend, disable_pass, device, requests, cache, report)
+            return
         b = Setting(opt_level, compile_backend, tuple(disable_pass))
-        result = compare(card, requests, Setting(against, compile_backend), b, checkpoint=checkpoint, device=device)
+        result = compare(card, requests, Setting(reference, compile_backend), b, checkpoint=checkpoint, device=device)
     except Exception as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None
@@ -428,10 +448,17 @@ def parity(
     console.print(f"passed: {summary['comparisons']} comparisons within atol={result.config['atol']} rtol={result.config['rtol']}")
 
 
+def _level(text: str, option: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{option}={text!r} must be an opt level (0-3) or 'none'") from None
+
+
 BENCHMARKS = {
     "step": "bench_step", "serving": "bench_serving", "scheduler": "bench_scheduler_overhead",
     "projection-cache": "bench_projection_cache", "coldstart": "bench_coldstart", "kernels": "bench_kernels",
-    "http": "bench_http",
+    "http": "bench_http", "interceptors": "bench_interceptors",
 }  # fmt: skip
 
 

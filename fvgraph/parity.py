@@ -5,6 +5,8 @@
 
 Both sides run the tap variant of the card's denoise step (fvgraph/loops/taps.py): every block output per
 CFG branch, both branch predictions, the guided prediction, and the sampler's new latents, per step.
+A denoise step kind without a tap variant (step caching's keep and reuse kinds) is compared by its
+new latents only.
 Each pair of tensors gets max_abs, max_rel, rel_diff (||a - b|| / ||b||), the smallest atol (at
 rtol 0) and rtol (at atol 0) that would pass, the argmax coordinate with both values, and NaN/Inf
 counts; it passes when |a - b| <= atol + rtol * |b| with the card's component tolerance for its
@@ -108,8 +110,9 @@ def run_taps(engine: Engine, requests: Sequence[Request], batched: bool, batch_s
 
     def keep(state, plan, result):
         tapped = {k: v for k, v in result.items() if k.startswith("tap.")}
-        if not tapped:  # a step kind without a tap variant (encoders, decoders)
+        if not tapped and not engine.loop.step_kinds[plan.kind].per_inference_step:  # encoders, decoders
             return
+        # A denoise kind without a tap variant (a cached step: keep or reuse) is compared by its latents.
         named = split_fused(tapped)
         named["tap.latents"] = result["latents"]
         for name in sorted(named, key=execution_order):

@@ -24,7 +24,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 
 from fvgraph.card import ModelCard
-from fvgraph.loops.interceptor import CacheSettings, parse_cache_settings
+from fvgraph.loops.interceptor import CacheSettings, NoCache, parse_cache_settings
 from fvgraph.runtime.model_facts import ModelFacts
 from fvgraph.request_image import to_rgb_image
 
@@ -87,8 +87,9 @@ class Request(BaseModel):
     output_type: Literal["np", "latent"] = "np"
     cache: SerializeAsAny[CacheSettings] | None = Field(
         default=None,
-        description='Step caching (docs/interceptors.md): {"method": "magcache", ...} with the method\'s settings; '
-        "an unknown method or field is rejected naming it.",
+        description='Step caching (docs/interceptors.md): {"method": "magcache", ...} with the method\'s settings, '
+        'or the text "magcache:threshold=0.1"; an unknown method or field is rejected naming it. None (or left '
+        'out): the card\'s `default_cache`; "none": no caching even where the card names a default.',
     )
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], min_length=1, max_length=MAX_REQUEST_ID_LENGTH,
                             description="Printable, at most 128 characters.")
@@ -154,6 +155,11 @@ class Request(BaseModel):
         return self
 
     @property
+    def caching(self) -> CacheSettings | None:
+        """The step caching this request runs with: None when it has none or turned it off ("none")."""
+        return None if self.cache is None or isinstance(self.cache, NoCache) else self.cache
+
+    @property
     def do_cfg(self) -> bool:
         return self.guidance_scale is not None and self.guidance_scale > 1.0
 
@@ -170,8 +176,10 @@ class Request(BaseModel):
         values["width"] = self.width or shapes.default_width
         values["num_frames"] = self.num_frames or shapes.default_frames
         values["seed"] = secrets.randbelow(2**31) if self.seed is None else self.seed
-        values["cache"] = self.cache  # the settings object itself: a dump would be validated again
-        if self.cache is not None and (problem := self.cache.check_steps(values["num_inference_steps"])):
+        # The settings object itself (a dump would be validated again); "none" stays NoCache, so
+        # resolving twice never brings the card's default back.
+        values["cache"] = card.default_cache if self.cache is None else self.cache
+        if values["cache"] is not None and (problem := values["cache"].check_steps(values["num_inference_steps"])):
             raise RequestRejected(*problem)
         lo, hi = recipe.allowed_steps
         if not lo <= values["num_inference_steps"] <= hi:
@@ -226,7 +234,8 @@ class Result:
     latents: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
     error: str | None = None
-    # With step caching: {"method": ..., "computed": n, "reused": m}, denoiser calls (one per CFG branch and step).
+    # With step caching: {"method", "computed", "reused"} in denoiser calls (one per CFG branch and step), and
+    # {"flops", "flops_uncached"}: the FLOPs of the denoise steps that ran, and of the uncached step at every step.
     cache: dict | None = None
 
     @property

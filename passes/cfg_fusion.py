@@ -13,7 +13,8 @@ Before (markers from fvgraph.compile.markers around each call):
     <blocks ... on x_u, t_u, e_u>           # copy 2
     out_u = branch_output(y_u, "uncond", "transformer")
 
-After (then re-traced, so the blocks are inlined once again, at batch 2B):
+A call whose result has several tensors marks each with its index (`branch_output(y, ..., index)`);
+each is split back per branch. After (then re-traced, so the blocks are inlined once again, at batch 2B):
 
     y = transformer(hidden_states=cat([x, x]), timestep=cat([t, t]),
                     encoder_hidden_states=cat([pe, ne]), return_dict=False)[0]
@@ -48,8 +49,9 @@ class CfgFusionPass(FxPass):
         if set(branches) != {"cond", "uncond"}:
             return gm  # nothing to fuse (a guidance-free step has one branch)
         cond, uncond = branches["cond"], branches["uncond"]
-        if cond["module"] != uncond["module"] or set(cond["inputs"]) != set(uncond["inputs"]):
-            log.warning("cfg_fusion: branches call different modules or arguments; left unfused")
+        if (cond["module"] != uncond["module"] or set(cond["inputs"]) != set(uncond["inputs"])
+                or set(cond["outputs"]) != set(uncond["outputs"])):  # fmt: skip
+            log.warning("cfg_fusion: branches call different modules, arguments or outputs; left unfused")
             return gm
         anchor = _insertion_point(gm.graph, cond, uncond)
         if anchor is None:
@@ -65,36 +67,40 @@ class CfgFusionPass(FxPass):
                 for arg in cond["inputs"]
             }
             fused = graph.call_module(target, (), {**kwargs, "return_dict": False})
-            prediction = graph.call_function(operator.getitem, (fused, 0))
-            halves = graph.call_function(torch.chunk, (prediction, 2), {"dim": 0})
-            cond_out = graph.call_function(operator.getitem, (halves, 0))
-            uncond_out = graph.call_function(operator.getitem, (halves, 1))
-        cond["output"].replace_all_uses_with(cond_out)
-        uncond["output"].replace_all_uses_with(uncond_out)
+            halves = {}
+            for index in cond["outputs"]:  # each marked element of the call's result, split back per branch
+                element = graph.call_function(operator.getitem, (fused, index))
+                chunks = graph.call_function(torch.chunk, (element, 2), {"dim": 0})
+                halves[index] = [graph.call_function(operator.getitem, (chunks, half)) for half in (0, 1)]
+        for index, (cond_out, uncond_out) in halves.items():
+            cond["outputs"][index].replace_all_uses_with(cond_out)
+            uncond["outputs"][index].replace_all_uses_with(uncond_out)
         ctx.changed[self.name] = eliminate_dead_code(graph)
         gm.recompile()
         return _retrace(gm, ctx)
 
 
 def _collect_branches(graph: fx.Graph) -> dict[str, dict]:
-    """{branch: {"module": path, "inputs": {arg: source node}, "output": marker node}}."""
+    """{branch: {"module": path, "inputs": {arg: source node}, "outputs": {index: marker node}}}: a
+    call may return several tensors (a cached step's prediction and blocks' residual), each marked."""
     branches: dict[str, dict] = {}
     for node in marker_nodes(graph, torch.ops.fvgraph.branch_input):
         source, branch, module, arg = node.args
-        entry = branches.setdefault(branch, {"module": module, "inputs": {}, "output": None, "markers": []})
+        entry = branches.setdefault(branch, {"module": module, "inputs": {}, "outputs": {}, "markers": []})
         entry["inputs"][arg] = source
         entry["markers"].append(node)
     for node in marker_nodes(graph, torch.ops.fvgraph.branch_output):
-        _, branch, module = node.args
+        branch = node.args[1]
+        index = node.args[3] if len(node.args) > 3 else node.kwargs.get("index", 0)
         if branch in branches:
-            branches[branch]["output"] = node
-    return {name: entry for name, entry in branches.items() if entry["output"] is not None}
+            branches[branch]["outputs"][index] = node
+    return {name: entry for name, entry in branches.items() if entry["outputs"]}
 
 
 def _insertion_point(graph: fx.Graph, cond: dict, uncond: dict) -> fx.Node | None:
     """The first user of either branch's output, provided every branch input is defined before it."""
     order = {node: i for i, node in enumerate(graph.nodes)}
-    users = [user for b in (cond, uncond) for user in b["output"].users]
+    users = [user for b in (cond, uncond) for output in b["outputs"].values() for user in output.users]
     first_user = min(users, key=order.__getitem__)
     last_input = max(order[src] for b in (cond, uncond) for src in b["inputs"].values())
     return first_user if last_input < order[first_user] else None

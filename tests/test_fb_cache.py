@@ -109,7 +109,8 @@ def test_latents_and_full_calls_match_diffusers_first_block_cache(tiny_engine):
         assert result.ok, result.error
         assert decided == theirs and len(theirs) == 2 * STEPS  # the same denoiser calls ran their later blocks
         assert ours == {"first": 2 * STEPS, "last": sum(theirs)}  # the first block once per call, the rest when computed
-        assert result.cache == {"method": "fbcache", "computed": sum(theirs), "reused": 2 * STEPS - sum(theirs)}
+        assert {k: result.cache[k] for k in ("method", "computed", "reused")} == {"method": "fbcache", "computed": sum(theirs), "reused": 2 * STEPS - sum(theirs)}
+        assert 0 < result.cache["flops"] < result.cache["flops_uncached"]  # skipped blocks are FLOPs avoided
         tol = tiny_engine.card.parity.tolerance("fp32", "loop")  # the diffusers reference test's fp32 tolerance
         torch.testing.assert_close(result.latents, reference, atol=tol.atol, rtol=tol.rtol)
         request_counts[threshold] = (sum(theirs), theirs)
@@ -122,8 +123,10 @@ def test_a_threshold_of_zero_equals_no_cache_bit_for_bit(tiny_engine):
     """The two launches run diffusers' forward split at the first block: with every block computed
     the latents equal the plain step's."""
     cached, plain = tiny_engine.generate([_request(5, _fb(0.0)), _request(5, None)])
-    assert cached.cache == {"method": "fbcache", "computed": 2 * STEPS, "reused": 0}
+    assert {k: cached.cache[k] for k in ("method", "computed", "reused")} == {"method": "fbcache", "computed": 2 * STEPS, "reused": 0}
     assert torch.equal(cached.latents, plain.latents)
+    # every block ran, plus the embeddings once more per step in the second launch
+    assert cached.cache["flops"] >= cached.cache["flops_uncached"] > 0
 
 
 def _mixed() -> list[Request]:

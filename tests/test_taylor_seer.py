@@ -90,7 +90,7 @@ def test_latents_and_full_calls_match_diffusers_taylorseer(tiny_engine, name):
     expected = [step for step in schedule for _branch in ("cond", "uncond")]
     assert theirs == expected  # diffusers runs every call's embedders; its blocks ran at these calls only
     assert ours == [True] * sum(expected)  # a forecast step runs no transformer at all
-    assert result.cache == {"method": "taylorseer", "computed": sum(expected), "reused": len(expected) - sum(expected)}
+    assert {k: result.cache[k] for k in ("method", "computed", "reused")} == {"method": "taylorseer", "computed": sum(expected), "reused": len(expected) - sum(expected)}
     tol = tiny_engine.card.parity.tolerance("fp32", "loop")  # the diffusers reference test's fp32 tolerance
     torch.testing.assert_close(result.latents, reference, atol=tol.atol, rtol=tol.rtol)
 
@@ -110,7 +110,7 @@ def test_taylorseer_teacache_and_uncached_requests_together_equal_each_alone(tin
         assert torch.equal(result.latents, alone.latents), request.request_id
         assert result.cache == alone.cache
     # no CFG, bfloat16 factors, refresh every other step after step 0: one call per step
-    assert together[4].cache == {"method": "taylorseer", "computed": 5, "reused": 5}
+    assert {k: together[4].cache[k] for k in ("method", "computed", "reused")} == {"method": "taylorseer", "computed": 5, "reused": 5}
 
 
 def test_compiled_taylorseer_steps_equal_eager_and_add_no_recompile(tiny_engine):

@@ -165,7 +165,7 @@ def test_latents_and_full_calls_match_the_transcribed_teacache(tiny_engine, name
     expected = [step for step in schedule for _branch in ("cond", "uncond")]
     assert not all(expected) and any(expected)
     assert ours == theirs == expected  # the same denoiser calls ran their blocks, in the same order
-    assert result.cache == {"method": "teacache", "computed": sum(expected), "reused": len(expected) - sum(expected)}
+    assert {k: result.cache[k] for k in ("method", "computed", "reused")} == {"method": "teacache", "computed": sum(expected), "reused": len(expected) - sum(expected)}
     tol = tiny_engine.card.parity.tolerance("fp32", "loop")  # the diffusers reference test's fp32 tolerance
     torch.testing.assert_close(result.latents, reference, atol=tol.atol, rtol=tol.rtol)
 

@@ -4,7 +4,7 @@ Dynamo inlines module calls, so in a captured step the two CFG branches are just
 denoiser's ops, and a prompt embedding is just another placeholder. The step body says what they are:
 
     x, t, e = mark_branch_inputs("cond", "transformer", hidden_states=x, timestep=t, encoder_hidden_states=e)
-    out = mark_branch_output("cond", "transformer", transformer(...))
+    out = mark_branch_output("cond", "transformer", transformer(..., return_dict=False)[0])  # index 0
     embeds = mark_request_constant(embeds)
 
 In eager mode the helpers return their inputs untouched (no op runs). While tracing they emit
@@ -28,7 +28,7 @@ def branch_input(x: torch.Tensor, branch: str, module: str, arg: str) -> torch.T
 
 
 @torch.library.custom_op("fvgraph::branch_output", mutates_args=())
-def branch_output(x: torch.Tensor, branch: str, module: str) -> torch.Tensor:
+def branch_output(x: torch.Tensor, branch: str, module: str, index: int = 0) -> torch.Tensor:
     return x.clone()
 
 
@@ -60,10 +60,11 @@ def mark_branch_inputs(branch: str, module: str, **inputs: torch.Tensor) -> tupl
     return tuple(torch.ops.fvgraph.branch_input(x, branch, module, arg) for arg, x in inputs.items())
 
 
-def mark_branch_output(branch: str, module: str, x: torch.Tensor) -> torch.Tensor:
+def mark_branch_output(branch: str, module: str, x: torch.Tensor, index: int = 0) -> torch.Tensor:
+    """Tag element `index` of what the call of `module` returns (return_dict=False) on `branch`."""
     if not torch.compiler.is_compiling():
         return x
-    return torch.ops.fvgraph.branch_output(x, branch, module)
+    return torch.ops.fvgraph.branch_output(x, branch, module, index)
 
 
 def mark_request_constant(x: torch.Tensor | None) -> torch.Tensor | None:

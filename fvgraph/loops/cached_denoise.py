@@ -8,8 +8,10 @@ denoise step bit for bit in eager. The residual is the blocks' output minus the 
 input plus the kept residual, as those hooks return it.
 
 The steps are pure tensor functions like DenoiseStep (fvgraph/loops/steps.py): whether a step keeps
-or reuses is fixed when the module is built, never decided per call. They carry no CFG-branch
-markers, so the CFG fusion pass leaves their two denoiser calls apart.
+or reuses is fixed when the module is built, never decided per call. Each branch calls the
+`denoiser` submodule (`CachedWanForward`) between CFG-branch markers, its inputs (the kept residual
+too) and both of its outputs marked, so at -O1 and up the CFG fusion pass runs the two calls as one
+at twice the batch, as it does for the plain denoise step.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fvgraph.compile.markers import mark_request_constant
+from fvgraph.compile.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
 from fvgraph.loops.samplers import FlowEulerSampler, UniPCSampler
 from fvgraph.loops.steps import DenoiseStep
 
@@ -75,12 +77,26 @@ def wan_forward(transformer: nn.Module, hidden_states: torch.Tensor, timestep: t
     return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3), residual
 
 
+class CachedWanForward(nn.Module):
+    """`wan_forward` as a module, so a step can mark its calls as CFG branches for the fusion pass."""
+
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                encoder_hidden_states_image: torch.Tensor | None = None, kept: torch.Tensor | None = None,
+                return_dict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return wan_forward(self.transformer, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image, kept)
+
+
 class CachedDenoiseStep(DenoiseStep):
     """A whole denoise step that keeps (`reuse=False`) or reuses (`reuse=True`) the blocks' residual
     of each CFG branch: input/output "kept_0" (cond) and "kept_1" (uncond, when `cfg`)."""
 
     def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler | UniPCSampler, cfg: bool, reuse: bool):
         super().__init__(transformer, sampler, cfg)
+        self.denoiser = CachedWanForward(transformer)  # the same module: no weight copy
         self.reuse = reuse
         self.num_kept = 2 if cfg else 1
 
@@ -99,15 +115,17 @@ class CachedDenoiseStep(DenoiseStep):
         # 1. the denoiser input, as DenoiseStep builds it
         model_input = latents if condition is None else torch.cat([latents, mark_request_constant(condition)], dim=1)
         model_input = model_input.to(prompt_embeds.dtype)
-        image = None if image_embeds is None else mark_request_constant(image_embeds)
+        image = {} if image_embeds is None else {"encoder_hidden_states_image": mark_request_constant(image_embeds)}
         # 2. each branch: blocks computed (residual kept) or skipped (residual reused)
         texts = (prompt_embeds, negative_prompt_embeds)
         noises, residuals = [], []
-        for b in range(self.num_kept):
-            kept = extra[f"kept_{b}"] if self.reuse else None
-            noise, residual = wan_forward(self.transformer, model_input, timestep, mark_request_constant(texts[b]), image, kept)
-            noises.append(noise)
-            residuals.append(residual)
+        for b, branch in enumerate(("cond", "uncond")[: self.num_kept]):
+            inputs = dict(hidden_states=model_input, timestep=timestep, encoder_hidden_states=mark_request_constant(texts[b]),
+                          **image, **({"kept": extra[f"kept_{b}"]} if self.reuse else {}))  # fmt: skip
+            marked = dict(zip(inputs, mark_branch_inputs(branch, "denoiser", **inputs)))
+            noise, residual = self.denoiser(**marked)
+            noises.append(mark_branch_output(branch, "denoiser", noise, 0))
+            residuals.append(mark_branch_output(branch, "denoiser", residual, 1))
         noise = noises[0]
         if self.cfg:
             scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))

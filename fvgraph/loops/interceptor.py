@@ -31,14 +31,22 @@ A data-dependent policy (FBCache, fvgraph/loops/fb_cache.py) is a MeasuringInter
 loop runs each step as two launches, a measuring one and the rest, and the policy decides per CFG
 branch in between from one small output of the first that the runtime copies to the host for the
 whole group at once (StepKind.host_outputs).
+
+The same settings are spelled three ways: a dict (`{"method": "magcache", "threshold": 0.1}`), the
+text `METHOD[:k=v,...]` (`magcache:threshold=0.1`, each value read as JSON, else as a string: what
+`--cache` and an HTTP form take), or the word `none`, which turns caching off where a card default
+would otherwise apply (`NoCache`). Settings a method calibrates per model (MagCache's `mag_ratios`)
+may be left out; `calibrated()` fills them from what `fvgraph calibrate` stored for the loaded
+weights (fvgraph/loops/cache_calibration.py).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -110,22 +118,115 @@ class CacheSettings(BaseModel):
         """(field, message) when these settings cannot serve a request on that card, else None."""
         return None
 
+    def missing_calibration(self) -> tuple[str, ...]:
+        """The fields left out that the method calibrates per model (filled by `calibrated`)."""
+        return ()
+
+    def calibrated(self, values: Mapping[str, Any]) -> CacheSettings:
+        """These settings with the missing calibrated fields taken from `values` (what `fvgraph
+        calibrate` stored for the loaded weights); fields given explicitly win."""
+        missing = {name: values[name] for name in self.missing_calibration() if name in values}
+        return type(self).model_validate({**self.model_dump(), **missing}) if missing else self
+
+    def diffusers_config(self, num_inference_steps: int) -> Any | None:
+        """The same settings as the diffusers hook config `transformer.enable_cache()` takes (for
+        comparisons with diffusers), or None where diffusers has no such method."""
+        return None
+
+    @classmethod
+    def calibration(cls) -> Calibration | None:
+        """How `fvgraph calibrate` measures this method's calibrated fields; None: it has none."""
+        return None
+
+
+class Calibration(Protocol):
+    """Measures a method's calibrated fields from one uncached run's full steps."""
+
+    def settings(self) -> CacheSettings:
+        """Settings under which every step computes and keeps what the measurement reads."""
+        ...
+
+    def observe(self, step_index: int, outputs: Mapping[str, Any]) -> None: ...
+
+    def values(self) -> dict[str, Any]:
+        """The calibrated fields, by name, as the settings take them."""
+        ...
+
+
+class NoCache(CacheSettings):
+    """Caching off: what `cache="none"` means, also where the card names a default."""
+
+    method: Literal["none"] = "none"
+
+
+NO_CACHE = "none"
+
 
 def settings_type(method: str) -> type[CacheSettings]:
     module, name = METHODS[method].split(":")
     return getattr(importlib.import_module(module), name)
 
 
+def parse_cache_text(text: str) -> dict[str, Any]:
+    """`METHOD[:k=v,...]` (or a JSON object) as a settings dict; `none` as {"method": "none"}. A value
+    is read as JSON (numbers, booleans, [lists]) and otherwise kept as a string; commas inside
+    brackets belong to the value. ValueError names what is malformed."""
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as err:
+            raise ValueError(f"cache={text!r} is not a JSON object: {err}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"cache={text!r} must be a JSON object")
+        return value
+    method, _, rest = text.partition(":")
+    settings: dict[str, Any] = {"method": method.strip()}
+    for item in _top_level_items(rest):
+        name, eq, raw = item.partition("=")
+        if not eq or not name.strip():
+            raise ValueError(f"cache={text!r}: {item!r} must be key=value (e.g. magcache:threshold=0.1)")
+        try:
+            settings[name.strip()] = json.loads(raw)
+        except ValueError:
+            settings[name.strip()] = raw.strip()
+    return settings
+
+
+def _top_level_items(text: str) -> list[str]:
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(text):
+        if char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
 def parse_cache_settings(value: Any) -> CacheSettings | None:
-    """A request's `cache` value as its method's settings. ValueError names the field and the rule:
-    `cache.method` for an unknown method, `cache.<field>` for an unknown or invalid field."""
+    """A request's `cache` value as its method's settings: a dict, the text `METHOD[:k=v,...]`, or
+    `none` (NoCache). ValueError names the field and the rule: `cache.method` for an unknown method,
+    `cache.<field>` for an unknown or invalid field."""
     if value is None or isinstance(value, CacheSettings):
         return value
+    if isinstance(value, str):
+        value = parse_cache_text(value)
     if not isinstance(value, Mapping):
-        raise ValueError(f"cache must be a dict with a 'method' key (one of {', '.join(METHODS)}), got {type(value).__name__}")
+        raise ValueError(f"cache must be a dict with a 'method' key (one of {', '.join(METHODS)}) or the text "
+                         f"METHOD[:k=v,...], got {type(value).__name__}")  # fmt: skip
     method = value.get("method")
+    if method == NO_CACHE:
+        extra = sorted(set(value) - {"method"})
+        if extra:
+            raise ValueError(f"cache.{extra[0]}: method 'none' (caching off) takes no settings")
+        return NoCache()
     if method not in METHODS:
-        raise ValueError(f"cache.method={method!r} is not a known method; known methods: {', '.join(METHODS)}")
+        raise ValueError(f"cache.method={method!r} is not a known method; known methods: {', '.join(METHODS)} "
+                         f"('{NO_CACHE}' turns caching off)")  # fmt: skip
     try:
         return settings_type(method).model_validate(dict(value))
     except ValidationError as err:

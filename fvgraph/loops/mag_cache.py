@@ -16,14 +16,20 @@ in its float32 arithmetic (its accumulators become float32 tensors once multipli
 diffusers keeps one state per CFG branch (WanPipeline's cache_context "cond" / "uncond"); both see
 the same step sequence and decide alike, so one decision per step serves both branches, while the
 kept residual is per branch.
+
+`mag_ratios` may be left out: `fvgraph calibrate` measures them on the loaded weights
+(`MagCacheCalibration`, diffusers' `MagCacheConfig(calibrate=True)` formula) and the loop fills them
+in from what it stored for those weights.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from diffusers.hooks import MagCacheConfig
 from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import Field
 
@@ -33,7 +39,7 @@ Ratio = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class MagCacheSettings(CacheSettings):
-    """diffusers' `MagCacheConfig` names; `calibrate` is not taken here (ratios must be given)."""
+    """diffusers' `MagCacheConfig` names; its `calibrate` mode is `fvgraph calibrate` here."""
 
     method: Literal["magcache"] = "magcache"
     threshold: float = Field(0.06, ge=0, allow_inf_nan=False, description="Accumulated error up to which steps reuse.")
@@ -42,9 +48,21 @@ class MagCacheSettings(CacheSettings):
     num_inference_steps: int | None = Field(
         None, ge=1, description="The steps `mag_ratios` are interpolated to; default and only allowed value: the request's."
     )
-    mag_ratios: tuple[Ratio, ...] = Field(
-        min_length=1, description="Per-step magnitude ratios calibrated for the model (nearest-interpolated to the steps)."
-    )
+    mag_ratios: tuple[Ratio, ...] | None = Field(
+        None, min_length=1, description="Per-step magnitude ratios calibrated for the model (nearest-interpolated to "
+        "the steps); left out: the ones `fvgraph calibrate` stored for the loaded weights.",
+    )  # fmt: skip
+
+    def missing_calibration(self) -> tuple[str, ...]:
+        return ("mag_ratios",) if self.mag_ratios is None else ()
+
+    def diffusers_config(self, num_inference_steps: int) -> MagCacheConfig:
+        return MagCacheConfig(threshold=self.threshold, max_skip_steps=self.max_skip_steps, retention_ratio=self.retention_ratio,
+                              num_inference_steps=num_inference_steps, mag_ratios=list(self.mag_ratios))  # fmt: skip
+
+    @classmethod
+    def calibration(cls) -> MagCacheCalibration:
+        return MagCacheCalibration()
 
     def check_steps(self, num_inference_steps: int) -> tuple[str, str] | None:
         if self.num_inference_steps is not None and self.num_inference_steps != num_inference_steps:
@@ -60,6 +78,8 @@ class MagCache:
     """One request's MagCache decisions; `memo` holds diffusers' three accumulators."""
 
     def __init__(self, settings: MagCacheSettings, num_inference_steps: int):
+        if settings.mag_ratios is None:
+            raise ValueError("cache.mag_ratios: MagCache needs calibrated ratios (give them, or run `fvgraph calibrate`)")
         ratios = torch.tensor(settings.mag_ratios)  # float32, as MagCacheConfig turns a list into a tensor
         if len(ratios) != num_inference_steps:
             ratios = nearest_interp(ratios, num_inference_steps)
@@ -90,3 +110,25 @@ class MagCache:
             compute, memo = self.decide(memo, i, has_kept=i > 0)
             plan.append(compute)
         return plan
+
+
+class MagCacheCalibration:
+    """diffusers' calibration formula on the cond branch's residuals of an uncached run:
+    ratio[0] = 1, ratio[i] = mean over tokens of |r_i| / (|r_{i-1}| + 1e-8), |.| the L2 norm of a token."""
+
+    def __init__(self):
+        self.previous: torch.Tensor | None = None
+        self.ratios: list[float] = []
+
+    def settings(self) -> MagCacheSettings:
+        return MagCacheSettings(max_skip_steps=0, mag_ratios=(1.0,))  # every step computes and keeps
+
+    def observe(self, step_index: int, outputs: Mapping[str, Any]) -> None:
+        if step_index != len(self.ratios):
+            raise ValueError(f"calibration saw step {step_index} after {len(self.ratios)} steps: run one request alone")
+        norm = torch.linalg.norm(outputs["kept_0"].float(), dim=-1)  # [B, S]: the cond branch, as diffusers' first context
+        self.ratios.append(1.0 if self.previous is None else (norm / (self.previous + 1e-8)).mean().item())
+        self.previous = norm
+
+    def values(self) -> dict[str, Any]:
+        return {"mag_ratios": list(self.ratios)}

@@ -17,6 +17,7 @@ from torch import nn
 
 from fvgraph.card import ModelCard
 from fvgraph.runtime.components import Components
+from fvgraph.loops.cache_calibration import CalibrationStore
 from fvgraph.loops.cached_denoise import CachedDenoiseStep
 from fvgraph.loops.fb_cache import advance_first_block, first_block_plan
 from fvgraph.loops.fb_cache_steps import FB_STEP_KINDS, build_fb_steps
@@ -24,6 +25,7 @@ from fvgraph.loops.interceptor import Interceptor, PolicyContext, parse_cache_se
 from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.loops.samplers import build_sampler
+from fvgraph.loops.step_flops import StepFlops, meta_twin
 from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
 from fvgraph.loops.t2v_state_check import check_t2v_state
 from fvgraph.loops.taylor_denoise import TaylorDenoiseStep
@@ -89,7 +91,7 @@ class T2VState(SerializableState):
     cache: dict | None = None  # the request's interceptor settings (CacheSettings, dumped), or None
     cache_memo: dict[str, float] = field(default_factory=dict)  # the interceptor's accumulators after the last step
     cache_kept: list[torch.Tensor] = field(default_factory=list)  # per CFG branch: what the last full step kept
-    cache_counts: dict[str, int] = field(default_factory=dict)  # denoiser calls computed and reused
+    cache_counts: dict[str, int] = field(default_factory=dict)  # denoiser calls computed and reused; FLOPs run and uncached
     # FBCache (fvgraph/loops/fb_cache.py): per CFG branch the first block's residual at its last full
     # step; between a step's two launches, the first block's output and whether the rest runs.
     cache_first: list[torch.Tensor] = field(default_factory=list)
@@ -98,6 +100,7 @@ class T2VState(SerializableState):
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
     derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
     policy: Any = field(default=None, metadata={"transient": True})  # Interceptor built from `cache`
+    step_flops: tuple[int, int] | None = field(default=None, metadata={"transient": True})  # planned step's, uncached step's
 
     @property
     def num_steps(self) -> int:
@@ -126,23 +129,26 @@ class TextToVideoLoop:
         # (from_pretrained loads scale_shift_table first), which is not the dtype it runs in.
         self.embed_dtype = components.transformer.dtype
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
+        self.calibration = CalibrationStore()  # where calibrated cache settings are found (the engine sets its root)
+        self._flops: StepFlops | None = None  # built at the first cached request
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
         """One step module per step kind; they share the components' modules (no weight copies).
         With `taps` the denoise steps are the parity tap variants."""
         c = self.components
-        tap_points = TapPoints(c.transformer) if taps else None
-        steps = {
-            DENOISE: DenoiseStep(c.transformer, self.sampler, cfg=False, tap_points=tap_points),
-            DENOISE_CFG: DenoiseStep(c.transformer, self.sampler, cfg=True, tap_points=tap_points),
-            **{kind: CachedDenoiseStep(c.transformer, self.sampler, cfg, reuse) for (cfg, reuse), kind in CACHED_KINDS.items()},
-            **{kind: TaylorDenoiseStep(c.transformer, self.sampler, cfg, forecast) for (cfg, forecast), kind in TAYLOR_KINDS.items()},
-            **build_fb_steps(c.transformer, self.sampler),
-            VAE_DECODE: VaeDecodeStep(c.vae),
-        }
+        steps = {**self._denoise_steps(c.transformer, TapPoints(c.transformer) if taps else None), VAE_DECODE: VaeDecodeStep(c.vae)}
         if c.text_encoder is not None:
             steps[TEXT_ENCODE] = TextEncodeStep(c.text_encoder)
         return {kind: step.to(c.device).eval() for kind, step in steps.items()}
+
+    def _denoise_steps(self, transformer: nn.Module, tap_points: TapPoints | None = None) -> dict[str, nn.Module]:
+        return {
+            DENOISE: DenoiseStep(transformer, self.sampler, cfg=False, tap_points=tap_points),
+            DENOISE_CFG: DenoiseStep(transformer, self.sampler, cfg=True, tap_points=tap_points),
+            **{kind: CachedDenoiseStep(transformer, self.sampler, cfg, reuse) for (cfg, reuse), kind in CACHED_KINDS.items()},
+            **{kind: TaylorDenoiseStep(transformer, self.sampler, cfg, forecast) for (cfg, forecast), kind in TAYLOR_KINDS.items()},
+            **build_fb_steps(transformer, self.sampler),
+        }
 
     def check_request(self, request: Request) -> Request:
         """`request` with the card's defaults filled in, checked against the card and the loaded
@@ -153,12 +159,25 @@ class TextToVideoLoop:
             raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
         if resolved.image is not None and not self.takes_image:
             raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
-        if resolved.cache is not None and (self.takes_image or len(self.facts.experts) > 1):
+        if resolved.caching is not None and (self.takes_image or len(self.facts.experts) > 1):
             raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
                                            "runs on single-expert text-to-video loops only")  # fmt: skip
-        if resolved.cache is not None and (problem := resolved.cache.check_card(self.card)):
+        if resolved.caching is not None and (problem := resolved.caching.check_card(self.card)):
             raise RequestRejected(*problem)
+        if resolved.caching is not None and resolved.caching.missing_calibration():
+            resolved = resolved.model_copy(update={"cache": self._calibrated(resolved.caching)})
         return resolved
+
+    def _calibrated(self, settings):
+        """`settings` with their calibrated fields filled from the store, for these weights."""
+        c, method = self.components, settings.method
+        record = self.calibration.load(self.card.card_id, c.weights_version, method)
+        missing = settings.missing_calibration()
+        if record is None:
+            raise RequestRejected(f"cache.{missing[0]}", f"not given, and none calibrated for card {self.card.card_id!r} "
+                                  f"with weights {c.weights_version} under {self.calibration.root}: run `fvgraph calibrate "
+                                  f"--card {self.card.card_id} [--checkpoint P] --steps N` or pass {missing[0]}")  # fmt: skip
+        return settings.calibrated(record["values"])
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
         """A request that runs every step kind of this loop at this shape (what `fvgraph warmup` serves)."""
@@ -195,12 +214,12 @@ class TextToVideoLoop:
             weights_version=self.components.weights_version,
             **self._conditioning(request, latents),
         )
-        if request.cache is not None:
-            state.cache = request.cache.model_dump(mode="json")
+        if request.caching is not None:
+            state.cache = request.caching.model_dump(mode="json")
             # The policy is built here, before any step is queued: one that plans from the denoiser
             # (TeaCache runs its condition embedder on the timesteps) reads the device only now.
             state.cache_memo = self._policy(state).start()
-            state.cache_counts = {"computed": 0, "reused": 0}
+            state.cache_counts = {"computed": 0, "reused": 0, "flops": 0, "flops_uncached": 0}
         texts = []
         if state.prompt_embeds is None:
             texts.append(("prompt_embeds", request.prompt))
@@ -284,6 +303,7 @@ class TextToVideoLoop:
     def _cached_plan(self, state: T2VState, facts: DenoiseFacts, inputs: dict[str, torch.Tensor]) -> WorkPlan:
         """The step the request's interceptor decides on: keep (blocks run) or reuse (blocks skipped).
         The decision is host arithmetic on the state; advance() repeats it to move the state on."""
+        plain = dict(inputs)  # the uncached step's inputs, for its FLOPs
         policy = self._policy(state)
         if getattr(policy, "measures", None):  # decided from the step's own data: two launches (fb_cache.py)
             kind, inputs = first_block_plan(state, inputs, self.components.transformer)
@@ -297,6 +317,9 @@ class TextToVideoLoop:
             if not compute:
                 inputs.update({f"kept_{b}": t for b, t in enumerate(state.cache_kept)})
             kind = CACHED_KINDS[(state.cfg, not compute)]
+        if self._flops is None:  # the denoise steps on a data-free twin of the denoiser
+            self._flops = StepFlops(self._denoise_steps(meta_twin(self.components.transformer)))
+        state.step_flops = (self._flops.count(kind, inputs), self._flops.count(facts.kind, plain))
         plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels, facts.constant_names)
         plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
         return plan
@@ -304,8 +327,14 @@ class TextToVideoLoop:
     def _advance_cache(self, state: T2VState, result: StepResult) -> bool:
         """Fold the cache's outputs into the state; False when the step has a launch still to run."""
         policy, memo = self._policy(state), state.cache_memo
+        ran, uncached = state.step_flops or (0, 0)
+        state.cache_counts["flops"] = state.cache_counts.get("flops", 0) + ran
         if getattr(policy, "measures", None):
-            return advance_first_block(policy, state, result)
+            done = advance_first_block(policy, state, result)
+            if done:  # the uncached step counts once per step, not per launch
+                state.cache_counts["flops_uncached"] = state.cache_counts.get("flops_uncached", 0) + uncached
+            return done
+        state.cache_counts["flops_uncached"] = state.cache_counts.get("flops_uncached", 0) + uncached
         compute, state.cache_memo = policy.decide(memo, state.step_index, bool(state.cache_kept))
         branches = 2 if state.cfg else 1
         if compute and getattr(policy, "step_family", "residual") == "taylor":

@@ -87,7 +87,14 @@ def _check_cache(c: _Checker, state: LoopState) -> None:
                 c.fail(name, "holds kept tensors but the state has no cache settings")
         return
     try:
-        per_branch, dims = parse_cache_settings(state.cache).kept_layout(state.cache_memo)
+        settings = parse_cache_settings(state.cache)
+    except ValueError as err:
+        c.fail("cache", str(err))
+    if settings.method == "none" or settings.missing_calibration():  # init stores only complete, active settings
+        c.fail("cache", f"must be complete settings of a caching method, got method {settings.method!r} "
+                        f"missing {list(settings.missing_calibration())}")  # fmt: skip
+    try:
+        per_branch, dims = settings.kept_layout(state.cache_memo)
     except ValueError as err:
         c.fail("cache", str(err))
     branches = 2 if state.cfg else 1

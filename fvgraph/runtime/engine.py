@@ -89,6 +89,7 @@ class Engine:
         debug: bool = False,
         taps: bool = False,
         text_encoder: bool = True,
+        calibration_dir: str | Path | None = None,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -106,12 +107,14 @@ class Engine:
         engine (fail_on_recompile). `taps` builds the parity variant: the denoiser steps also return
         named intermediates ("tap.*"). `text_encoder=False` loads neither the text encoder nor the
         tokenizer: requests must then carry prompt embeddings (a text prompt is rejected, saying so).
+        `calibration_dir` is where calibrated cache settings are found (docs/interceptors.md; default
+        `<cache_dir>/calibration`, else `capture_cache/calibration`).
         """
         card = get_card(card) if isinstance(card, str) else card
         switches = EngineSwitches(
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
-            debug=debug, taps=taps, text_encoder=text_encoder,
+            debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir,
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)
         engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)

@@ -26,6 +26,7 @@ from fvgraph.runtime.counters import Counters
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.compile.fp8_weights import apply_fp8_weights
 from fvgraph.runtime.graph_runner import GraphRunner
+from fvgraph.loops.cache_calibration import CalibrationStore, calibration_root
 from fvgraph.loops.loop import Loop
 from fvgraph.loops.registry import build_loop
 from fvgraph.runtime.opt_levels import OptLevel, opt_level
@@ -52,6 +53,7 @@ class EngineSwitches:
     debug: bool = False  # check static buffer addresses at every replay
     taps: bool = False  # the parity variant: denoise steps also return named intermediates
     text_encoder: bool = True  # False: neither text encoder nor tokenizer loads; requests carry embeddings
+    calibration_dir: str | Path | None = None  # calibrated cache settings (default: beside the capture cache)
 
 
 @dataclass
@@ -72,6 +74,8 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
     skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer"})
     components = load_components(card, checkpoint, device, skip)
     loop = build_loop(card, components)
+    if hasattr(loop, "calibration"):  # a loop with step caching finds calibrated settings here
+        loop.calibration = CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir))
     counters = Counters()
     executor = EagerExecutor(loop.build_steps(taps=switches.taps), counters)
     if effective.compiled:

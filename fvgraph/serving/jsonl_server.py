@@ -9,7 +9,7 @@ whatever it holds (bytes that are not UTF-8, JSON too deep or with too long a nu
 every answer names the line it answers (`line`) and what that line was (`kind`):
 
     {"line": 1, "kind": "request", "request_id": "fox", "status": "ok", "seed": 1, "error": null,
-     "timings": {...}, "output": "out/fox.gif"}
+     "timings": {...}, "output": "out/fox.gif"}          (+ "cache": Result.cache with step caching)
     {"line": 2, "kind": "cancel", "cancel": "fox", "request_id": null, "status": "accepted", "error": null}
 
 A request line is answered when its request ends (ok, failed, cancelled), or at once when it cannot
@@ -226,6 +226,8 @@ class JsonlServer:
         answer = {"line": self._taken.get(_file_key(result.request_id)), "kind": "request", "request_id": result.request_id,
                   "status": result.status, "seed": result.seed, "error": result.error,
                   "timings": {k: round(v, 6) for k, v in result.timings.items()}, "output": None}  # fmt: skip
+        if result.cache is not None:  # step caching (docs/interceptors.md): what it did
+            answer["cache"] = result.cache
         if result.ok:
             try:
                 answer["output"] = str(self._write(result))

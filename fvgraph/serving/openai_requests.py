@@ -2,7 +2,9 @@
 
 POST /v1/videos takes the OpenAI SDK's multipart form (prompt, model, seconds, size "WxH",
 input_reference) or the same fields as JSON, plus fvgraph's own fields, which the SDK sends through
-`extra_body`: num_frames, fps, num_inference_steps, guidance_scale, negative_prompt, seed, timeout.
+`extra_body`: num_frames, fps, num_inference_steps, guidance_scale, negative_prompt, seed, timeout,
+cache (step caching: a JSON object, or in a form the text METHOD[:k=v,...] or a JSON object's text;
+"none" turns the card's default off; docs/interceptors.md).
 `seconds` x `fps` becomes a frame count rounded to the nearest the card allows (k * 4 + 1 for Wan);
 `num_frames`, when given, must follow that rule itself. Every error is a RequestRejected naming the
 field and the rule (HTTP 400).
@@ -13,7 +15,7 @@ from __future__ import annotations
 import io
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,6 +39,7 @@ class _Body(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     timeout: float | None = Field(default=None, gt=0, description="Seconds after which the request is cancelled.")
+    cache: str | dict[str, Any] | None = Field(default=None, description="Step caching, as Request(cache=...) takes it.")
 
 
 class VideoBody(_Body):
@@ -100,7 +103,8 @@ def _request(body: _Body, card: ModelCard, request_id: str, max_prompt_chars: in
             raise RequestRejected(name, f"{len(text)} characters exceed the limit of {max_prompt_chars} this server takes")
     try:
         return Request(prompt=body.prompt, negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
-                       guidance_scale=body.guidance_scale, seed=body.seed, request_id=request_id, **shape)  # fmt: skip
+                       guidance_scale=body.guidance_scale, seed=body.seed, cache=body.cache, request_id=request_id,
+                       **shape)  # fmt: skip
     except ValidationError as err:
         first = err.errors()[0]
         raise RequestRejected(".".join(str(p) for p in first["loc"]) or "body", first["msg"]) from None
