@@ -33,6 +33,8 @@ from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.runtime.finite_check import all_finite
 from fvgraph.runtime.fp32_math import math_mode
 from fvgraph.loops.loop import Done, Loop, LoopState, WorkPlan
+from fvgraph.parallel.config import ParallelConfig
+from fvgraph.parallel.workers import WorkersLost
 from fvgraph.runtime.model_facts import ModelFacts
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.request import Request, RequestRejected, Result
@@ -88,6 +90,7 @@ class Engine:
         debug: bool = False,
         taps: bool = False,
         text_encoder: bool = True,
+        parallel: ParallelConfig | None = None,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -105,17 +108,30 @@ class Engine:
         engine (fail_on_recompile). `taps` builds the parity variant: the denoiser steps also return
         named intermediates ("tap.*"). `text_encoder=False` loads neither the text encoder nor the
         tokenizer: requests must then carry prompt embeddings (a text prompt is rejected, saying so).
+        `parallel` starts worker processes that split each denoise step with this process
+        (CFG-parallel, Ulysses: docs/parallel.md); `close()` stops them.
         """
         card = get_card(card) if isinstance(card, str) else card
         switches = EngineSwitches(
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
-            debug=debug, taps=taps, text_encoder=text_encoder,
+            debug=debug, taps=taps, text_encoder=text_encoder, parallel=parallel,
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)
         engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)
         engine.projection_cache = parts.projection_cache
         return engine
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why this engine takes no more work (a parallel engine that lost a worker rank), or None."""
+        return getattr(self.executor, "unavailable", None)
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory: a parallel engine's worker processes."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     # -- one request at a time -------------------------------------------------------------------
 
@@ -196,6 +212,8 @@ class Engine:
             raise TypeError(f"requests must be fvgraph.Request objects, got {type(request).__name__}")
         if request.request_id in self._in_flight:
             raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
+        if self.unavailable is not None:
+            raise WorkersLost(f"the engine takes no new requests: {self.unavailable}")
         self._scheduler.submit(self.start(request))
         self._in_flight[request.request_id] = time.perf_counter()
         return request.request_id

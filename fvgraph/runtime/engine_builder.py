@@ -28,6 +28,8 @@ from fvgraph.compile.fp8_weights import apply_fp8_weights
 from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.loops.loop import Loop
 from fvgraph.loops.registry import build_loop
+from fvgraph.parallel.config import ParallelConfig
+from fvgraph.parallel.plan import setup_rank
 from fvgraph.runtime.opt_levels import OptLevel, opt_level
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.runtime.projection_cache_wan import apply_projection_cache
@@ -52,6 +54,7 @@ class EngineSwitches:
     debug: bool = False  # check static buffer addresses at every replay
     taps: bool = False  # the parity variant: denoise steps also return named intermediates
     text_encoder: bool = True  # False: neither text encoder nor tokenizer loads; requests carry embeddings
+    parallel: ParallelConfig | None = None  # worker processes splitting the denoise steps (docs/parallel.md)
 
 
 @dataclass
@@ -65,7 +68,8 @@ class EngineParts:
 
 
 def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: int, device: str | torch.device | None,
-                       switches: EngineSwitches) -> EngineParts:  # fmt: skip
+                       switches: EngineSwitches, rank: int = 0, init_method: str | None = None) -> EngineParts:  # fmt: skip
+    """`rank` > 0 builds a worker rank of a parallel engine (fvgraph/parallel/workers.py)."""
     requested = opt_level(level)
     effective = opt_level(0) if switches.enforce_eager else requested
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -73,7 +77,15 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
     components = load_components(card, checkpoint, device, skip)
     loop = build_loop(card, components)
     counters = Counters()
-    executor = EagerExecutor(loop.build_steps(taps=switches.taps), counters)
+    steps = loop.build_steps(taps=switches.taps)
+    parallel = None  # this rank's share of a parallel engine (fvgraph/parallel/plan.py)
+    if switches.parallel is not None:
+        if switches.taps:
+            raise ValueError("taps=True (the parity variant) cannot run with `parallel`: build a parity engine without it")
+        build = dict(card=card, checkpoint=None if checkpoint is None else str(checkpoint), level=level,
+                     device=str(device), switches=switches)  # fmt: skip
+        parallel = setup_rank(switches.parallel, steps, loop.step_kinds, components, rank, init_method, device, build)
+    executor = EagerExecutor(steps, counters)
     if effective.compiled:
         config = compile_config_for(switches.compile_config or CompileConfig(), effective, switches.taps)
         weights_version = components.weights_version
@@ -82,14 +94,17 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
         compiler = StepCompiler(
             config, card.card_id, weights_version, loop.loop_id, card.recipe.precision, device, counters,
             cache_dir=switches.cache_dir, opt_level=effective.level, step_kinds=loop.step_kinds,
+            parallel="single" if parallel is None else parallel.plan,
         )  # fmt: skip
         graphs = effective.cuda_graphs and switches.cuda_graphs and device.type == "cuda"
         runner = GraphRunner(compiler, counters, cuda_graphs=graphs, debug=switches.debug)
         executor = CompiledExecutor(executor, compiler, runner, switches.buckets)
     elif switches.cache_dir is not None:
         log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.cache_dir)
-    projection_cache = None
-    if effective.eager and switches.projection_cache_bytes and not switches.taps:
+    if parallel is not None:
+        executor = parallel.wrap(executor)
+    projection_cache = None  # its hit/miss all-reduce would be one more collective the ranks do not share
+    if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None:
         projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
         try:
             apply_projection_cache(components.transformer, projection_cache)
