@@ -12,7 +12,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from typer.testing import CliRunner
+
 from fvgraph.cards import get_card
+from fvgraph.cli import app
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.parallel.config import ParallelConfig
 from fvgraph.parallel.workers import WorkersLost
@@ -86,6 +89,36 @@ def _check_compiled(engine: Engine, collective: str, rank: int = 0) -> dict[str,
     counts = steps[0].collectives
     assert counts.get(collective, 0) > 0, counts
     return counts
+
+
+@pytest.mark.gpu
+def test_parallel_code_path_at_degree_1_on_cuda():
+    """One GPU: the parallel engine at degree 1 (an NCCL group of one, the mesh, the parallel
+    executor, the plan in the signature) runs -O2 with CUDA graphs and equals the plain engine."""
+    options = dict(device="cuda", opt_level=2, buckets=BucketSpec(batch_sizes=(2,)))
+    reference = Engine.from_card(CARD, projection_cache_bytes=0, **options).generate(_requests(1))
+    engine = Engine.from_card(CARD, parallel=ParallelConfig(), **options)
+    try:
+        results = engine.generate(_requests(1))
+        for ref, ours in zip(reference, results):
+            assert ours.ok, ours.error
+            torch.testing.assert_close(ours.latents, ref.latents, atol=TOL.atol, rtol=TOL.rtol)
+        assert engine.counters.captures > 0 and engine.counters.replays > 0
+        assert [s.signature.parallel for s in engine.compiler.compiled_steps] == ["cfg1xulysses1:rank0"]
+    finally:
+        engine.close()
+
+
+def test_cli_parallel_flags(tmp_path):
+    """--cfg-parallel 1 --ulysses 1 runs the parallel path at degree 1 (the GPU check's part, on
+    CPU); a bad degree is refused naming the flag, before anything loads."""
+    out = tmp_path / "x.gif"
+    bad = CliRunner().invoke(app, ["generate", "--cfg-parallel", "3", "--device", "cpu", "-o", str(out)])
+    assert bad.exit_code == 2 and "--cfg-parallel must be 1 or 2" in bad.output
+    ok = CliRunner().invoke(app, ["generate", "--cfg-parallel", "1", "--ulysses", "1", "--steps", "2", "--frames", "5",
+                                  "-O0", "--device", "cpu", "-o", str(out)])  # fmt: skip
+    assert ok.exit_code == 0, ok.output
+    assert out.exists()
 
 
 def test_cfg_parallel_compiled_equals_single_process(single_process):

@@ -66,49 +66,29 @@ def apply_parallel_plan(steps: dict[str, nn.Module], step_kinds: dict[str, StepK
 
 
 
+
 @dataclass
 class RankSetup:
-    """One rank's share of a parallel engine, from `setup_rank` to the executor it wraps."""
+    """One rank's share of a parallel engine."""
 
     config: ParallelConfig
     rank: int
     split: set[str]  # kinds every rank runs together
     refused: set[str]  # kinds the plan cannot split
-    workers: object | None  # rank 0's WorkerGroup
 
     @property
     def plan(self) -> str:
         return self.config.plan(self.rank)
 
-    def wrap(self, executor):
-        """Rank 0 runs its executor behind a ParallelExecutor (once the workers are ready); a worker
-        rank runs its own as it is."""
-        if self.workers is None:
-            return executor
-        from fvgraph.parallel.executor import ParallelExecutor
-
-        self.workers.wait_ready()
-        return ParallelExecutor(executor, self.workers, self.split, self.refused)
-
 
 def setup_rank(config: ParallelConfig, steps: dict[str, nn.Module], step_kinds: dict[str, StepKind], components,
-               rank: int, init_method: str | None, device: torch.device, worker_build: dict) -> RankSetup:  # fmt: skip
-    """Rank 0 checks the plan against the loaded weights and spawns the worker ranks; every rank then
-    joins the group, builds the mesh and splits its step modules."""
-    from fvgraph.parallel.workers import WorkerGroup
-
+               rank: int, init_method: str, device: torch.device) -> RankSetup:  # fmt: skip
+    """Check the plan against the loaded weights, join the group, build the mesh and split this
+    rank's step modules."""
     for name in DENOISERS:
         denoiser = getattr(components, name, None)
         if denoiser is not None:
             config.check_heads(denoiser.config.num_attention_heads)
-    workers = None
-    if rank == 0:
-        workers, init_method = WorkerGroup.spawn(config, worker_build)
-    try:
-        join_process_group(config, rank, init_method, device)
-        split, refused = apply_parallel_plan(steps, step_kinds, config, parallel_mesh(config, device), device)
-    except BaseException:
-        if workers is not None:
-            workers.close()
-        raise
-    return RankSetup(config, rank, split, refused, workers)
+    join_process_group(config, rank, init_method, device)
+    split, refused = apply_parallel_plan(steps, step_kinds, config, parallel_mesh(config, device), device)
+    return RankSetup(config, rank, split, refused)

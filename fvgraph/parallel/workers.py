@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fvgraph.parallel.config import ParallelConfig
+from fvgraph.runtime.engine_builder import build_engine_parts
+from fvgraph.runtime.fp32_math import math_mode
 from fvgraph.runtime.request_slot import RequestSlot
 
 log = logging.getLogger(__name__)
@@ -179,9 +181,6 @@ class WorkerGroup:
 
 def worker_main(rank: int, config: ParallelConfig, build: WorkerBuild, conn) -> None:
     """A worker rank: build the engine parts, then run every call rank 0 sends until told to stop."""
-    from fvgraph.runtime.engine_builder import build_engine_parts
-    from fvgraph.runtime.fp32_math import math_mode
-
     try:
         device = rank_device(torch.device(build.device), rank)
         parts = build_engine_parts(build.card, build.checkpoint, build.level, device, build.switches, rank=rank,

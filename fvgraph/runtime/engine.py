@@ -34,6 +34,7 @@ from fvgraph.runtime.finite_check import all_finite
 from fvgraph.runtime.fp32_math import math_mode
 from fvgraph.loops.loop import Done, Loop, LoopState, WorkPlan
 from fvgraph.parallel.config import ParallelConfig
+from fvgraph.parallel.launch import build_parallel_parts
 from fvgraph.parallel.workers import WorkersLost
 from fvgraph.runtime.model_facts import ModelFacts
 from fvgraph.runtime.projection_cache import ExactProjectionCache
@@ -117,7 +118,10 @@ class Engine:
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
             debug=debug, taps=taps, text_encoder=text_encoder, parallel=parallel,
         )  # fmt: skip
-        parts = build_engine_parts(card, checkpoint, opt_level, device, switches)
+        if parallel is None:
+            parts = build_engine_parts(card, checkpoint, opt_level, device, switches)
+        else:  # worker processes join this one (docs/parallel.md)
+            parts = build_parallel_parts(card, checkpoint, opt_level, device, switches)
         engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)
         engine.projection_cache = parts.projection_cache
         return engine

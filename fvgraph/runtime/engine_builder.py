@@ -29,7 +29,7 @@ from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.loops.loop import Loop
 from fvgraph.loops.registry import build_loop
 from fvgraph.parallel.config import ParallelConfig
-from fvgraph.parallel.plan import setup_rank
+from fvgraph.parallel.plan import RankSetup, setup_rank
 from fvgraph.runtime.opt_levels import OptLevel, opt_level
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.runtime.projection_cache_wan import apply_projection_cache
@@ -65,11 +65,13 @@ class EngineParts:
     level: OptLevel  # the level in effect (-O0 under enforce_eager)
     counters: Counters
     projection_cache: ExactProjectionCache | None
+    parallel: RankSetup | None = None  # this rank's share of a parallel engine
 
 
 def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: int, device: str | torch.device | None,
                        switches: EngineSwitches, rank: int = 0, init_method: str | None = None) -> EngineParts:  # fmt: skip
-    """`rank` > 0 builds a worker rank of a parallel engine (fvgraph/parallel/workers.py)."""
+    """With `switches.parallel`, this process joins the group at `init_method` as `rank` and splits
+    its step modules (fvgraph/parallel/launch.py starts the ranks)."""
     requested = opt_level(level)
     effective = opt_level(0) if switches.enforce_eager else requested
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -78,13 +80,9 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
     loop = build_loop(card, components)
     counters = Counters()
     steps = loop.build_steps(taps=switches.taps)
-    parallel = None  # this rank's share of a parallel engine (fvgraph/parallel/plan.py)
+    parallel = None
     if switches.parallel is not None:
-        if switches.taps:
-            raise ValueError("taps=True (the parity variant) cannot run with `parallel`: build a parity engine without it")
-        build = dict(card=card, checkpoint=None if checkpoint is None else str(checkpoint), level=level,
-                     device=str(device), switches=switches)  # fmt: skip
-        parallel = setup_rank(switches.parallel, steps, loop.step_kinds, components, rank, init_method, device, build)
+        parallel = setup_rank(switches.parallel, steps, loop.step_kinds, components, rank, init_method, device)
     executor = EagerExecutor(steps, counters)
     if effective.compiled:
         config = compile_config_for(switches.compile_config or CompileConfig(), effective, switches.taps)
@@ -101,8 +99,6 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
         executor = CompiledExecutor(executor, compiler, runner, switches.buckets)
     elif switches.cache_dir is not None:
         log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.cache_dir)
-    if parallel is not None:
-        executor = parallel.wrap(executor)
     projection_cache = None  # its hit/miss all-reduce would be one more collective the ranks do not share
     if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None:
         projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
@@ -111,7 +107,7 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
         except (TypeError, ValueError) as err:  # a denoiser the adapter does not cover runs without it
             log.info("eager projection cache off for %s: %s", card.card_id, err)
             projection_cache = None
-    return EngineParts(card, loop, executor, effective, counters, projection_cache)
+    return EngineParts(card, loop, executor, effective, counters, projection_cache, parallel)
 
 
 def compile_config_for(config: CompileConfig, level: OptLevel, taps: bool) -> CompileConfig:
