@@ -44,7 +44,12 @@ class ParallelExecutor:
             results = self.local.run_batch(plans, slots, lane)
         except Exception:
             self.group.check_alive(f"a {kind} step")  # a collective failed because a worker died: say so
-            self.group.collect(kind, grace=True)  # keep the ranks in step before this error goes up
+            try:
+                self.group.collect(kind, grace=True)  # keep the ranks in step before this error goes up
+            except WorkersLost:
+                raise
+            except RuntimeError:
+                pass  # the workers failed the same call: rank 0's own error says why
             raise
         self.group.collect(kind)
         return results

@@ -16,6 +16,7 @@ row owners as rank 0's.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -110,11 +111,12 @@ class WorkerGroup:
         self._check()
         released, self._released = self._released, []
         message = ("run", plans, self.numbers(slots), lane, frozen, released)
-        for rank, conn in enumerate(self.conns, start=1):
+        self.check_alive(f"the start of a {kind} step")
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
             try:
                 conn.send(message)
             except (BrokenPipeError, ConnectionError, EOFError) as err:
-                self._lose(f"worker rank {rank} cannot be reached ({err!r}) while sending a {kind} step")
+                self._lose(f"worker rank {rank} (pid {process.pid}) cannot be reached ({err!r}) at the start of a {kind} step")
 
     def collect(self, kind: str, grace: bool = False) -> None:
         """Wait for every worker's answer to the last call; raises WorkersLost or the worker's error.
@@ -183,6 +185,8 @@ def worker_main(rank: int, config: ParallelConfig, build: WorkerBuild, conn) -> 
     """A worker rank: build the engine parts, then run every call rank 0 sends until told to stop."""
     try:
         device = rank_device(torch.device(build.device), rank)
+        if device.type == "cpu":  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
         parts = build_engine_parts(build.card, build.checkpoint, build.level, device, build.switches, rank=rank,
                                    init_method=build.init_method)  # fmt: skip
         math = math_mode(build.card.recipe.precision)
