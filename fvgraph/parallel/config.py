@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class ParallelConfig(BaseModel):
+    """Degrees of one parallel engine; 1 x 1 runs the parallel code path in a group of one process."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     cfg: Literal[1, 2] = Field(default=1, description="CFG-parallel degree: 2 runs cond and uncond on two ranks.")
@@ -26,11 +28,6 @@ class ParallelConfig(BaseModel):
     @property
     def world_size(self) -> int:
         return self.cfg * self.ulysses
-
-    @property
-    def active(self) -> bool:
-        """Whether the step is split at all (degree 1 x 1 still runs the parallel code path when asked)."""
-        return self.world_size > 1
 
     def plan(self, rank: int) -> str:
         """The signature factor: a rank's compiled step depends on the split and on its place in it

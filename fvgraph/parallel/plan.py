@@ -33,6 +33,8 @@ def join_process_group(config: ParallelConfig, rank: int, init_method: str, devi
         raise RuntimeError("this process already belongs to a torch.distributed group: one parallel engine "
                            "per process (close() the other engine first)")  # fmt: skip
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":  # NCCL and the device mesh use the current device
+        torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=config.world_size,
                             timeout=timedelta(seconds=config.timeout_s))  # fmt: skip
 
