@@ -129,6 +129,13 @@ def test_cfg_parallel_compiled_equals_single_process(single_process):
         _check_equal_to_single_process(engine, "guided", single_process["guided"])
         counts = _check_compiled(engine, "denoise_cfg", "_c10d_functional.all_gather_into_tensor")
         assert counts["_c10d_functional.all_gather_into_tensor"] == 1  # one gather of the noise
+        # Frozen (after warmup), a new shape is refused on every rank alike, and the group serves on.
+        engine.freeze()
+        wider = engine.generate([Request(prompt="wider", seed=6, num_inference_steps=2, width=80, output_type="latent")])
+        assert wider[0].status == "failed" and "fail_on_recompile" in wider[0].error
+        again = engine.generate(_requests("guided")[:1])[0]
+        assert again.ok, again.error
+        torch.testing.assert_close(again.latents, single_process["guided"][0].latents, atol=TOL.atol, rtol=TOL.rtol)
     finally:
         engine.close()
 
