@@ -41,14 +41,23 @@ def _compile_config(compile_backend: str, disable_pass: list[str], compile_steps
 def _serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
                     compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
                     fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
-                    cache: Optional[str] = None):  # fmt: skip
+                    cache: Optional[str] = None, cfg_parallel: Optional[int] = None,
+                    ulysses: Optional[int] = None):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options."""
+    from fvgraph.parallel.config import ParallelConfig
     from fvgraph.runtime.engine import Engine
+
+    parallel = None
+    if cfg_parallel is not None or ulysses is not None:  # either flag starts worker processes, even at degree 1
+        try:
+            parallel = ParallelConfig(cfg=cfg_parallel or 1, ulysses=ulysses or 1)
+        except ValueError as err:
+            raise ValueError(f"--cfg-parallel must be 1 or 2 and --ulysses at least 1: {err}") from None
 
     engine = Engine.from_card(
         card_with_cache(card, cache), checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
         compile_config=_compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
-        cache_dir=cache_dir, max_running=max_running,
+        cache_dir=cache_dir, max_running=max_running, parallel=parallel,
     )  # fmt: skip
     if fail_on_recompile:
         engine.freeze()
@@ -77,6 +86,8 @@ def generate(
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
+    cfg_parallel: Optional[int] = typer.Option(None, "--cfg-parallel", help="2: cond and uncond branches on two processes (docs/parallel.md)."),
+    ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree: processes splitting each denoiser call's tokens; divides the head count."),
     output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
@@ -90,7 +101,8 @@ def generate(
         check_video_output(output, fps)  # before any work: a bad option must not cost the run
         _writable_dir(output.parent, "--output")
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
-                                 device, cache_dir, fail_on_recompile, compile_steps, cache=cache)  # fmt: skip
+                                 device, cache_dir, fail_on_recompile, compile_steps, cache=cache,
+                                 cfg_parallel=cfg_parallel, ulysses=ulysses)  # fmt: skip
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
@@ -111,9 +123,12 @@ def generate(
     columns = (TextColumn(stepped or "steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as bar:
         task = bar.add_task("steps", total=total_steps)
-        results = engine.generate(
-            requests, on_step=lambda state, kind: bar.advance(task) if kinds[kind].per_inference_step else None
-        )
+        try:
+            results = engine.generate(
+                requests, on_step=lambda state, kind: bar.advance(task) if kinds[kind].per_inference_step else None
+            )
+        finally:
+            engine.close()  # a parallel engine's worker processes
 
     title = f"{engine.card.card_id} -O{engine.opt_level} on {engine.loop.components.device} (load {load_s:.2f} s)"
     table = Table(title=title)
@@ -168,6 +183,8 @@ def serve(
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
+    cfg_parallel: Optional[int] = typer.Option(None, "--cfg-parallel", help="2: cond and uncond branches on two processes (docs/parallel.md)."),
+    ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree: processes splitting each denoiser call's tokens; divides the head count."),
     video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 is written with PyAV)."),
     fps: int = typer.Option(8),
     port: Optional[int] = typer.Option(None, help="Serve the OpenAI-style HTTP API on this port (0: any free one) instead of JSON lines."),
@@ -199,7 +216,8 @@ def serve(
         if port is None:
             source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
         engine = _serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
-                                 device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache)  # fmt: skip
+                                 device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache,
+                                 cfg_parallel=cfg_parallel, ulysses=ulysses)  # fmt: skip
         if port is not None:
             from fvgraph.serving.http_server import HttpServer
 

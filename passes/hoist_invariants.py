@@ -93,5 +93,12 @@ def _prologue(gm: fx.GraphModule, frontier: list[fx.Node]) -> fx.GraphModule:
     graph, copies = fx.Graph(), {}
     graph.graph_copy(gm.graph, copies)  # every node but the output, meta shared
     graph.output(tuple(copies[n] for n in frontier))
+    # A functional collective's wait is impure to fx's DCE, so the step's collectives (a parallel
+    # step's all-gather, all-to-alls) would stay in the copy with nothing reading them. Every rank
+    # builds the same copy, so dropping them keeps the ranks in step.
+    eliminate_dead_code(graph)
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and str(node.target).startswith("_c10d_functional.wait_tensor") and not node.users:
+            graph.erase_node(node)
     eliminate_dead_code(graph)
     return fx.GraphModule(gm, graph)

@@ -14,6 +14,7 @@
 #   FVGRAPH_GPU_PART=coldstart bash perf/gpu_check.sh  # bench_coldstart: cold vs warm start, 3 buckets, ~9 min
 #   FVGRAPH_GPU_PART=http     bash perf/gpu_check.sh   # bench_http: engine vs fvgraph serve --port at -O2 (4 buckets compiled once), not yet timed (limit 9.5 min)
 #   FVGRAPH_GPU_PART=interceptors bash perf/gpu_check.sh  # bench_interceptors: Wan 1.3B config, 480x832x17, 50 steps, -O2 (CUDA graphs), not yet timed (limit 9 min)
+#   FVGRAPH_GPU_PART=parallel bash perf/gpu_check.sh   # the parallel engine at degree 1 (NCCL group of one, -O2 CUDA graphs), not yet timed (limit 5 min)
 #   FVGRAPH_GPU_PART=all      bash perf/gpu_check.sh   # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ part() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 # An AOTInductor package took 72 s to build on an H200 even for a one-layer graph, so the capture-cache
 # test (two packages) gets a part of its own.
 part tests && run env 40 python3 -m fvgraph env --json
-part tests && run pytest_gpu 500 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "not capture_cache" "$REPO/tests"
+part tests && run pytest_gpu 500 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k "not capture_cache and not degree_1" "$REPO/tests"
 part aoti && run pytest_gpu_aoti 330 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k capture_cache "$REPO/tests"
 part aoti && run parity_o2 200 python3 -m fvgraph parity --card tiny-wan -O2 --against 0 --device cuda --report "$OUT/parity_o2.jsonl"
 part step && run bench_step 570 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3 --batch 1 --baselines eager,compile_repeated_blocks
@@ -60,5 +61,7 @@ part http && run bench_http 570 python3 "$REPO"/perf/bench_http.py --gpu --start
 # The step-caching method under test: FVGRAPH_CACHE_METHOD (default magcache; the issue's target is teacache at 0.08).
 part interceptors && run bench_interceptors 540 python3 "$REPO"/perf/bench_interceptors.py --gpu --repeats 2 --methods "${FVGRAPH_CACHE_METHOD:-magcache}" ${FVGRAPH_CACHE_SETTING:+--setting "$FVGRAPH_CACHE_SETTING"}
 part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
+part parallel && run pytest_gpu_parallel 240 python3 -m pytest -m gpu -q -rA -p no:cacheprovider -k degree_1 "$REPO/tests/test_parallel.py"
+part parallel && run generate_parallel 120 python3 -m fvgraph generate --cfg-parallel 1 --ulysses 1 -O2 --device cuda --steps 4 -o "$OUT/parallel.gif"
 cat "$OUT"/bench_*.log 2>/dev/null | grep -h '^{' >"$OUT/results.jsonl"
 echo "results in $OUT"

@@ -32,6 +32,7 @@ CHANGES = {
     "mode": "max-autotune-no-cudagraphs",
     "runtime": RuntimeFactors(torch="2.11.0", triton=None, cuda=None, gpu=None),
     "attention": "CUDNN_ATTENTION,FLASH_ATTENTION",
+    "parallel": "cfg2xulysses1:rank1",
 }
 
 

@@ -88,6 +88,9 @@ class CompiledStep:
     # The prologue's outputs as meta tensors: their shapes and strides are what the step was compiled
     # for (inductor asserts input strides), so static buffers copy them.
     hoisted_like: list[torch.Tensor] = field(default_factory=list)
+    # Functional collectives (op name -> count) in the graphs handed to the backend: a parallel
+    # step's communication is part of its graph, not a call around it.
+    collectives: dict[str, int] = field(default_factory=dict)
 
 
 class StepCompiler:
@@ -100,14 +103,16 @@ class StepCompiler:
 
     def __init__(self, config: CompileConfig, card_id: str, weights_version: str, loop_id: str, precision: str,
                  device: torch.device, counters: Counters, cache_dir: str | Path | None = None,
-                 opt_level: int = 1, step_kinds: dict[str, StepKind] | None = None):  # fmt: skip
+                 opt_level: int = 1, step_kinds: dict[str, StepKind] | None = None,
+                 parallel: str = "single"):  # fmt: skip
         self.config = config
         self.step_kinds = step_kinds or {}  # the loop's declarations: component, compiled by default
         self.pass_manager = PassManager(config.passes)
         self.counters = counters
         self.device = device
         self.frozen = False
-        self._base = dict(card_id=card_id, weights_version=weights_version, loop=loop_id, precision=precision)
+        self._base = dict(card_id=card_id, weights_version=weights_version, loop=loop_id, precision=precision,
+                          parallel=parallel)  # fmt: skip
         self._runtime = RuntimeFactors.current(device)
         self._compiled: dict[StepSignature, CompiledStep] = {}
         self._rejected: dict[str, tuple[dict, str]] = {}  # cache entries found unusable: key -> (record, why)
@@ -172,6 +177,10 @@ class StepCompiler:
     def signatures(self) -> list[StepSignature]:
         return list(self._compiled)
 
+    @property
+    def compiled_steps(self) -> list[CompiledStep]:
+        return list(self._compiled.values())
+
     def _build(self, step: nn.Module, plan: WorkPlan, signature: StepSignature) -> CompiledStep:
         began = time.perf_counter()
         captured = capture_step(plan.kind, step, plan.inputs)
@@ -185,6 +194,7 @@ class StepCompiler:
             param_names=captured.param_names, input_names=captured.input_names,
             output_names=captured.output_names + ctx.extra_outputs, passes_changed=dict(ctx.changed),
             hoisted_like=[dict(shape=list(t.shape), stride=list(t.stride()), dtype=str(t.dtype)) for t in hoisted],
+            collectives=collective_counts(gm, ctx.prologue),
         )  # fmt: skip
         compiled = None
         if self.cache is not None:
@@ -208,6 +218,7 @@ class StepCompiler:
         return CompiledStep(
             signature, step_fn, prologue_fn, list(step_parameters(step).values()), meta["input_names"],
             meta["output_names"], meta["passes_changed"], seconds, [_like(h, "meta") for h in meta["hoisted_like"]],
+            meta.get("collectives", {}),
         )  # fmt: skip
 
     # -- through the capture cache -----------------------------------------------------------------
@@ -301,6 +312,17 @@ class StepCompiler:
             lines.append(f"the capture cache {self.cache.dir} has no usable entry for it either: "
                          "run `fvgraph warmup` for this shape and batch bucket")  # fmt: skip
         return "\n".join(lines)
+
+
+def collective_counts(*graphs: torch.fx.GraphModule | None) -> dict[str, int]:
+    """How many of each functional collective (`_c10d_functional.*`) the graphs call."""
+    counts: dict[str, int] = {}
+    for gm in graphs:
+        for node in [] if gm is None else gm.graph.nodes:
+            name = str(node.target)
+            if node.op == "call_function" and name.startswith("_c10d_functional."):
+                counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def _like(spec: dict, device: torch.device | str) -> torch.Tensor:

@@ -56,6 +56,7 @@ class StepSignature:
     mode: str  # inductor mode ("default", "max-autotune-no-cudagraphs", ...)
     runtime: RuntimeFactors
     attention: str = "default"  # SDPA backends the step was compiled with, in priority order
+    parallel: str = "single"  # the parallel plan and this rank's place in it (ParallelConfig.plan)
 
     def factors(self) -> dict:
         return dataclasses.asdict(self)

@@ -41,6 +41,8 @@ class DenoiseStep(nn.Module):
         self.num_carry = 1 + sampler.history if isinstance(sampler, UniPCSampler) else 0
         # The tap variant (parity runs only) also returns intermediate tensors as "tap.*" outputs.
         self.tap_points = tap_points
+        # CFG-parallel (fvgraph/parallel/cfg_split.py): this rank runs one branch and gathers the other.
+        self.cfg_split = None
 
     def forward(
         self,
@@ -64,10 +66,18 @@ class DenoiseStep(nn.Module):
                                                   mark_request_constant(frame_mask), self.transformer.config.patch_size)  # fmt: skip
         model_input = model_input.to(prompt_embeds.dtype)
         image = {} if image_embeds is None else {"encoder_hidden_states_image": mark_request_constant(image_embeds)}
-        noise = taps["tap.noise.cond"] = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds), **image)
+        if self.cfg and self.cfg_split is not None:  # one branch here, the other on the CFG peer rank
+            noise, noise_uncond = self.cfg_split.both_branches(
+                lambda branch, embeds: self._denoise(branch, model_input, timestep, mark_request_constant(embeds), **image),
+                prompt_embeds, negative_prompt_embeds,
+            )  # fmt: skip
+        else:
+            noise = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds), **image)
+        taps["tap.noise.cond"] = noise
         # 2. the unconditional branch and the guidance combine
         if self.cfg:
-            noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds), **image)
+            if self.cfg_split is None:
+                noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds), **image)
             scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
             noise = noise_uncond + scale * (noise - noise_uncond)
             taps["tap.noise.uncond"], taps["tap.noise"] = noise_uncond, noise

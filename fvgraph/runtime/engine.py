@@ -34,6 +34,9 @@ from fvgraph.runtime.finite_check import all_finite
 from fvgraph.runtime.host_outputs import copy_to_host
 from fvgraph.runtime.fp32_math import math_mode
 from fvgraph.loops.loop import Done, Loop, LoopState, WorkPlan
+from fvgraph.parallel.config import ParallelConfig
+from fvgraph.parallel.launch import build_parallel_parts
+from fvgraph.parallel.workers import WorkersLost
 from fvgraph.runtime.model_facts import ModelFacts
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.request import Request, RequestRejected, Result
@@ -90,6 +93,7 @@ class Engine:
         taps: bool = False,
         text_encoder: bool = True,
         calibration_dir: str | Path | None = None,
+        parallel: ParallelConfig | None = None,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -109,17 +113,33 @@ class Engine:
         tokenizer: requests must then carry prompt embeddings (a text prompt is rejected, saying so).
         `calibration_dir` is where calibrated cache settings are found (docs/interceptors.md; default
         `<cache_dir>/calibration`, else `capture_cache/calibration`).
+        `parallel` starts worker processes that split each denoise step with this process
+        (CFG-parallel, Ulysses: docs/parallel.md); `close()` stops them.
         """
         card = get_card(card) if isinstance(card, str) else card
         switches = EngineSwitches(
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
-            debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir,
+            debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir, parallel=parallel,
         )  # fmt: skip
-        parts = build_engine_parts(card, checkpoint, opt_level, device, switches)
+        if parallel is None:
+            parts = build_engine_parts(card, checkpoint, opt_level, device, switches)
+        else:  # worker processes join this one (docs/parallel.md)
+            parts = build_parallel_parts(card, checkpoint, opt_level, device, switches)
         engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)
         engine.projection_cache = parts.projection_cache
         return engine
+
+    @property
+    def unavailable(self) -> str | None:
+        """Why this engine takes no more work (a parallel engine that lost a worker rank), or None."""
+        return getattr(self.executor, "unavailable", None)
+
+    def close(self) -> None:
+        """Release what the engine holds beyond memory: a parallel engine's worker processes."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     # -- one request at a time -------------------------------------------------------------------
 
@@ -200,6 +220,8 @@ class Engine:
             raise TypeError(f"requests must be fvgraph.Request objects, got {type(request).__name__}")
         if request.request_id in self._in_flight:
             raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
+        if self.unavailable is not None:
+            raise WorkersLost(f"the engine takes no new requests: {self.unavailable}")
         self._scheduler.submit(self.start(request))
         self._in_flight[request.request_id] = time.perf_counter()
         return request.request_id

@@ -29,6 +29,8 @@ from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.loops.cache_calibration import CalibrationStore, calibration_root
 from fvgraph.loops.loop import Loop
 from fvgraph.loops.registry import build_loop
+from fvgraph.parallel.config import ParallelConfig
+from fvgraph.parallel.plan import RankSetup, setup_rank
 from fvgraph.runtime.opt_levels import OptLevel, opt_level
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.runtime.projection_cache_wan import apply_projection_cache
@@ -54,6 +56,7 @@ class EngineSwitches:
     taps: bool = False  # the parity variant: denoise steps also return named intermediates
     text_encoder: bool = True  # False: neither text encoder nor tokenizer loads; requests carry embeddings
     calibration_dir: str | Path | None = None  # calibrated cache settings (default: beside the capture cache)
+    parallel: ParallelConfig | None = None  # worker processes splitting the denoise steps (docs/parallel.md)
 
 
 @dataclass
@@ -64,10 +67,13 @@ class EngineParts:
     level: OptLevel  # the level in effect (-O0 under enforce_eager)
     counters: Counters
     projection_cache: ExactProjectionCache | None
+    parallel: RankSetup | None = None  # this rank's share of a parallel engine
 
 
 def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: int, device: str | torch.device | None,
-                       switches: EngineSwitches) -> EngineParts:  # fmt: skip
+                       switches: EngineSwitches, rank: int = 0, init_method: str | None = None) -> EngineParts:  # fmt: skip
+    """With `switches.parallel`, this process joins the group at `init_method` as `rank` and splits
+    its step modules (fvgraph/parallel/launch.py starts the ranks)."""
     requested = opt_level(level)
     effective = opt_level(0) if switches.enforce_eager else requested
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -77,7 +83,11 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
     if hasattr(loop, "calibration"):  # a loop with step caching finds calibrated settings here
         loop.calibration = CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir))
     counters = Counters()
-    executor = EagerExecutor(loop.build_steps(taps=switches.taps), counters)
+    steps = loop.build_steps(taps=switches.taps)
+    parallel = None
+    if switches.parallel is not None:
+        parallel = setup_rank(switches.parallel, steps, loop.step_kinds, components, rank, init_method, device)
+    executor = EagerExecutor(steps, counters)
     if effective.compiled:
         config = compile_config_for(switches.compile_config or CompileConfig(), effective, switches.taps)
         weights_version = components.weights_version
@@ -86,21 +96,22 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
         compiler = StepCompiler(
             config, card.card_id, weights_version, loop.loop_id, card.recipe.precision, device, counters,
             cache_dir=switches.cache_dir, opt_level=effective.level, step_kinds=loop.step_kinds,
+            parallel="single" if parallel is None else parallel.plan,
         )  # fmt: skip
         graphs = effective.cuda_graphs and switches.cuda_graphs and device.type == "cuda"
         runner = GraphRunner(compiler, counters, cuda_graphs=graphs, debug=switches.debug)
         executor = CompiledExecutor(executor, compiler, runner, switches.buckets)
     elif switches.cache_dir is not None:
         log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.cache_dir)
-    projection_cache = None
-    if effective.eager and switches.projection_cache_bytes and not switches.taps:
+    projection_cache = None  # its hit/miss all-reduce would be one more collective the ranks do not share
+    if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None:
         projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
         try:
             apply_projection_cache(components.transformer, projection_cache)
         except (TypeError, ValueError) as err:  # a denoiser the adapter does not cover runs without it
             log.info("eager projection cache off for %s: %s", card.card_id, err)
             projection_cache = None
-    return EngineParts(card, loop, executor, effective, counters, projection_cache)
+    return EngineParts(card, loop, executor, effective, counters, projection_cache, parallel)
 
 
 def compile_config_for(config: CompileConfig, level: OptLevel, taps: bool) -> CompileConfig:

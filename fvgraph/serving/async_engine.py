@@ -131,6 +131,8 @@ class AsyncEngine:
         if not self.accepting or self.error is not None:
             raise EngineClosed("the server is shutting down and takes no new requests" if self.error is None
                                else f"the engine stopped: {self.error!r}")  # fmt: skip
+        if self.engine.unavailable is not None:  # a parallel engine that lost a worker rank: 503, not 500
+            raise EngineClosed(f"the engine takes no new requests: {self.engine.unavailable}")
         if request.request_id in self._known:
             raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
         if timeout_s is not None and not timeout_s > 0:

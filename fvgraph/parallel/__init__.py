@@ -1,0 +1,1 @@
+"""Parallel denoise steps: CFG-parallel and Ulysses sequence parallelism across worker processes."""

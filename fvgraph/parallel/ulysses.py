@@ -1,0 +1,50 @@
+"""Ulysses sequence parallelism for a diffusers denoiser, applied from outside the model code.
+
+    apply_ulysses(transformer, mesh["ring", "ulysses"], rank, device)
+
+This uses diffusers' own context parallelism (diffusers 0.42.1, `diffusers.hooks.context_parallel`):
+the model's `_cp_plan` hooks split the rotary embedding and the first block's tokens across the
+Ulysses ranks and gather the tokens again at `proj_out`, and the attention dispatcher's Ulysses path
+swaps token sharding for head sharding with `all_to_all_single` (functional collectives) around each
+attention. Those hooks and collectives trace into fvgraph's fullgraph step capture
+(`torch._dynamo.export`), so every collective is a node of the compiled step graph.
+
+What this file adds is only the setup `ModelMixin.enable_parallelism` does, for a mesh fvgraph
+builds: `enable_parallelism` picks its device as `rank % torch.accelerator.device_count()`, which
+raises `ZeroDivisionError: integer modulo by zero` on a machine without an accelerator (gloo on CPU),
+and it builds a mesh over the whole world, whereas under CFG-parallel the Ulysses ranks are a
+sub-mesh of the (cfg, ring, ulysses) grid.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+
+def apply_ulysses(transformer: nn.Module, mesh: DeviceMesh, rank: int, device: torch.device) -> None:
+    """Shard `transformer`'s self-attention tokens over `mesh` (dims "ring" of size 1 and "ulysses").
+    The model keeps its full inputs and outputs; only the tokens between its first block and
+    `proj_out` are split."""
+    from diffusers.hooks.context_parallel import apply_context_parallel
+    from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
+
+    plan = getattr(transformer, "_cp_plan", None)
+    if plan is None:
+        raise ValueError(f"{type(transformer).__name__} declares no `_cp_plan`: Ulysses cannot split it")
+    if getattr(transformer, "_parallel_config", None) is not None:
+        raise RuntimeError(f"{type(transformer).__name__} is already parallelized; apply_ulysses runs once per model")
+    degree = mesh["ulysses"].size()
+    heads = transformer.config.num_attention_heads
+    if heads % degree:
+        raise ValueError(f"ulysses degree {degree} must divide the attention head count {heads}")
+    cp = ContextParallelConfig(ulysses_degree=degree, mesh=mesh)
+    config = ParallelConfig(context_parallel_config=cp)
+    config.setup(rank, torch.distributed.get_world_size(), device, mesh=mesh)
+    transformer._parallel_config = config
+    for module in transformer.modules():  # as enable_parallelism: the attention processors read the config
+        processor = getattr(module, "processor", None)
+        if processor is not None and hasattr(processor, "_parallel_config"):
+            processor._parallel_config = config
+    apply_context_parallel(transformer, cp, plan)
