@@ -29,7 +29,8 @@ RUNTIME = ("runtime/engine", "runtime/engine_builder", "runtime/scheduler", "run
 
 @pytest.mark.parametrize("module", RUNTIME)
 def test_runtime_modules_name_no_loop_type_or_step_kind(module):
-    source = (PACKAGE / f"{module}.py").read_text()
+    path = PACKAGE / module
+    source = "\n".join(f.read_text() for f in sorted(path.glob("*.py"))) if path.is_dir() else path.with_suffix(".py").read_text()
     loop_names = {"t2v_loop", "i2v_loop", "expert_loop", "ti2v_loop", "T2VState", "I2VState", "TI2VState", "TextToVideoLoop",
                   "ImageToVideoLoop", "TextImageToVideoLoop", "TwoExperts", "DenoiseFacts", *STEP_KINDS, *I2V_STEP_KINDS,
                   *SECOND_EXPERT_KINDS}  # fmt: skip

@@ -46,14 +46,11 @@ import importlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import nn
-
-if TYPE_CHECKING:
-    from fvgraph.card import ModelCard
 
 # method name -> "module:SettingsClass"; imported on first use.
 METHODS: dict[str, str] = {
@@ -72,7 +69,7 @@ class PolicyContext:
     timesteps: torch.Tensor  # [N] the request's timesteps, as the scheduler emits them
     transformer: nn.Module  # the denoiser, on the engine's device
     embed_dtype: torch.dtype  # the dtype the text embeddings enter the denoiser in
-    card: ModelCard
+    card: Any  # the ModelCard (fvgraph/card.py imports this module for its default_cache)
 
 
 class Interceptor(Protocol):
@@ -114,7 +111,7 @@ class CacheSettings(BaseModel):
         the policy's memo: one residual [1, S, D] per branch unless the method keeps something else."""
         return 1, 3
 
-    def check_card(self, card: ModelCard) -> tuple[str, str] | None:
+    def check_card(self, card: Any) -> tuple[str, str] | None:
         """(field, message) when these settings cannot serve a request on that card, else None."""
         return None
 

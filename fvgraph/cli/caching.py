@@ -1,6 +1,6 @@
-"""The command line's step-caching parts (docs/interceptors.md): the `--cache` option's parsing into
-a card default, `fvgraph calibrate`, and the quality rung `fvgraph parity --cache ... --against none`.
-Registered on the app in fvgraph/cli.py."""
+"""The command line's step-caching parts (docs/interceptors.md): `--cache`'s help and report line,
+`fvgraph calibrate`, and the quality rung `fvgraph parity --cache ... --against none`. (`--cache`
+becomes the card's default in fvgraph/cli/options.py.)"""
 
 from __future__ import annotations
 
@@ -9,28 +9,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-console = Console()
+from fvgraph.cli.options import compile_config, console, writable_dir
 
 CACHE_HELP = ("Step caching for requests that give none (docs/interceptors.md): METHOD[:k=v,...], e.g. "
               "magcache:threshold=0.06; 'none' turns the card's default off.")  # fmt: skip
-
-
-def card_with_cache(card: str, cache: Optional[str]):
-    """The card, its `default_cache` replaced by `--cache` when given (the same errors as Request(cache=...))."""
-    from fvgraph.cards import get_card
-    from fvgraph.loops.interceptor import parse_cache_settings
-
-    model = get_card(card)
-    if cache is None:
-        return model
-    try:
-        settings = parse_cache_settings(cache)
-    except ValueError as err:
-        raise ValueError(f"--cache: {err}") from None
-    return model.model_copy(update={"default_cache": settings})
 
 
 def cache_line(cache: dict) -> str:
@@ -56,16 +40,15 @@ def calibrate(
 ) -> None:
     """Measure a cache method's calibrated settings (MagCache: mag_ratios) on the loaded weights and
     store them where engines of this card and weights find them, so `--cache magcache` needs none."""
-    from fvgraph.cli import _compile_config, _writable_dir
     from fvgraph.loops.cache_calibration import CalibrationStore, calibrate as run_calibration, calibration_root
     from fvgraph.runtime.engine import Engine
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         store = CalibrationStore(calibration_root(None, cache_dir))
-        _writable_dir(store.root, "--cache-dir")
+        writable_dir(store.root, "--cache-dir")
         engine = Engine.from_card(card, checkpoint=checkpoint, opt_level=opt_level, device=device,
-                                  compile_config=_compile_config(compile_backend, []))  # fmt: skip
+                                  compile_config=compile_config(compile_backend, []))  # fmt: skip
         shape = {k: v for k, v in {"guidance_scale": guidance_scale, "height": height, "width": width,
                                    "num_frames": num_frames}.items() if v is not None}  # fmt: skip
         record, path = run_calibration(engine, method, num_inference_steps, seed=seed, store=store, prompt=prompt, **shape)
@@ -81,11 +64,10 @@ def calibrate(
 def cache_quality(card, checkpoint, opt_level, compile_backend, disable_pass, device, requests, cache, report) -> None:
     """`parity --cache ... --against none`: the cached run's distance from the uncached one, printed and written."""
     from fvgraph.cache_quality import cache_distance
-    from fvgraph.cli import _compile_config
     from fvgraph.runtime.engine import Engine
 
     engine = Engine.from_card(card, checkpoint=checkpoint, opt_level=opt_level, device=device,
-                              compile_config=_compile_config(compile_backend, disable_pass))  # fmt: skip
+                              compile_config=compile_config(compile_backend, disable_pass))  # fmt: skip
     result = cache_distance(engine, requests, cache)
     table = Table(title=f"{engine.card.card_id} -O{engine.opt_level}: cache {cache} against none (reported, not asserted)")
     for column in ("request", "computed", "reused", "FLOPs ratio", "rel L2 per step", "final rel L2", "PSNR dB"):

@@ -53,7 +53,7 @@ def serve_ray(
 ) -> None:
     """Serve the OpenAI videos and images API (as `fvgraph serve --port`) from N engine replicas on
     Ray Serve, routed and scaled by Ray Serve (docs/parallel.md, "Ray Serve replicas")."""
-    from fvgraph.cli import _compile_config, _shape, _writable_dir
+    from fvgraph.cli.options import compile_config, parse_shape, writable_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     err = Console(stderr=True)
@@ -67,14 +67,14 @@ def serve_ray(
         if replicas is not None and replicas < 1:
             raise ValueError(f"--replicas={replicas} must be at least 1")
         scaling = _autoscaling(autoscaling) if autoscaling is not None else None
-        _writable_dir(storage_dir, "--storage-dir")
+        writable_dir(storage_dir, "--storage-dir")
         spec = ReplicaSpec(
             storage_dir=str(storage_dir.resolve()), card=card, checkpoint=_absolute(checkpoint), opt_level=opt_level,
             device=device, cache_dir=_absolute(cache_dir), freeze=fail_on_recompile, max_queue=max_queue,
-            engine_kwargs={"compile_config": _compile_config(compile_backend, disable_pass), "enforce_eager": enforce_eager,
+            engine_kwargs={"compile_config": compile_config(compile_backend, disable_pass), "enforce_eager": enforce_eager,
                            "cuda_graphs": not no_cudagraph, "max_running": max_running},
             settings=_http_settings(card, api_key, max_body_bytes, retention_s, drain_timeout,
-                                    [_shape(text, "--warmup-shape") for text in warmup_shape], cache_dir is not None),
+                                    [parse_shape(text, "--warmup-shape") for text in warmup_shape], cache_dir is not None),
             memory_budget=None if memory_budget is None else _bytes(memory_budget),
         )  # fmt: skip
         actor = {"num_cpus": replica_cpus, **({"num_gpus": replica_gpus} if replica_gpus else {})}

@@ -1,0 +1,118 @@
+"""`fvgraph generate`: one video per prompt, the requests interleaved step by step, and a timing table."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fvgraph.cli.caching import CACHE_HELP, cache_line
+from fvgraph.cli.options import console, serving_engine, writable_dir
+
+
+def generate(
+    prompt: list[str] = typer.Option(["a red fox running through fresh snow"], "--prompt", "-p", help="Repeat for several interleaved requests."),
+    negative_prompt: Optional[str] = typer.Option(None, help="Defaults to '' when guidance is on."),
+    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    num_inference_steps: Optional[int] = typer.Option(None, "--steps", help="Default: the card's recipe."),
+    guidance_scale: Optional[float] = typer.Option(None, "--guidance", help="Default: the card's recipe."),
+    height: Optional[int] = typer.Option(None),
+    width: Optional[int] = typer.Option(None),
+    num_frames: Optional[int] = typer.Option(None, "--frames"),
+    seed: int = typer.Option(0, help="Request i uses seed + i."),
+    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager, 1 compiled + batched steps, 2 + CUDA graphs, 3 + FP8 kernels."),
+    no_cudagraph: bool = typer.Option(False, "--no-cudagraph", help="At -O2, keep everything but the CUDA graphs."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
+    compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
+    disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
+    compile_steps: str = typer.Option("loop", help="Step kinds to compile: 'loop' (the ones the loop marks), 'all', or names."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
+    fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
+    cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
+    cfg_parallel: Optional[int] = typer.Option(None, "--cfg-parallel", help="2: cond and uncond branches on two processes (docs/parallel.md)."),
+    ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree: processes splitting each denoiser call's tokens; divides the head count."),
+    output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; several prompts add _i."),
+    fps: int = typer.Option(8),
+) -> None:
+    """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
+    from fvgraph.request import Request
+    from fvgraph.serving.video_io import check_video_output, write_video
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    began = time.perf_counter()
+    try:
+        check_video_output(output, fps)  # before any work: a bad option must not cost the run
+        writable_dir(output.parent, "--output")
+        engine = serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
+                                 device, cache_dir, fail_on_recompile, compile_steps, cache=cache,
+                                 cfg_parallel=cfg_parallel, ulysses=ulysses)  # fmt: skip
+        requests = [
+            Request(
+                prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
+                guidance_scale=guidance_scale, height=height, width=width, num_frames=num_frames, seed=seed + i,
+            )
+            for i, text in enumerate(prompt)
+        ]  # fmt: skip
+        engine.loop.check_request(requests[0])  # the card's rules and calibrated settings, before any work
+    except Exception as err:  # bad card, checkpoint or request: say why and stop
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    load_s = time.perf_counter() - began
+
+    kinds = engine.loop.step_kinds
+    phases = list(dict.fromkeys(kind.phase for kind in kinds.values()))  # the loop's phases, in its order
+    stepped = next((kind.phase for kind in kinds.values() if kind.per_inference_step), None)
+    total_steps = sum((r.num_inference_steps or engine.card.recipe.default_steps) for r in requests)
+    columns = (TextColumn(stepped or "steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task("steps", total=total_steps)
+        try:
+            results = engine.generate(
+                requests, on_step=lambda state, kind: bar.advance(task) if kinds[kind].per_inference_step else None
+            )
+        finally:
+            engine.close()  # a parallel engine's worker processes
+
+    title = f"{engine.card.card_id} -O{engine.opt_level} on {engine.loop.components.device} (load {load_s:.2f} s)"
+    table = Table(title=title)
+    # The loop's phases in its order, "per step" after the phase that runs once per inference step.
+    shown = [c for phase in phases for c in ((phase, "per step") if phase == stepped else (phase,))]
+    for column in ("request", "status", "compile", *shown, "total"):
+        title = column.replace("_", " ")  # narrow tables wrap at spaces rather than cut the name
+        table.add_column(title, justify="left" if column in ("request", "status") else "right")
+    written = []
+    failed = False
+    for i, (request, result) in enumerate(zip(requests, results)):
+        path = output if len(requests) == 1 else output.with_name(f"{output.stem}_{i}{output.suffix}")
+        if result.ok and result.frames is not None:
+            try:
+                written.append(write_video(result.frames, path, fps=fps))
+            except (OSError, ValueError) as err:  # the disk filled up, say: the other videos are still written
+                console.print(f"[red]{result.request_id}: writing {path} failed:[/red] {err}")
+                failed = True
+        failed |= not result.ok
+        t = result.timings
+        steps = request.num_inference_steps or engine.card.recipe.default_steps
+        fmt = lambda key: f"{t[key]:.3f}" if key in t else "-"  # noqa: E731
+        per_step = f"{t[stepped] / steps:.4f}" if stepped in t else "-"
+        cells = [per_step if column == "per step" else fmt(column) for column in shown]
+        table.add_row(result.request_id, result.status, fmt("compile"), *cells, fmt("total"))
+        if not result.ok:
+            console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
+    for result in results:
+        if result.cache is not None:
+            console.print(f"{result.request_id} cache {cache_line(result.cache)}", highlight=False)
+    c = engine.counters
+    table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {c.compiles}, cache hits: {c.cache_hits}"
+    console.print(table)
+    for path in written:
+        console.print(f"wrote {path}")
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,95 @@
+"""What several commands share: building the engine from the common options, the compile config,
+and checks of paths and shapes that fail before any work (a bad option must not cost the run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+
+console = Console()
+DEFAULT_CACHE_DIR = Path("capture_cache")
+
+
+def card_with_cache(card: str, cache: Optional[str]):
+    """The card, its `default_cache` replaced by `--cache` when given (the same errors as Request(cache=...))."""
+    from fvgraph.cards import get_card
+    from fvgraph.loops.interceptor import parse_cache_settings
+
+    model = get_card(card)
+    if cache is None:
+        return model
+    try:
+        settings = parse_cache_settings(cache)
+    except ValueError as err:
+        raise ValueError(f"--cache: {err}") from None
+    return model.model_copy(update={"default_cache": settings})
+
+
+def compile_config(compile_backend: str, disable_pass: list[str], compile_steps: str = "loop"):
+    from fvgraph.compile.compiler import CompileConfig
+    from fvgraph.passes.manager import PassConfig
+
+    if compile_backend not in ("eager", "aot_eager", "inductor"):
+        raise ValueError(f"--compile-backend={compile_backend!r} must be eager, aot_eager or inductor")
+    kinds = tuple(name.strip() for name in compile_steps.split(",") if name.strip())
+    if not kinds:
+        raise ValueError(f"--compile-steps={compile_steps!r} must be 'loop', 'all' or step kind names, comma separated")
+    step_kinds = None if compile_steps == "loop" else "all" if compile_steps == "all" else kinds
+    return CompileConfig(backend=compile_backend, passes=PassConfig(disabled=tuple(disable_pass)), step_kinds=step_kinds)
+
+
+def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
+                    compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
+                    fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
+                    cache: Optional[str] = None, cfg_parallel: Optional[int] = None,
+                    ulysses: Optional[int] = None):  # fmt: skip
+    """The engine `generate` and `serve` run, from their shared options."""
+    from fvgraph.parallel.config import ParallelConfig
+    from fvgraph.runtime.engine import Engine
+
+    parallel = None
+    if cfg_parallel is not None or ulysses is not None:  # either flag starts worker processes, even at degree 1
+        try:
+            parallel = ParallelConfig(cfg=cfg_parallel or 1, ulysses=ulysses or 1)
+        except ValueError as err:
+            raise ValueError(f"--cfg-parallel must be 1 or 2 and --ulysses at least 1: {err}") from None
+
+    engine = Engine.from_card(
+        card_with_cache(card, cache), checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
+        compile_config=compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
+        cache_dir=cache_dir, max_running=max_running, parallel=parallel,
+    )  # fmt: skip
+    if fail_on_recompile:
+        engine.freeze()
+    return engine
+
+
+def writable_dir(folder: Path, option: str) -> None:
+    """ValueError naming the option unless `folder` exists (or can be made) and takes new files."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".fvgraph-write-probe-"):
+            pass
+    except OSError as err:
+        raise ValueError(f"{option}: cannot write into {folder}: {err}") from None
+
+
+def parse_shape(text: str, option: str = "--shape") -> tuple[int, int, int]:
+    """FRAMESxHEIGHTxWIDTH as three ints; ValueError naming the option."""
+    try:
+        frames, height, width = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{option}={text!r} must be FRAMESxHEIGHTxWIDTH, e.g. 5x64x64") from None
+    return frames, height, width
+
+
+def parse_level(text: str, option: str) -> int:
+    """An opt level given as text; ValueError naming the option."""
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{option}={text!r} must be an opt level (0-3) or 'none'") from None

@@ -1,0 +1,74 @@
+"""`fvgraph parity`: diff two settings tap by tap, or a cached run against the uncached one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from fvgraph.cli.caching import cache_quality
+from fvgraph.cli.options import console, parse_level, writable_dir
+
+
+def parity(
+    card: str = typer.Option("tiny-wan"),
+    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    opt_level: int = typer.Option(1, "-O", "--opt-level", help="The setting under test."),
+    against: str = typer.Option("0", help="The reference opt level; 'none' (with --cache): the same level uncached."),
+    compile_backend: str = typer.Option("inductor"),
+    disable_pass: list[str] = typer.Option([], "--disable-pass"),
+    prompt: list[str] = typer.Option(["a red fox running through fresh snow", "waves at dusk"], "--prompt", "-p"),
+    num_inference_steps: int = typer.Option(4, "--steps"),
+    num_frames: int = typer.Option(5, "--frames"),
+    device: Optional[str] = typer.Option(None),
+    report: Optional[Path] = typer.Option(None, help="Write the JSON-lines report here."),
+    cache: Optional[str] = typer.Option(None, "--cache", help="Step caching on both sides (METHOD[:k=v,...]); with "
+                                        "--against none, the distance of the cached run from the uncached one."),
+) -> None:
+    """Diff two settings tap by tap (every block, both CFG branches, predictions, latents) per step.
+    Exits 1 when a tap exceeds the card's tolerance, naming the first divergence. With `--cache ...
+    --against none`: report how far the cached run lands from the uncached one (relative L2 of the
+    latents per step, PSNR of the frames); reported, not asserted."""
+    from fvgraph.parity import Setting, compare
+    from fvgraph.request import Request
+
+    try:
+        from fvgraph.runtime.opt_levels import opt_level as level_config
+
+        if against == "none" and cache is None:
+            raise ValueError("--against none compares a cached run with the uncached one: give --cache METHOD[:k=v,...]")
+        reference = None if against == "none" else parse_level(against, "--against")
+        for level in (opt_level, reference if reference is not None else opt_level):
+            level_config(level)
+        requests = [
+            Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames,
+                    cache=cache)  # fmt: skip
+            for i, text in enumerate(prompt)
+        ]
+        if report is not None:
+            writable_dir(report.parent, "--report")  # the report is written after the whole comparison
+        if reference is None:
+            cache_quality(card, checkpoint, opt_level, compile_backend, disable_pass, device, requests, cache, report)
+            return
+        b = Setting(opt_level, compile_backend, tuple(disable_pass))
+        result = compare(card, requests, Setting(reference, compile_backend), b, checkpoint=checkpoint, device=device)
+    except Exception as err:
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    table = Table(title=f"parity {result.config['a']} vs {result.config['b']} on {result.config['card']}")
+    for column in ("step", "tap", "max_abs", "rel_diff", "noise floor", "ok"):
+        table.add_column(column)
+    worst = sorted(result.comparisons, key=lambda c: -c.max_abs)[:8]
+    for c in sorted(worst, key=lambda c: (c.request, c.step)):
+        table.add_row(f"r{c.request} s{c.step}", c.tap, f"{c.max_abs:.3g}", f"{c.rel_diff:.3g}", f"{c.floor_max_abs:.3g}", "yes" if c.passed else "NO")
+    console.print(table)
+    if report is not None:
+        result.write_jsonl(report)
+        console.print(f"wrote {report}")
+    summary = result.summary()
+    if not summary["passed"]:
+        console.print(f"[red]failed[/red]: {summary['failed']} of {summary['comparisons']}; first divergence {summary['first_divergence']}")
+        raise typer.Exit(1)
+    console.print(f"passed: {summary['comparisons']} comparisons within atol={result.config['atol']} rtol={result.config['rtol']}")

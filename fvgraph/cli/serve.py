@@ -1,0 +1,84 @@
+"""`fvgraph serve`: JSON-lines requests on standard input, or the OpenAI-style HTTP API with --port."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+from fvgraph.cli.caching import CACHE_HELP
+from fvgraph.cli.options import parse_shape, serving_engine, writable_dir
+
+
+def serve(
+    requests: str = typer.Option("-", "--requests", "-r", help="JSON-lines file of requests; '-' reads standard input."),
+    output_dir: Path = typer.Option(Path("outputs/serve"), "--output-dir", "-o", help="Where each request's video or latents go."),
+    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    opt_level: int = typer.Option(1, "-O", "--opt-level", help="0 eager, 1 compiled + batched steps, 2 + CUDA graphs, 3 + FP8 kernels."),
+    no_cudagraph: bool = typer.Option(False, "--no-cudagraph", help="At -O2, keep everything but the CUDA graphs."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
+    compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
+    disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
+    max_running: int = typer.Option(16, help="Requests in flight at once; the rest wait, FIFO."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
+    cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
+    fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
+    cfg_parallel: Optional[int] = typer.Option(None, "--cfg-parallel", help="2: cond and uncond branches on two processes (docs/parallel.md)."),
+    ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree: processes splitting each denoiser call's tokens; divides the head count."),
+    video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 is written with PyAV)."),
+    fps: int = typer.Option(8),
+    port: Optional[int] = typer.Option(None, help="Serve the OpenAI-style HTTP API on this port (0: any free one) instead of JSON lines."),
+    host: str = typer.Option("127.0.0.1", help="HTTP: the address to bind (0.0.0.0 to serve other machines)."),
+    api_key: Optional[str] = typer.Option(None, envvar="FVGRAPH_API_KEY", help="HTTP: every /v1 and /metrics call must send 'Authorization: Bearer KEY'."),
+    max_queue: int = typer.Option(256, help="HTTP: accepted requests not started yet; more get 429 with Retry-After."),
+    memory_budget: Optional[str] = typer.Option(None, help="HTTP: memory requests may reserve, e.g. 60GiB (default: 80% of free GPU memory, half of RAM on CPU)."),
+    retention_s: float = typer.Option(3600.0, help="HTTP: finished videos and their files are deleted this long after they end."),
+    drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
+    max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
+    cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
+    warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
+) -> None:
+    """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
+    JSON answer line per input line (a request's when it ends); or, with --port, the OpenAI videos
+    and images API over HTTP (docs/serving.md). Requests arriving mid-run join the running batch."""
+    import sys
+
+    from fvgraph.serving.jsonl_server import JsonlServer, StdoutLines
+    from fvgraph.serving.video_io import check_video_output
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        if video_format not in ("gif", "mp4"):
+            raise ValueError(f"video_format={video_format!r} must be 'gif' or 'mp4'")
+        check_video_output(f"video.{video_format}", fps)  # before any work: a bad option must not cost the run
+        writable_dir(output_dir, "--output-dir")
+        # Bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input.
+        if port is None:
+            source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
+        engine = serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
+                                 device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache,
+                                 cfg_parallel=cfg_parallel, ulysses=ulysses)  # fmt: skip
+        if port is not None:
+            from fvgraph.serving.http_server import HttpServer
+
+            http = HttpServer.from_options(
+                engine, output_dir, host=host, port=port, api_key=api_key, max_queue=max_queue, memory_budget=memory_budget,
+                retention_s=retention_s, drain_timeout_s=drain_timeout, max_body_bytes=max_body_bytes,
+                warmup_shapes=[parse_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
+            )  # fmt: skip
+        else:
+            server = JsonlServer(engine, output_dir, StdoutLines(), video_format=video_format, fps=fps)
+    except Exception as err:  # bad card, checkpoint, option or requests file: say why and stop
+        Console(stderr=True).print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    if port is not None:
+        label = f"{engine.card.card_id} -O{engine.opt_level}"
+        http.run(on_started=lambda url: Console(stderr=True).print(f"serving {label} on {url}/v1", highlight=False))
+        return
+    with source:
+        counts = server.serve(source)
+    Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))

@@ -1,0 +1,77 @@
+"""`fvgraph warmup`: compile every shape and batch bucket into the capture cache, offline."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fvgraph.cli.options import DEFAULT_CACHE_DIR, compile_config, console, parse_shape, writable_dir
+
+
+def warmup(
+    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
+    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache."),
+    opt_level: int = typer.Option(2, "-O", "--opt-level", help="1 compiled steps; 2 + CUDA graphs (captured at every start); 3 + FP8 kernels."),
+    buckets: str = typer.Option("1,2,4,8", help="Batch buckets, comma separated."),
+    shape: list[str] = typer.Option([], "--shape", help="FRAMESxHEIGHTxWIDTH (repeatable). Default: the card's default shape."),
+    guidance: list[float] = typer.Option([], "--guidance", help="Repeatable: >1 warms the CFG step, 1 the plain one. Default: the card's."),
+    compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor."),
+    disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
+    device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
+) -> None:
+    """Compile the compiled step kinds of every shape and batch bucket into the capture cache, so later
+    processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
+    from fvgraph.runtime.buckets import BucketSpec
+    from fvgraph.cards import get_card
+    from fvgraph.request import Request
+    from fvgraph.runtime.engine import Engine
+    from fvgraph.runtime.opt_levels import compiling_levels
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    began = time.perf_counter()
+    try:
+
+        if opt_level not in compiling_levels():
+            *others, last = (f"-O{n}" for n in compiling_levels())
+            raise ValueError(f"-O{opt_level}: warmup compiles, so it takes {', '.join(others)} or {last}")
+        writable_dir(cache_dir, "--cache-dir")  # a warmup that can store nothing is no warmup
+        model = get_card(card)
+        rules = model.shapes
+        shapes = [parse_shape(text) for text in shape] or [(rules.default_frames, rules.default_height, rules.default_width)]
+        spec = BucketSpec(batch_sizes=tuple(int(b) for b in buckets.split(",")), shapes=tuple(shapes))
+        scales, steps = guidance or [model.recipe.default_guidance_scale], model.recipe.allowed_steps[0]
+        for f, h, w in shapes:  # the card's limits, before loading anything
+            for g in scales:
+                Request(prompt="warmup", num_frames=f, height=h, width=w, guidance_scale=g, num_inference_steps=steps).resolve(model)
+        engine = Engine.from_card(
+            model, checkpoint=checkpoint, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
+            compile_config=compile_config(compile_backend, disable_pass),
+        )  # fmt: skip
+        requests = [engine.loop.warmup_request(f, h, w, g, steps) for f, h, w in shapes for g in scales]
+    except Exception as err:  # bad card, shape or bucket list: say why and stop
+        console.print(f"[red]error:[/red] {err}")
+        raise typer.Exit(2) from None
+    columns = (TextColumn("buckets"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("buckets", total=len(requests) * len(spec.batch_sizes))
+        results = engine.warmup(requests, on_bucket=lambda batch: bar.advance(task))
+    c = engine.counters
+    console.print(
+        f"warm: {len(engine.compiler.signatures)} step graphs ({c.compiles} compiled, {c.cache_hits} loaded, "
+        f"{c.cache_rejects} rejected and rebuilt) in {time.perf_counter() - began:.1f} s -> {engine.compiler.cache.dir}"
+    )
+    failed = [r for r in results if not r.ok]
+    for result in failed:
+        console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
+    unstored = [s for s in engine.compiler.signatures if engine.compiler.cache.find(s.key()) is None]
+    for signature in unstored:
+        console.print(f"[red]not stored in the capture cache:[/red] {signature.step_kind} batch {signature.batch} "
+                      f"({signature.key()}); see the warnings above")  # fmt: skip
+    if failed or unstored:
+        raise typer.Exit(1)
