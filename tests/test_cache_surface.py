@@ -125,3 +125,17 @@ def test_a_resumed_state_must_hold_complete_active_settings(tiny_engine):
         state.cache = bad
         with pytest.raises(ValueError, match=r"cache: must be complete settings of a caching method"):
             tiny_engine.resume(state)
+
+
+def test_after_a_cached_warmup_a_frozen_generate_compiles_nothing(tmp_path):
+    """`fvgraph warmup --cache` stores the keep and reuse kinds at every bucket; `generate` with the
+    same --cache and --fail-on-recompile then serves two cached requests batched from the store."""
+    compiled = ["-O1", "--compile-backend", "aot_eager", "--cache-dir", str(tmp_path / "cc"), "--cache", TEXT]
+    shape = ["--frames", "1", "--height", "32", "--width", "32"]
+    warm = runner.invoke(app, ["warmup", *compiled, "--buckets", "1,2", "--shape", "1x32x32", "--steps", str(STEPS)])
+    assert warm.exit_code == 0, warm.output
+    assert "4 step graphs" in warm.output  # denoise_cfg_keep and denoise_cfg_reuse at batch 1 and 2
+    served = runner.invoke(app, ["generate", *compiled, "--fail-on-recompile", *shape, "--steps", str(STEPS),
+                                 "-p", "a fox", "-p", "a hare", "-o", str(tmp_path / "v.gif")])  # fmt: skip
+    assert served.exit_code == 0, served.output
+    assert served.output.count("reused") == 2 and "compiles: 0" in served.output

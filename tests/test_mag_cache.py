@@ -8,6 +8,7 @@ from diffusers.hooks import MagCacheConfig
 from pydantic import ValidationError
 
 from fvgraph.cards import get_card
+from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.loops.mag_cache import MagCache, MagCacheSettings
 from fvgraph.loops.samplers import diffusers_scheduler
@@ -140,6 +141,20 @@ def test_compiled_cached_steps_equal_eager_and_add_no_recompile(tiny_engine):
         assert a.ok and b.ok and a.cache == c.cache
         torch.testing.assert_close(a.latents, c.latents, atol=tol.atol, rtol=tol.rtol)
         assert torch.equal(a.latents, b.latents)
+
+
+def test_warmup_prepares_every_cached_kind_at_every_bucket():
+    """After a warmup with one cached request, two cached requests batched together (bucket 2 of
+    both the keep and the reuse kind) compile nothing on the frozen engine."""
+    engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", buckets=BucketSpec(batch_sizes=(1, 2)),
+                              compile_config=CompileConfig(backend="aot_eager"))  # fmt: skip
+    [warm] = engine.warmup([_request(0, _cache(0.06))])
+    assert warm.ok and _calls(warm)["reused"] > 0
+    prepared = {(signature.step_kind, signature.batch) for signature in engine.compiler.signatures}
+    assert prepared == {(kind, batch) for kind in ("denoise_cfg_keep", "denoise_cfg_reuse") for batch in (1, 2)}
+    with engine.counters.expect(compiles=0):
+        results = engine.generate([_request(1, _cache(0.06)), _request(2, _cache(0.06))])
+    assert all(r.ok for r in results), [r.error for r in results]
 
 
 def test_a_state_saved_between_a_keep_and_a_reuse_resumes_unchanged(tiny_engine, tmp_path):

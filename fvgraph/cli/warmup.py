@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fvgraph.cli.options import DEFAULT_CACHE_DIR, compile_config, console, parse_shape, writable_dir
+from fvgraph.cli.options import DEFAULT_CACHE_DIR, card_with_cache, compile_config, console, parse_shape, writable_dir
 
 
 def warmup(
@@ -24,11 +24,15 @@ def warmup(
     compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor."),
     disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
+    num_inference_steps: Optional[int] = typer.Option(None, "--steps", help="Steps of each warmup request (default: the "
+                                                      "card's fewest; with --cache, as many as served requests run, so "
+                                                      "the schedule reaches its reuse steps)."),
+    cache: Optional[str] = typer.Option(None, "--cache", help="Warm with step caching (METHOD[:k=v,...]): its keep and reuse "
+                                        "kinds are compiled at every bucket too; serve with the same --cache."),
 ) -> None:
     """Compile the compiled step kinds of every shape and batch bucket into the capture cache, so later
     processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
     from fvgraph.runtime.buckets import BucketSpec
-    from fvgraph.cards import get_card
     from fvgraph.request import Request
     from fvgraph.runtime.engine import Engine
     from fvgraph.runtime.opt_levels import compiling_levels
@@ -41,11 +45,11 @@ def warmup(
             *others, last = (f"-O{n}" for n in compiling_levels())
             raise ValueError(f"-O{opt_level}: warmup compiles, so it takes {', '.join(others)} or {last}")
         writable_dir(cache_dir, "--cache-dir")  # a warmup that can store nothing is no warmup
-        model = get_card(card)
+        model = card_with_cache(card, cache)  # warmup requests take the card's (or --cache's) step caching
         rules = model.shapes
         shapes = [parse_shape(text) for text in shape] or [(rules.default_frames, rules.default_height, rules.default_width)]
         spec = BucketSpec(batch_sizes=tuple(int(b) for b in buckets.split(",")), shapes=tuple(shapes))
-        scales, steps = guidance or [model.recipe.default_guidance_scale], model.recipe.allowed_steps[0]
+        scales, steps = guidance or [model.recipe.default_guidance_scale], num_inference_steps or model.recipe.allowed_steps[0]
         for f, h, w in shapes:  # the card's limits, before loading anything
             for g in scales:
                 Request(prompt="warmup", num_frames=f, height=h, width=w, guidance_scale=g, num_inference_steps=steps).resolve(model)

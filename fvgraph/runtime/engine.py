@@ -64,6 +64,9 @@ class Engine:
         self.counters = counters
         self.projection_cache: ExactProjectionCache | None = None  # set by from_card when eager
         self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/runtime/fp32_math.py)
+        # While warmup() serves its requests: the signatures prepared at every batch bucket, and its progress callback.
+        self._warming: set | None = None
+        self._warm_progress: Callable[[int], None] | None = None
         self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
 
     @property
@@ -166,22 +169,35 @@ class Engine:
     def warmup(self, requests: Sequence[Request], on_bucket: Callable[[int], None] | None = None) -> list[Result]:
         """Prepare every batch bucket of each request's compiled step (largest first; compiled, or
         loaded from the capture cache), serve the requests, then refuse any new compile:
-        fail_on_recompile. `on_bucket(batch)` is called as each bucket is ready (progress bars)."""
-        if isinstance(self.executor, CompiledExecutor):
-            for request in requests:
-                try:
-                    state = self.start(request)
-                except RequestRejected:
-                    continue  # generate() below hands it back as rejected, naming the rule
-                while not isinstance(plan := self.loop.next(state), Done):
-                    if self.compiler.wants(plan.kind):
-                        with self._math:
-                            self.executor.prepare(plan, on_bucket)
-                        break
-                    self.step(state)
-        results = self.generate(requests)
+        fail_on_recompile. Every other compiled step kind the requests run while served (step
+        caching's keep and reuse kinds, a second expert's) is prepared at every bucket too, the
+        first time it runs. `on_bucket(batch)` is called as each bucket is ready (progress bars)."""
+        self._warming, self._warm_progress = set(), on_bucket
+        try:
+            if isinstance(self.executor, CompiledExecutor):
+                for request in requests:
+                    try:
+                        state = self.start(request)
+                    except RequestRejected:
+                        continue  # generate() below hands it back as rejected, naming the rule
+                    while not isinstance(plan := self.loop.next(state), Done):
+                        if self.compiler.wants(plan.kind):
+                            self._prepare(plan)
+                            break
+                        self.step(state)
+            results = self.generate(requests)
+        finally:
+            self._warming, self._warm_progress = None, None
         self.freeze()
         return results
+
+    def _prepare(self, plan: WorkPlan) -> None:
+        """During warmup: compile (or load) `plan`'s signature at every batch bucket, once."""
+        if plan.signature in self._warming or not isinstance(self.executor, CompiledExecutor):
+            return
+        self._warming.add(plan.signature)
+        with self._math:
+            self.executor.prepare(plan, self._warm_progress)
 
     def freeze(self) -> None:
         """Refuse any new compile from now on (fail_on_recompile): a step whose signature is neither
@@ -337,6 +353,8 @@ class Engine:
         slots = [self._slots.of(state) for state, _ in group]
         began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
         try:
+            if self._warming is not None:
+                self._prepare(plans[0])
             with self._math:
                 results = self.executor.run_batch(plans, slots, lane)
         except Exception as err:  # one request's failure must not take the others down
