@@ -49,7 +49,11 @@ GUIDANCE = 5.0
 BASELINES = ("eager", "compile_repeated_blocks")
 # The setting each method is benchmarked at, where it differs from the method's defaults. MagCache:
 # diffusers' MagCacheConfig defaults (threshold 0.06, K = max_skip_steps 3, retention 0.2).
-PUBLISHED: dict[str, dict] = {"magcache": {"threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2}}
+PUBLISHED: dict[str, dict] = {
+    "magcache": {"threshold": 0.06, "max_skip_steps": 3, "retention_ratio": 0.2},  # diffusers' MagCacheConfig defaults
+    "teacache": {"threshold": 0.08},  # TeaCache4Wan2.1's faster setting for Wan 2.1 1.3B
+    "fbcache": {"threshold": 0.06},  # FBCache's reported Wan 14B setting (diffusers' default: 0.05)
+}  # TaylorSeer: diffusers' TaylorSeerCacheConfig defaults
 
 
 def method_settings(engine: Engine, method: str, overrides: dict, request: Request) -> CacheSettings:

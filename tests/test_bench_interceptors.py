@@ -21,3 +21,5 @@ def test_the_bench_prints_one_line_per_run_with_every_method(capsys):
     assert len(magcache["quality"]["rel_l2_per_step"]) == 4
     assert set(magcache["diffusers_eager"]) == {"wall_ms", "speedup"}
     assert set(magcache["goals"]) == {"speedup_at_least_diffusers_eager"}
+    for method in ("fbcache", "taylorseer"):  # diffusers has these too: its hook runs beside
+        assert set(line["methods"][method]["diffusers_eager"]) == {"wall_ms", "speedup"}

@@ -27,10 +27,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
+from diffusers.hooks import FirstBlockCacheConfig
 from pydantic import Field
 
 from fvgraph.loops.fb_cache_steps import AFTER_FIRST_KINDS, CHANGE, FIRST_BLOCK_KINDS, first_block_shape
-from fvgraph.loops.interceptor import CacheSettings
+from fvgraph.loops.interceptor import CacheSettings, PolicyContext
 from fvgraph.loops.loop import StepResult
 
 T2VState = Any  # fvgraph.loops.t2v_loop.T2VState, which imports this module
@@ -47,6 +48,9 @@ class FirstBlockCacheSettings(CacheSettings):
 
     def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> FirstBlockCache:
         return FirstBlockCache(self)
+
+    def diffusers_config(self, num_inference_steps: int) -> FirstBlockCacheConfig:
+        return FirstBlockCacheConfig(threshold=self.threshold)
 
 
 class FirstBlockCache:

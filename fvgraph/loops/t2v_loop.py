@@ -18,17 +18,13 @@ from torch import nn
 from fvgraph.card import ModelCard
 from fvgraph.runtime.components import Components
 from fvgraph.loops.cache_calibration import CalibrationStore
-from fvgraph.loops.cached_denoise import CachedDenoiseStep
-from fvgraph.loops.fb_cache import advance_first_block, first_block_plan
-from fvgraph.loops.fb_cache_steps import FB_STEP_KINDS, build_fb_steps
-from fvgraph.loops.interceptor import Interceptor, PolicyContext, parse_cache_settings
 from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.loops.samplers import build_sampler
-from fvgraph.loops.step_flops import StepFlops, meta_twin
+from fvgraph.loops.step_flops import StepFlops
 from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
+from fvgraph.loops.t2v_caching import CACHING_STEP_KINDS, StepCaching, caching_steps
 from fvgraph.loops.t2v_state_check import check_t2v_state
-from fvgraph.loops.taylor_denoise import TaylorDenoiseStep
 from fvgraph.loops.taps import TapPoints
 
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
@@ -37,18 +33,8 @@ STEP_KINDS = {
     DENOISE: StepKind(DENOISE, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
     DENOISE_CFG: StepKind(DENOISE_CFG, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
     VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode"),
+    **CACHING_STEP_KINDS,  # a request with step caching (fvgraph/loops/t2v_caching.py)
 }
-# The denoise kinds of a request with a caching interceptor (fvgraph/loops/interceptor.py), by
-# (cfg, reuse): a full step that keeps the blocks' residual, or one that reuses it.
-CACHED_KINDS = {(cfg, reuse): f"denoise{'_cfg' if cfg else ''}_{'reuse' if reuse else 'keep'}"
-                for cfg in (False, True) for reuse in (False, True)}  # fmt: skip
-# TaylorSeer's (fvgraph/loops/taylor_seer.py), by (cfg, forecast): a full step that keeps each branch's
-# noise prediction, or one that forecasts it from the kept Taylor factors.
-TAYLOR_KINDS = {(cfg, forecast): f"denoise{'_cfg' if cfg else ''}_taylor_{'predict' if forecast else 'keep'}"
-                for cfg in (False, True) for forecast in (False, True)}  # fmt: skip
-STEP_KINDS.update({kind: StepKind(kind, component="transformer", phase="denoise", compiled=True, per_inference_step=True)
-                   for kind in (*CACHED_KINDS.values(), *TAYLOR_KINDS.values())})  # fmt: skip
-STEP_KINDS.update(FB_STEP_KINDS)  # FBCache's two launches per step (fvgraph/loops/fb_cache_steps.py)
 
 
 class DenoiseFacts(NamedTuple):
@@ -107,7 +93,7 @@ class T2VState(SerializableState):
         return int(self.timesteps.shape[0])
 
 
-class TextToVideoLoop:
+class TextToVideoLoop(StepCaching):
     """init / next / advance / finalize for one card's t2v loop; holds no per-request state."""
 
     loop_id = "t2v"
@@ -145,9 +131,7 @@ class TextToVideoLoop:
         return {
             DENOISE: DenoiseStep(transformer, self.sampler, cfg=False, tap_points=tap_points),
             DENOISE_CFG: DenoiseStep(transformer, self.sampler, cfg=True, tap_points=tap_points),
-            **{kind: CachedDenoiseStep(transformer, self.sampler, cfg, reuse) for (cfg, reuse), kind in CACHED_KINDS.items()},
-            **{kind: TaylorDenoiseStep(transformer, self.sampler, cfg, forecast) for (cfg, forecast), kind in TAYLOR_KINDS.items()},
-            **build_fb_steps(transformer, self.sampler),
+            **caching_steps(transformer, self.sampler),
         }
 
     def check_request(self, request: Request) -> Request:
@@ -159,25 +143,7 @@ class TextToVideoLoop:
             raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
         if resolved.image is not None and not self.takes_image:
             raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
-        if resolved.caching is not None and (self.takes_image or len(self.facts.experts) > 1):
-            raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
-                                           "runs on single-expert text-to-video loops only")  # fmt: skip
-        if resolved.caching is not None and (problem := resolved.caching.check_card(self.card)):
-            raise RequestRejected(*problem)
-        if resolved.caching is not None and resolved.caching.missing_calibration():
-            resolved = resolved.model_copy(update={"cache": self._calibrated(resolved.caching)})
-        return resolved
-
-    def _calibrated(self, settings):
-        """`settings` with their calibrated fields filled from the store, for these weights."""
-        c, method = self.components, settings.method
-        record = self.calibration.load(self.card.card_id, c.weights_version, method)
-        missing = settings.missing_calibration()
-        if record is None:
-            raise RequestRejected(f"cache.{missing[0]}", f"not given, and none calibrated for card {self.card.card_id!r} "
-                                  f"with weights {c.weights_version} under {self.calibration.root}: run `fvgraph calibrate "
-                                  f"--card {self.card.card_id} [--checkpoint P] --steps N` or pass {missing[0]}")  # fmt: skip
-        return settings.calibrated(record["values"])
+        return self._check_caching(resolved)
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
         """A request that runs every step kind of this loop at this shape (what `fvgraph warmup` serves)."""
@@ -214,12 +180,7 @@ class TextToVideoLoop:
             weights_version=self.components.weights_version,
             **self._conditioning(request, latents),
         )
-        if request.caching is not None:
-            state.cache = request.caching.model_dump(mode="json")
-            # The policy is built here, before any step is queued: one that plans from the denoiser
-            # (TeaCache runs its condition embedder on the timesteps) reads the device only now.
-            state.cache_memo = self._policy(state).start()
-            state.cache_counts = {"computed": 0, "reused": 0, "flops": 0, "flops_uncached": 0}
+        self._start_caching(state, request)
         texts = []
         if state.prompt_embeds is None:
             texts.append(("prompt_embeds", request.prompt))
@@ -293,57 +254,6 @@ class TextToVideoLoop:
         if state.phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
         return Done()
-
-    def _policy(self, state: T2VState) -> Interceptor:
-        if state.policy is None:
-            context = PolicyContext(state.timesteps, self.components.transformer, self.embed_dtype, self.card)
-            state.policy = parse_cache_settings(state.cache).policy(state.num_steps, context)
-        return state.policy
-
-    def _cached_plan(self, state: T2VState, facts: DenoiseFacts, inputs: dict[str, torch.Tensor]) -> WorkPlan:
-        """The step the request's interceptor decides on: keep (blocks run) or reuse (blocks skipped).
-        The decision is host arithmetic on the state; advance() repeats it to move the state on."""
-        plain = dict(inputs)  # the uncached step's inputs, for its FLOPs
-        policy = self._policy(state)
-        if getattr(policy, "measures", None):  # decided from the step's own data: two launches (fb_cache.py)
-            kind, inputs = first_block_plan(state, inputs, self.components.transformer)
-        elif getattr(policy, "step_family", "residual") == "taylor":
-            compute, _ = policy.decide(state.cache_memo, state.step_index, bool(state.cache_kept))
-            if not compute:
-                inputs.update(policy.forecast_inputs(state.cache_kept, state.cache_memo, state.step_index))
-            kind = TAYLOR_KINDS[(state.cfg, not compute)]
-        else:
-            compute, _ = policy.decide(state.cache_memo, state.step_index, bool(state.cache_kept))
-            if not compute:
-                inputs.update({f"kept_{b}": t for b, t in enumerate(state.cache_kept)})
-            kind = CACHED_KINDS[(state.cfg, not compute)]
-        if self._flops is None:  # the denoise steps on a data-free twin of the denoiser
-            self._flops = StepFlops(self._denoise_steps(meta_twin(self.components.transformer)))
-        state.step_flops = (self._flops.count(kind, inputs), self._flops.count(facts.kind, plain))
-        plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels, facts.constant_names)
-        plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
-        return plan
-
-    def _advance_cache(self, state: T2VState, result: StepResult) -> bool:
-        """Fold the cache's outputs into the state; False when the step has a launch still to run."""
-        policy, memo = self._policy(state), state.cache_memo
-        ran, uncached = state.step_flops or (0, 0)
-        state.cache_counts["flops"] = state.cache_counts.get("flops", 0) + ran
-        if getattr(policy, "measures", None):
-            done = advance_first_block(policy, state, result)
-            if done:  # the uncached step counts once per step, not per launch
-                state.cache_counts["flops_uncached"] = state.cache_counts.get("flops_uncached", 0) + uncached
-            return done
-        state.cache_counts["flops_uncached"] = state.cache_counts.get("flops_uncached", 0) + uncached
-        compute, state.cache_memo = policy.decide(memo, state.step_index, bool(state.cache_kept))
-        branches = 2 if state.cfg else 1
-        if compute and getattr(policy, "step_family", "residual") == "taylor":
-            state.cache_kept = policy.kept_after(state.cache_kept, memo, state.step_index, result, branches)
-        elif compute:
-            state.cache_kept = [result[f"kept_{b}"] for b in range(branches)]
-        key = "computed" if compute else "reused"
-        state.cache_counts[key] = state.cache_counts.get(key, 0) + branches
-        return True
 
     def _denoise_facts(self, state: T2VState) -> DenoiseFacts:
         """What every denoise step of a request shares, worked out at its first one: the schedule as
