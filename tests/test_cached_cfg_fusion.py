@@ -52,3 +52,22 @@ def test_cfg_fusion_fuses_the_cached_kinds(captured, tiny_card, kind, target, pe
     assert len(ours) == len(reference) == len(cap.output_names)  # latents, sampler history, kept residuals (keep)
     for a, b in zip(ours, reference):
         torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_cfg_fusion_fuses_taylorseers_keep_kind(tiny_engine, tiny_card):
+    """TaylorSeer's full step marks its denoiser calls as the plain step does: the pass halves its
+    attention calls and the fused graph returns the same latents and features."""
+    request = Request(prompt="a lantern", seed=5, num_inference_steps=STEPS, num_frames=5, cache={"method": "taylorseer"})
+    state = tiny_engine.start(request)
+    while (plan := tiny_engine.loop.next(state)).kind != "denoise_cfg_taylor_keep":
+        tiny_engine.step(state)
+    step = tiny_engine.executor.steps[plan.kind]
+    cap = capture_step(plan.kind, step, plan.inputs)
+    before = _count(cap.gm, F.scaled_dot_product_attention)
+    ctx = PassContext(root=step, example_args=cap.example_args, num_params=cap.num_params)
+    fused = CfgFusionPass()(copy.deepcopy(cap.gm), ctx)
+    assert before > 0 and _count(fused, F.scaled_dot_product_attention) == before // 2
+    tol = tiny_card.parity.tolerance("fp32", "component")
+    with torch.no_grad():
+        for a, b in zip(fused(*cap.example_args), cap.gm(*cap.example_args), strict=True):
+            torch.testing.assert_close(a, b, atol=tol.atol, rtol=tol.rtol)

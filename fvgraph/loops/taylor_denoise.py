@@ -9,9 +9,9 @@ same numbers. The forecast's coefficients d**k / k! enter as a per-row [B, order
 Python number, so requests at different distances share one graph; the number of orders (1 ..
 max_order + 1) is fixed by the step's inputs, one signature each.
 
-Like CachedDenoiseStep the full step calls the denoiser without CFG-branch markers, so the CFG
-fusion pass leaves its two calls apart; whether a step keeps or forecasts is fixed when the module
-is built, never decided per call.
+The full step marks its two denoiser calls as CFG branches, as the plain step does, so the CFG
+fusion pass runs them as one batch at -O1; whether a step keeps or forecasts is fixed when the
+module is built, never decided per call.
 """
 
 from __future__ import annotations
@@ -48,12 +48,11 @@ class TaylorDenoiseStep(DenoiseStep):
         dtype = prompt_embeds.dtype  # the denoiser's compute dtype (its input is cast to it)
         texts = (prompt_embeds, negative_prompt_embeds)
         noises = []
-        for b in range(self.num_branches):
+        for b, branch in enumerate(("cond", "uncond")[: self.num_branches]):
             if self.forecast:
                 noises.append(self._series([extra[f"taylor_{b}_{k}"] for k in range(taylor_coeffs.shape[1])], taylor_coeffs, dtype))
-            else:
-                noises.append(self.transformer(hidden_states=latents.to(dtype), timestep=timestep,
-                                               encoder_hidden_states=mark_request_constant(texts[b]), return_dict=False)[0])  # fmt: skip
+            else:  # marked as a CFG branch, as the plain step's: at -O1 the fusion pass runs both as one batch
+                noises.append(self._denoise(branch, latents.to(dtype), timestep, mark_request_constant(texts[b])))
         noise = noises[0]
         if self.cfg:
             scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
