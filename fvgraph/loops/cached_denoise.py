@@ -2,8 +2,9 @@
 and a reuse step that skips the blocks and adds the kept residual instead.
 
 `wan_forward` is `WanTransformer3DModel.forward` (diffusers 0.42.1) with its block loop made
-replaceable; every other line is diffusers' own, in the same order, so a full step equals the plain
-denoise step bit for bit in eager. The residual is the blocks' output minus the first block's input
+replaceable: the sections before and after the loop are diffusers' own lines, in the same order
+(fvgraph/loops/wan_forward_sections.py), so a full step equals the plain denoise step bit for bit in
+eager. The residual is the blocks' output minus the first block's input
 (tokens [B, S, D]), as diffusers' MagCache hooks keep it; on reuse the block stack's output is that
 input plus the kept residual, as those hooks return it.
 
@@ -22,6 +23,7 @@ from torch import nn
 from fvgraph.compile.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
 from fvgraph.loops.samplers import FlowEulerSampler, UniPCSampler
 from fvgraph.loops.steps import DenoiseStep
+from fvgraph.loops.wan_forward_sections import embed, project_out
 
 
 def wan_forward(transformer: nn.Module, hidden_states: torch.Tensor, timestep: torch.Tensor,
@@ -29,52 +31,19 @@ def wan_forward(transformer: nn.Module, hidden_states: torch.Tensor, timestep: t
                 kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(noise prediction, blocks' residual). With `kept` the blocks do not run: their output is
     their input plus `kept`, which is also the residual returned."""
-    batch_size, num_channels, num_frames, height, width = hidden_states.shape
-    p_t, p_h, p_w = transformer.config.patch_size
-    post_patch_num_frames = num_frames // p_t
-    post_patch_height = height // p_h
-    post_patch_width = width // p_w
-
     # 1. rotary embedding, patch embedding, condition embedding
-    rotary_emb = transformer.rope(hidden_states)
-    hidden_states = transformer.patch_embedding(hidden_states)
-    hidden_states = hidden_states.flatten(2).transpose(1, 2).contiguous()  # [B, S, D]
-    if timestep.ndim == 2:  # [B, S] per-token timesteps (Wan 2.2 TI2V)
-        ts_seq_len = timestep.shape[1]
-        timestep = timestep.flatten()
-    else:
-        ts_seq_len = None
-    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = transformer.condition_embedder(
-        timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len
-    )
-    timestep_proj = timestep_proj.unflatten(2, (6, -1)) if ts_seq_len is not None else timestep_proj.unflatten(1, (6, -1))
-    if encoder_hidden_states_image is not None:
-        encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
-
+    tokens = embed(transformer, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
     # 2. the transformer blocks, or the kept residual in their place
-    block_input = hidden_states
+    block_input = hidden_states = tokens.hidden_states
     if kept is None:
         for block in transformer.blocks:
-            hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+            hidden_states = block(hidden_states, tokens.encoder_hidden_states, tokens.timestep_proj, tokens.rotary_emb)
         residual = hidden_states - block_input
     else:
         hidden_states = block_input + kept
         residual = kept
-
     # 3. output norm, projection and unpatchify
-    if temb.ndim == 3:
-        shift, scale = (transformer.scale_shift_table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
-        shift, scale = shift.squeeze(2), scale.squeeze(2)
-    else:
-        shift, scale = (transformer.scale_shift_table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
-    shift, scale = shift.to(hidden_states.device), scale.to(hidden_states.device)
-    hidden_states = (transformer.norm_out(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
-    hidden_states = transformer.proj_out(hidden_states)
-    hidden_states = hidden_states.reshape(
-        batch_size, post_patch_num_frames, post_patch_height, post_patch_width, p_t, p_h, p_w, -1
-    )
-    hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
-    return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3), residual
+    return project_out(transformer, hidden_states, tokens), residual
 
 
 class CachedWanForward(nn.Module):
