@@ -16,6 +16,7 @@ from fvgraph.loops.t2v_loop import T2VState
 from fvgraph.request import Request, RequestRejected
 from fvgraph.runtime.components import load_components
 from fvgraph.runtime.engine import Engine
+from cache_helpers import block_calls as _block_calls
 from conftest import embeds
 
 STEPS = 10
@@ -41,13 +42,6 @@ def _calls(result) -> dict:
     """What Result.cache says about denoiser calls (FLOPs aside: tests/test_step_flops.py)."""
     return {key: result.cache[key] for key in ("method", "computed", "reused")}
 
-
-def _block_calls(transformer) -> tuple[list[bool], list]:
-    """Per denoiser call, in order: whether its blocks ran (the first block's self-attention runs only then)."""
-    calls: list[bool] = []
-    handles = [transformer.patch_embedding.register_forward_pre_hook(lambda m, a: calls.append(False)),
-               transformer.blocks[0].attn1.register_forward_pre_hook(lambda m, a: calls.__setitem__(-1, True))]  # fmt: skip
-    return calls, handles
 
 
 def test_cache_settings_are_validated_naming_the_field(tiny_card):

@@ -15,6 +15,7 @@ from fvgraph.loops.t2v_loop import T2VState
 from fvgraph.request import Request
 from fvgraph.runtime.components import load_components
 from fvgraph.runtime.engine import Engine
+from cache_helpers import block_calls as _block_calls
 from conftest import embeds
 
 STEPS = 10
@@ -39,13 +40,6 @@ def _request(seed: int, cache: dict | None, guidance_scale: float = 5.0) -> Requ
     return Request(prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=guidance_scale, seed=seed,
                    output_type="latent", cache=cache, **SHAPE)  # fmt: skip
 
-
-def _block_calls(transformer) -> tuple[list[bool], list]:
-    """Per denoiser call, in order: whether its blocks ran (the first block's self-attention runs only then)."""
-    calls: list[bool] = []
-    handles = [transformer.patch_embedding.register_forward_pre_hook(lambda m, a: calls.append(False)),
-               transformer.blocks[0].attn1.register_forward_pre_hook(lambda m, a: calls.__setitem__(-1, True))]  # fmt: skip
-    return calls, handles
 
 
 def test_taylorseer_settings_are_validated_naming_the_field():
