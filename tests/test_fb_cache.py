@@ -179,6 +179,21 @@ def test_compiled_first_block_steps_equal_eager_and_add_no_recompile(tiny_engine
         assert torch.equal(a.latents, b.latents)
 
 
+def test_warmup_prepares_every_branch_pattern_the_warmup_run_did_not_meet():
+    """A warmup whose request computes every branch (threshold 0: pattern cc only) also prepares the
+    cr, rc and rr second launches, so requests that reuse then run on the frozen engine."""
+    engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", compile_config=CompileConfig(backend="aot_eager"),
+                              buckets=BucketSpec(batch_sizes=(2,)))  # fmt: skip
+    [warm] = engine.warmup([_request(21, _fb(0.0))])
+    assert warm.ok and warm.cache["reused"] == 0
+    prepared = {signature.step_kind for signature in engine.compiler.signatures}
+    assert prepared == {"denoise_cfg_first_block", *(AFTER_FIRST_KINDS[(True, c)] for c in
+                                                     ((True, True), (True, False), (False, True), (False, False)))}  # fmt: skip
+    with engine.counters.expect(compiles=0):
+        results = engine.generate([_request(21, _fb(MIXED)), _request(3, _fb(LOW))])
+    assert all(r.ok for r in results) and all(r.cache["reused"] > 0 for r in results), [r.error for r in results]
+
+
 def test_the_launches_without_guidance_trace_whole_and_equal_eager(tiny_engine):
     """fullgraph capture (a graph break would fail) of the single-branch kinds, with dynamo's eager backend."""
     engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", compile_config=CompileConfig(backend="eager"),

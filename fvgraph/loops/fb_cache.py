@@ -32,7 +32,7 @@ from pydantic import Field
 
 from fvgraph.loops.fb_cache_steps import AFTER_FIRST_KINDS, CHANGE, FIRST_BLOCK_KINDS, first_block_shape
 from fvgraph.loops.interceptor import CacheSettings, PolicyContext
-from fvgraph.loops.loop import StepResult
+from fvgraph.loops.loop import StepResult, WorkPlan
 
 T2VState = Any  # fvgraph.loops.t2v_loop.T2VState, which imports this module
 
@@ -111,3 +111,21 @@ def advance_first_block(policy: FirstBlockCache, state: T2VState, result: StepRe
     state.cache_counts["reused"] = state.cache_counts.get("reused", 0) + branches - computed
     state.cache_head, state.cache_compute = [], []
     return True
+
+
+def after_first_variants(plan: WorkPlan) -> list[WorkPlan]:
+    """For warmup: the plans of every other compute / reuse pattern of `plan`'s second launch, with
+    zeros for the kept residuals a pattern reads that `plan` does not (shaped as the first block's
+    output, as kept residuals are). [] for any other kind."""
+    mine = next((key for key, kind in AFTER_FIRST_KINDS.items() if kind == plan.kind), None)
+    if mine is None:
+        return []
+    base = {name: t for name, t in plan.inputs.items() if not name.startswith("kept_")}
+    variants = []
+    for (cfg, compute), kind in AFTER_FIRST_KINDS.items():
+        if cfg != mine[0] or kind == plan.kind:
+            continue
+        kept = {f"kept_{b}": plan.inputs.get(f"kept_{b}", torch.zeros_like(plan.inputs[f"first_{b}"]))
+                for b, c in enumerate(compute) if not c}  # fmt: skip
+        variants.append(WorkPlan(plan.request_id, kind, {**base, **kept}, plan.step_index, plan.pixel_shape, plan.constants))
+    return variants

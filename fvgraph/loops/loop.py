@@ -134,6 +134,10 @@ class Loop(Protocol):
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request: ...
 
+    # Warmup: plans of the kinds a request may run in `plan`'s place, decided by data the warmup run
+    # need not produce (FBCache's compute / reuse pattern per branch); the engine prepares them too.
+    def warmup_variants(self, plan: WorkPlan) -> list[WorkPlan]: ...
+
 
 class SerializableState:
     """Mixin for dataclass loop states: save/load as plain tensors and Python values (weights_only safe)."""

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fvgraph.loops.cached_denoise import CachedDenoiseStep
-from fvgraph.loops.fb_cache import advance_first_block, first_block_plan
+from fvgraph.loops.fb_cache import advance_first_block, after_first_variants, first_block_plan
 from fvgraph.loops.fb_cache_steps import FB_STEP_KINDS, build_fb_steps
 from fvgraph.loops.interceptor import Interceptor, PolicyContext, parse_cache_settings
 from fvgraph.loops.loop import StepKind, StepResult, WorkPlan
@@ -72,6 +72,10 @@ class StepCaching:
                                   f"with weights {c.weights_version} under {self.calibration.root}: run `fvgraph calibrate "
                                   f"--card {self.card.card_id} [--checkpoint P] --steps N` or pass {missing[0]}")  # fmt: skip
         return settings.calibrated(record["values"])
+
+    def warmup_variants(self, plan: WorkPlan) -> list[WorkPlan]:
+        """The loop contract's warmup hook: FBCache's other second-launch patterns."""
+        return after_first_variants(plan)
 
     def _start_caching(self, state: Any, request: Request) -> None:
         if request.caching is None:

@@ -198,6 +198,8 @@ class Engine:
         self._warming.add(plan.signature)
         with self._math:
             self.executor.prepare(plan, self._warm_progress)
+        for variant in self.loop.warmup_variants(plan):  # kinds chosen by data the warmup run need not produce
+            self._prepare(variant)
 
     def freeze(self) -> None:
         """Refuse any new compile from now on (fail_on_recompile): a step whose signature is neither
