@@ -12,7 +12,7 @@
 #   FVGRAPH_GPU_PART=cache    bash perf/gpu_check.sh   # bench_projection_cache, ~2 min
 #   FVGRAPH_GPU_PART=kernels  bash perf/gpu_check.sh   # bench_kernels (Wan-1.3B / 14B kernel shapes), not yet timed (limit 9 min)
 #   FVGRAPH_GPU_PART=coldstart bash perf/gpu_check.sh  # bench_coldstart: cold vs warm start, 3 buckets, ~9 min
-#   FVGRAPH_GPU_PART=http     bash perf/gpu_check.sh   # bench_http: engine vs fvgraph serve --port at -O2 (4 buckets compiled once), not yet timed (limit 9.5 min)
+#   FVGRAPH_GPU_PART=http     bash perf/gpu_check.sh   # bench_http: engine vs fvgraph serve --port at -O2, 2 rounds each (4 buckets compiled once), not yet timed (limit 9.5 min)
 #   FVGRAPH_GPU_PART=interceptors bash perf/gpu_check.sh  # bench_interceptors: Wan 1.3B config, 480x832x17, 50 steps, -O2 (CUDA graphs), not yet timed (limit 9 min)
 #   FVGRAPH_GPU_PART=parallel bash perf/gpu_check.sh   # the parallel engine at degree 1 (NCCL group of one, -O2 CUDA graphs), not yet timed (limit 5 min)
 #   FVGRAPH_GPU_PART=all      bash perf/gpu_check.sh   # everything, in one long call (default)
@@ -57,7 +57,7 @@ part serving && run bench_serving 480 python3 "$REPO"/perf/bench_serving.py --gp
 part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu
 part cache && run bench_projection_cache 150 python3 "$REPO"/perf/bench_projection_cache.py --gpu
 part coldstart && run bench_coldstart 570 python3 "$REPO"/perf/bench_coldstart.py --gpu --skip-cold-jit --timeout 540
-part http && run bench_http 570 python3 "$REPO"/perf/bench_http.py --gpu --startup-timeout 300
+part http && run bench_http 570 python3 "$REPO"/perf/bench_http.py --gpu --repeats 2 --startup-timeout 300
 # The step-caching method under test: FVGRAPH_CACHE_METHOD (default magcache; the target is teacache at 0.08).
 part interceptors && run bench_interceptors 540 python3 "$REPO"/perf/bench_interceptors.py --gpu --repeats 2 --methods "${FVGRAPH_CACHE_METHOD:-magcache}" ${FVGRAPH_CACHE_SETTING:+--setting "$FVGRAPH_CACHE_SETTING"}
 part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
