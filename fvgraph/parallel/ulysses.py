@@ -39,6 +39,7 @@ def apply_ulysses(transformer: nn.Module, mesh: DeviceMesh, rank: int, device: t
     heads = transformer.config.num_attention_heads
     if heads % degree:
         raise ValueError(f"ulysses degree {degree} must divide the attention head count {heads}")
+    _trace_token_gathers()
     cp = ContextParallelConfig(ulysses_degree=degree, mesh=mesh)
     config = ParallelConfig(context_parallel_config=cp)
     config.setup(rank, torch.distributed.get_world_size(), device, mesh=mesh)
@@ -48,3 +49,23 @@ def apply_ulysses(transformer: nn.Module, mesh: DeviceMesh, rank: int, device: t
         if processor is not None and hasattr(processor, "_parallel_config"):
             processor._parallel_config = config
     apply_context_parallel(transformer, cp, plan)
+
+
+def _trace_token_gathers() -> None:
+    """Let dynamo trace the token all-gather at `proj_out` on torch 2.11 (the GPU machine's torch).
+
+    diffusers' unshard gathers the tokens on dim 1 with `funcol.all_gather_tensor`, which for a gather
+    dim other than 0 calls `torch._utils._maybe_view_chunk_cat`. torch 2.11's dynamo skips that function
+    ("Attempted to call function marked as skipped": a graph break, so the step does not capture);
+    torch 2.13 lists it as a function to trace (torch/_dynamo/trace_rules.py). On older torch the
+    functional-collectives module's reference is wrapped in `torch._dynamo.dont_skip_tracing`, once per
+    process, which is what dynamo's own hint says to do."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.torch_version import TorchVersion
+
+    chunk_cat = getattr(funcol, "_maybe_view_chunk_cat", None)
+    if TorchVersion(torch.__version__) >= "2.13" or chunk_cat is None or getattr(chunk_cat, "_fvgraph_traced", False):
+        return
+    traced = torch._dynamo.dont_skip_tracing(chunk_cat)
+    traced._fvgraph_traced = True
+    funcol._maybe_view_chunk_cat = traced
