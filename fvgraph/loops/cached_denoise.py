@@ -95,15 +95,9 @@ class CachedDenoiseStep(DenoiseStep):
             noise, residual = self.denoiser(**marked)
             noises.append(mark_branch_output(branch, "denoiser", noise, 0))
             residuals.append(mark_branch_output(branch, "denoiser", residual, 1))
-        noise = noises[0]
-        if self.cfg:
-            scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
-            noise = noises[1] + scale * (noise - noises[1])
+        noise = self._guided(noises[0], noises[1], guidance_scale) if self.cfg else noises[0]
         # 3. the sampler update
-        history = tuple(extra[f"carry_{i}"] for i in range(self.num_carry))
-        new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
-        out = {"latents": new_latents}
-        out.update({f"carry_{i}": t for i, t in enumerate(new_history)})
+        out = self._sampler_step(latents, noise, extra, coeffs)
         if not self.reuse:
             out.update({f"kept_{b}": r for b, r in enumerate(residuals)})
         return out

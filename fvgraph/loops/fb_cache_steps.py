@@ -134,11 +134,6 @@ class AfterFirstBlockStep(DenoiseStep):
                 hidden = extra[f"kept_{b}"] + first  # diffusers' FBCHeadBlockHook: tail residual + head output
             noises.append(project_out(self.transformer, hidden, tokens))
         # 2. the guidance combine and the sampler update, as DenoiseStep
-        noise = noises[0]
-        if self.cfg:
-            scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
-            noise = noises[1] + scale * (noise - noises[1])
-        history = tuple(extra[f"carry_{i}"] for i in range(self.num_carry))
-        new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
-        out.update({"latents": new_latents, **{f"carry_{i}": t for i, t in enumerate(new_history)}})
+        noise = self._guided(noises[0], noises[1], guidance_scale) if self.cfg else noises[0]
+        out.update(self._sampler_step(latents, noise, extra, coeffs))
         return out

@@ -78,18 +78,27 @@ class DenoiseStep(nn.Module):
         if self.cfg:
             if self.cfg_split is None:
                 noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds), **image)
-            scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
-            noise = noise_uncond + scale * (noise - noise_uncond)
+            noise = self._guided(noise, noise_uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = noise_uncond, noise
         # 3. the sampler update, with this request's coefficients and history
-        history = tuple(carry[f"carry_{i}"] for i in range(self.num_carry))
-        new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
-        out = {"latents": new_latents}
-        out.update({f"carry_{i}": t for i, t in enumerate(new_history)})
+        out = self._sampler_step(latents, noise, carry, coeffs)
         if self.tap_points is not None:
             out.update(taps)
             out.update(self.tap_points.drain())  # block outputs (eager; traced graphs get them from the tap pass)
         return out
+
+    @staticmethod
+    def _guided(noise: torch.Tensor, noise_uncond: torch.Tensor, guidance_scale: torch.Tensor) -> torch.Tensor:
+        """The guidance combine, uncond + scale * (cond - uncond), with each row's own scale."""
+        scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
+        return noise_uncond + scale * (noise - noise_uncond)
+
+    def _sampler_step(self, latents: torch.Tensor, noise: torch.Tensor, carry: dict[str, torch.Tensor],
+                      coeffs: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The sampler update from the step's noise prediction: "latents" and the new history "carry_i"."""
+        history = tuple(carry[f"carry_{i}"] for i in range(self.num_carry))
+        new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
+        return {"latents": new_latents, **{f"carry_{i}": t for i, t in enumerate(new_history)}}
 
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
         """(tokens, head_dim, dtype) of the denoiser's self-attention for these inputs: what the SDPA

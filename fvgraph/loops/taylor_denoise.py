@@ -53,15 +53,9 @@ class TaylorDenoiseStep(DenoiseStep):
                 noises.append(self._series([extra[f"taylor_{b}_{k}"] for k in range(taylor_coeffs.shape[1])], taylor_coeffs, dtype))
             else:  # marked as a CFG branch, as the plain step's: at -O1 the fusion pass runs both as one batch
                 noises.append(self._denoise(branch, latents.to(dtype), timestep, mark_request_constant(texts[b])))
-        noise = noises[0]
-        if self.cfg:
-            scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
-            noise = noises[1] + scale * (noise - noises[1])
+        noise = self._guided(noises[0], noises[1], guidance_scale) if self.cfg else noises[0]
         # 2. the sampler update
-        history = tuple(extra[f"carry_{i}"] for i in range(self.num_carry))
-        new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
-        out = {"latents": new_latents}
-        out.update({f"carry_{i}": t for i, t in enumerate(new_history)})
+        out = self._sampler_step(latents, noise, extra, coeffs)
         if not self.forecast:
             out.update({f"features_{b}": n for b, n in enumerate(noises)})
         return out
