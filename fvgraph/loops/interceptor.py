@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -99,8 +100,9 @@ class CacheSettings(BaseModel):
 
     method: str
 
+    @abstractmethod
     def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> Interceptor | MeasuringInterceptor:
-        raise NotImplementedError(f"cache method {self.method!r} builds no policy")
+        """The request's decisions, built once per request on the host (each method's file)."""
 
     def check_steps(self, num_inference_steps: int) -> tuple[str, str] | None:
         """(field, message) when these settings cannot serve a request of that many steps, else None."""
@@ -154,6 +156,10 @@ class NoCache(CacheSettings):
     """Caching off: what `cache="none"` means, also where the card names a default."""
 
     method: Literal["none"] = "none"
+
+    def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> Interceptor:
+        # Request.caching is None for these settings, so no loop asks; a caller that does is told why.
+        raise ValueError('cache="none" turns step caching off: it has no policy')
 
 
 NO_CACHE = "none"

@@ -65,11 +65,11 @@ class TeaCacheSettings(CacheSettings):
 def timestep_signal(transformer: torch.nn.Module, timestep: torch.Tensor, embed_dtype: torch.dtype, projection: bool) -> torch.Tensor:
     """TeaCache's signal for one denoiser call at `timestep` ([1]): what WanTransformer3DModel's own
     condition embedder returns as `timestep_proj` (projection) or `temb`. Its text input only sets
-    the dtype the embedding is cast to (`type_as`), so one placeholder token stands in for the text."""
+    the dtype the embedding is cast to (`type_as`), so one zero token stands in for the text."""
     embedder = transformer.condition_embedder
     text_dim = embedder.text_embedder.linear_1.in_features
-    placeholder = torch.zeros(1, 1, text_dim, dtype=embed_dtype, device=timestep.device)
-    temb, timestep_proj, _, _ = embedder(timestep, placeholder)
+    zero_text = torch.zeros(1, 1, text_dim, dtype=embed_dtype, device=timestep.device)
+    temb, timestep_proj, _, _ = embedder(timestep, zero_text)
     return timestep_proj if projection else temb
 
 
