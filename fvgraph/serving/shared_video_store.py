@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Literal
 
 from fvgraph.serving.video_store import StoredVideo, VideoStore
 
@@ -107,22 +106,10 @@ class SharedVideoStore(VideoStore):
         self._record(item_id).unlink(missing_ok=True)
         return item
 
-    def page(self, after: str | None, limit: int, order: Literal["asc", "desc"]) -> tuple[list[StoredVideo], bool]:
-        self.expire()
-        items = [item for item in self._all() if item.object == "video"]
-        if order == "desc":
-            items.reverse()
-        if after is not None:
-            ids = [item.id for item in items]
-            if after not in ids:
-                raise KeyError(after)
-            items = items[ids.index(after) + 1 :]
-        return items[:limit], len(items) > limit
-
     def expire(self) -> list[str]:
         """Delete every video (of any server) whose retention has passed, and tombstones as old."""
         now = self.clock()
-        gone = [item.id for item in self._all() if item.expire_after is not None and item.expire_after <= now]
+        gone = [item.id for item in self._listed() if item.expire_after is not None and item.expire_after <= now]
         for item_id in gone:
             self.remove(item_id)
         for tombstone in self.root.glob("*.deleted"):
@@ -134,7 +121,7 @@ class SharedVideoStore(VideoStore):
         return gone
 
     def __len__(self) -> int:
-        return len(self._all())
+        return len(self._listed())
 
     # -- records -------------------------------------------------------------------------------------
 
@@ -182,8 +169,8 @@ class SharedVideoStore(VideoStore):
         record = self._read_record(item_id)
         return None if record is None else _from_record(record, self.root)
 
-    def _all(self) -> list[StoredVideo]:
-        """Every server's items, in the order they were added (oldest first)."""
+    def _listed(self) -> list[StoredVideo]:
+        """Every server's items, in the order they were added (oldest first): what `page` lists."""
         records = []
         for path in self.root.glob("*.json"):
             record = self._read_record(path.stem) if ID_PATTERN.fullmatch(path.stem) else None

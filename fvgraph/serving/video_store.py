@@ -131,8 +131,7 @@ class VideoStore:
     def page(self, after: str | None, limit: int, order: Literal["asc", "desc"]) -> tuple[list[StoredVideo], bool]:
         """Videos newest first (or oldest first), starting after the id `after`; and whether more follow."""
         self.expire()
-        with self._lock:
-            items = [item for item in self._items.values() if item.object == "video"]
+        items = [item for item in self._listed() if item.object == "video"]
         if order == "desc":
             items.reverse()
         if after is not None:
@@ -141,6 +140,11 @@ class VideoStore:
                 raise KeyError(after)
             items = items[ids.index(after) + 1 :]
         return items[:limit], len(items) > limit
+
+    def _listed(self) -> list[StoredVideo]:
+        """The items `page` lists, oldest first: this store's own."""
+        with self._lock:
+            return list(self._items.values())
 
     def expire(self) -> list[str]:
         """Delete every item whose retention has passed; returns their ids."""
