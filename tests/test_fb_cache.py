@@ -19,6 +19,7 @@ from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.runtime.components import load_components
 from fvgraph.runtime.engine import Engine
 from fvgraph.runtime.host_outputs import copy_to_host
+from cache_helpers import run_together_and_alone
 from conftest import embeds
 
 STEPS = 10
@@ -136,12 +137,7 @@ def _mixed() -> list[Request]:
 
 def test_fbcache_magcache_and_uncached_requests_together_equal_each_alone(tiny_engine):
     requests = _mixed()
-    together = tiny_engine.generate(requests)
-    for request, result in zip(requests, together):
-        [alone] = tiny_engine.generate([request])
-        assert result.ok and alone.ok, (result.error, alone.error)
-        assert torch.equal(result.latents, alone.latents), request.request_id
-        assert result.cache == alone.cache
+    together = run_together_and_alone(tiny_engine, requests)
     assert together[0].cache["reused"] > 0 and together[3].cache["reused"] > 0
 
 

@@ -16,7 +16,7 @@ from fvgraph.loops.t2v_loop import T2VState
 from fvgraph.request import Request, RequestRejected
 from fvgraph.runtime.components import load_components
 from fvgraph.runtime.engine import Engine
-from cache_helpers import block_calls as _block_calls
+from cache_helpers import block_calls as _block_calls, run_together_and_alone
 from conftest import embeds
 
 STEPS = 10
@@ -112,12 +112,7 @@ def _mixed() -> list[Request]:
 
 def test_cached_and_uncached_requests_together_equal_each_alone(tiny_engine):
     requests = _mixed()
-    together = tiny_engine.generate(requests)
-    for request, result in zip(requests, together):
-        [alone] = tiny_engine.generate([request])
-        assert result.ok and alone.ok
-        assert torch.equal(result.latents, alone.latents), request.request_id
-        assert result.cache == alone.cache
+    together = run_together_and_alone(tiny_engine, requests)
     assert _calls(together[3]) == {"method": "magcache", "computed": 4, "reused": 6}  # no CFG: one call per step
 
 

@@ -15,7 +15,7 @@ from fvgraph.loops.t2v_loop import T2VState
 from fvgraph.request import Request
 from fvgraph.runtime.components import load_components
 from fvgraph.runtime.engine import Engine
-from cache_helpers import block_calls as _block_calls
+from cache_helpers import block_calls as _block_calls, run_together_and_alone
 from conftest import embeds
 
 STEPS = 10
@@ -97,12 +97,7 @@ def _mixed() -> list[Request]:
 
 def test_taylorseer_teacache_and_uncached_requests_together_equal_each_alone(tiny_engine):
     requests = _mixed()
-    together = tiny_engine.generate(requests)
-    for request, result in zip(requests, together):
-        [alone] = tiny_engine.generate([request])
-        assert result.ok and alone.ok, (result.error, alone.error)
-        assert torch.equal(result.latents, alone.latents), request.request_id
-        assert result.cache == alone.cache
+    together = run_together_and_alone(tiny_engine, requests)
     # no CFG, bfloat16 factors, refresh every other step after step 0: one call per step
     assert {k: together[4].cache[k] for k in ("method", "computed", "reused")} == {"method": "taylorseer", "computed": 5, "reused": 5}
 

@@ -20,7 +20,7 @@ from fvgraph.loops.tea_cache import TeaCacheSettings
 from fvgraph.request import Request, RequestRejected
 from fvgraph.runtime.components import load_components
 from fvgraph.runtime.engine import Engine
-from cache_helpers import block_calls as _block_calls
+from cache_helpers import block_calls as _block_calls, run_together_and_alone
 from conftest import embeds
 
 STEPS = 10
@@ -186,12 +186,7 @@ def _mixed() -> list[Request]:
 
 def test_teacache_magcache_and_uncached_requests_together_equal_each_alone(tiny_engine):
     requests = _mixed()
-    together = tiny_engine.generate(requests)
-    for request, result in zip(requests, together):
-        [alone] = tiny_engine.generate([request])
-        assert result.ok and alone.ok
-        assert torch.equal(result.latents, alone.latents), request.request_id
-        assert result.cache == alone.cache
+    together = run_together_and_alone(tiny_engine, requests)
     assert together[4].cache["computed"] + together[4].cache["reused"] == STEPS  # no CFG: one call per step
 
 
