@@ -8,7 +8,7 @@ Recipe values are those of the release config (wan/configs/wan_ti2v_5B.py in Wan
 so the default here is 1280 wide by 704 high), and diffusers' scripts/convert_wan_to_diffusers.py
 writes the model as a WanPipeline with `expand_timesteps=True` and a UniPC scheduler of flow_shift
 5.0. The released card holds no configs: widths, channels and VAE scales come from the checkpoint
-folder (fvgraph/runtime/model_facts.py).
+folder (fvgraph/contract/model_facts.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Components are diffusers' and transformers' own classes, as a WanImageToVideoPip
 them: WanTransformer3DModel (36 input channels: 16 latent + 4 mask + 16 first-frame latent; CLIP
 image tokens through `image_dim` / `added_kv_proj_dim`), AutoencoderKLWan, UMT5EncoderModel,
 CLIPVisionModel and CLIPImageProcessor. The released cards hold no configs: widths and channels come
-from the checkpoint folder (fvgraph/runtime/model_facts.py).
+from the checkpoint folder (fvgraph/contract/model_facts.py).
 """
 
 from __future__ import annotations

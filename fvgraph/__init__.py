@@ -7,7 +7,7 @@
 
 from fvgraph.card import ModelCard
 from fvgraph.cards import card_names, get_card
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request, RequestRejected, Result
 
 __all__ = ["Engine", "ModelCard", "Request", "RequestRejected", "Result", "card_names", "get_card"]

@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fvgraph.loops.interceptor import CacheSettings, parse_cache_settings
+from fvgraph.caching.settings import CacheSettings
+
+from fvgraph.caching.methods import parse_cache_settings
 from fvgraph.request import Request
 
 

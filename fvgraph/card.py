@@ -4,7 +4,7 @@ A card owns what a model *is* (its components and where their weights come from)
 run, the recipe that produced the weights (and so the sampler and step counts they assume), the
 parity tolerances its faster paths must meet, and the limits it serves. Facts that follow from the
 weights (widths, channels, patch size, VAE scales, experts) are not here: they are read from the
-loaded components' configs (fvgraph/runtime/model_facts.py), so a resized checkpoint loads with its family's
+loaded components' configs (fvgraph/contract/model_facts.py), so a resized checkpoint loads with its family's
 card. Everything here is validated before a single weight loads; compile, graphs and caches are
 applied from outside.
 """
@@ -16,7 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 
-from fvgraph.loops.interceptor import CacheSettings, parse_cache_settings
+from fvgraph.caching.settings import CacheSettings
+
+from fvgraph.caching.methods import parse_cache_settings
 
 Precision = Literal["fp32", "bf16", "fp16", "fp8"]
 
@@ -128,7 +130,7 @@ class ShapeRules(_Spec):
 
 
 class QuantizationSpec(_Spec):
-    """Which layers the FP8 path (opt level 3: fvgraph.compile.fp8_weights + the quantize pass) leaves alone.
+    """Which layers the FP8 path (opt level 3: fvgraph.kernels.fp8_weights + the quantize pass) leaves alone.
 
     Only linears with K and N multiples of 16 are ever quantized; this list protects the ones whose
     error the model amplifies. The usual picks for a DiT: the embedders (timestep / text conditioning

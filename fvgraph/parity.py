@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.runtime.executor import EagerExecutor
 from fvgraph.passes.manager import PassConfig
 from fvgraph.request import Request

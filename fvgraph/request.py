@@ -24,8 +24,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
 
 from fvgraph.card import ModelCard
-from fvgraph.loops.interceptor import CacheSettings, NoCache, parse_cache_settings
-from fvgraph.runtime.model_facts import ModelFacts
+from fvgraph.caching.settings import CacheSettings, NoCache
+from fvgraph.caching.methods import parse_cache_settings
+from fvgraph.contract.model_facts import ModelFacts
 from fvgraph.request_image import to_rgb_image
 
 # Ids are echoed into result lines, logs and file names: bounded, printable.

@@ -86,3 +86,18 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
             return before - len(graph.nodes)
         for node in dead_writes:
             graph.erase_node(node)
+
+
+def step_parameters(step: nn.Module) -> dict[str, torch.Tensor]:
+    return {**dict(step.named_parameters()), **dict(step.named_buffers())}
+
+
+def export_graph(fn, args: list[torch.Tensor]) -> fx.GraphModule:
+    """One dynamo graph of `fn(*args)` whose placeholders are exactly `args`, returning a tuple."""
+    with torch.no_grad():
+        gm, _ = torch._dynamo.export(fn)(*args)
+    # export's pytree codegen pins forward's signature to the original arguments; passes add
+    # placeholders (hoisted values), so use the plain codegen: arguments = placeholders.
+    gm.graph._codegen = fx.graph.CodeGen()
+    gm.recompile()
+    return gm

@@ -4,7 +4,7 @@ A CFG step calls the denoiser twice with the same latents and timestep and diffe
 that is two inlined copies of every block; fused, it is one copy at twice the batch, which halves the
 weight traffic and the launches and gives the GEMMs a taller M.
 
-Before (markers from fvgraph.compile.markers around each call):
+Before (markers from fvgraph.contract.markers around each call):
 
     x_c = branch_input(x, "cond", "transformer", "hidden_states")      ... e_c = branch_input(pe, ...)
     <blocks ... on x_c, t_c, e_c>           # copy 1
@@ -32,9 +32,8 @@ import operator
 import torch
 from torch import fx
 
-from fvgraph.compile.markers import branch_input, branch_output
-from fvgraph.compile.step_capture import export_graph
-from fvgraph.passes.base import FxPass, PassContext, eliminate_dead_code, marker_nodes
+from fvgraph.contract.markers import branch_input, branch_output
+from fvgraph.passes.base import FxPass, PassContext, eliminate_dead_code, export_graph, marker_nodes
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from fvgraph.compile.markers import MARKER_OPS
+from fvgraph.contract.markers import MARKER_OPS
 from fvgraph.passes.base import FxPass, PassContext, eliminate_dead_code
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fvgraph.compile.markers import MARKER_OPS
+from fvgraph.contract.markers import MARKER_OPS
 from fvgraph.passes.base import FxPass, PassContext, eliminate_dead_code, marker_nodes
 
 

@@ -1,6 +1,6 @@
 """FP8 quantization: linears onto their FP8 weights, and the block prologue fused with the activation quant.
 
-Runs only when enabled (opt level 3) and only on linears that `fvgraph.compile.fp8_weights.apply_fp8_weights`
+Runs only when enabled (opt level 3) and only on linears that `fvgraph.kernels.fp8_weights.apply_fp8_weights`
 gave FP8 buffers: layers a card excludes have none and are never touched, and a graph without FP8
 buffers is left as it is. It runs after hoisting, on the step graph: the request prologue (text
 embedding, cross-attention K/V, run once per request) keeps its full-precision linears.
@@ -42,9 +42,8 @@ from torch import fx
 
 import fvgraph.kernels.fp8_linear  # noqa: F401  (registers fvgraph::fp8_linear, fvgraph::fp8_linear_prequant)
 import fvgraph.kernels.norm_modulate  # noqa: F401  (registers fvgraph::norm_modulate_quant)
-from fvgraph.compile.fp8_weights import FP8_SCALE, FP8_WEIGHT
-from fvgraph.passes.base import FxPass, PassContext, eliminate_dead_code
-from fvgraph.compile.step_capture import step_parameters
+from fvgraph.kernels.fp8_weights import FP8_SCALE, FP8_WEIGHT
+from fvgraph.passes.base import FxPass, PassContext, eliminate_dead_code, step_parameters
 
 FP8_LINEAR = torch.ops.fvgraph.fp8_linear.default
 FP8_LINEAR_PREQUANT = torch.ops.fvgraph.fp8_linear_prequant.default

@@ -33,7 +33,7 @@ CHILD = """
 import json, sys, time
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 a = json.loads(sys.argv[1])
 engine = Engine.from_card(a["card"], opt_level=a["opt_level"], device=a["device"], cache_dir=a["cache_dir"],

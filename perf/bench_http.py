@@ -41,7 +41,7 @@ from urllib.parse import urlparse
 import torch
 
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.serving.media_encode import encode_mp4
 from fvgraph.perf.method import emit, paired_ratio, provenance, spread, sync
 from fvgraph.request import Request

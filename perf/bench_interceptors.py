@@ -4,9 +4,9 @@ diffusers' own cache hooks on untouched copies of the same weights (fvgraph.perf
     python perf/bench_interceptors.py                      # wan-cpu-bench, 9x128x128, 10 steps, -O1
     python perf/bench_interceptors.py --gpu --methods magcache   # Wan 1.3B config, bf16, 480x832x17, 50 steps, -O2
 
-For each method in fvgraph.loops.interceptor.METHODS (or --methods) at its published setting
+For each method in fvgraph.caching.settings.METHODS (or --methods) at its published setting
 (PUBLISHED, else the method's defaults; --setting METHOD:k=v,... overrides), calibrated on these
-weights first when the method calibrates (MagCache's ratios: fvgraph.loops.cache_calibration), one
+weights first when the method calibrates (MagCache's ratios: fvgraph.caching.calibration_store), one
 case is a whole request's denoise loop (every step, both CFG branches, no text encoder or VAE):
 
     fvgraph_none, fvgraph_<method>                    one Engine at --opt-level, caching off / on
@@ -36,14 +36,15 @@ from diffusers import WanPipeline
 
 from fvgraph.cache_quality import cache_distance
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.loops.cache_calibration import calibrate
-from fvgraph.loops.interceptor import METHODS, CacheSettings, parse_cache_settings, parse_cache_text
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.engine.calibrate import calibrate
+from fvgraph.caching.settings import CacheSettings, parse_cache_text
+from fvgraph.caching.methods import METHODS, parse_cache_settings
+from fvgraph.models.components import diffusers_scheduler
 from fvgraph.perf.diffusers_baselines import baseline_transformer, untouched_components
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 
 GUIDANCE = 5.0
 BASELINES = ("eager", "compile_repeated_blocks")

@@ -95,7 +95,7 @@ def _engine_api():
     if (Path(fvgraph.__file__).parent / "runtime").is_dir():
         from fvgraph.compile.compiler import CompileConfig
         from fvgraph.runtime.buckets import BucketSpec
-        from fvgraph.runtime.engine import Engine
+        from fvgraph.engine.engine import Engine
     else:
         from fvgraph.buckets import BucketSpec
         from fvgraph.compiler import CompileConfig

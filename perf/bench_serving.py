@@ -37,11 +37,11 @@ from diffusers import WanPipeline
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.perf.diffusers_baselines import baseline_transformer, untouched_components
 from fvgraph.perf.method import emit, provenance, spread, sync
 from fvgraph.request import Request
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.models.components import diffusers_scheduler
 
 
 def request_mix(n: int, shapes: list[tuple[int, int, int]], text_len: int, text_dim: int) -> list[Request]:

@@ -23,7 +23,7 @@ import torch
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.perf.diffusers_baselines import BASELINES, baseline_transformer, diffusers_step_case, untouched_components
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 from fvgraph.request import Request

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from fvgraph.cards import get_card
-from fvgraph.runtime.components import Components, load_components
+from fvgraph.models.components import Components, load_components
 from fvgraph.perf.method import Case
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.models.components import diffusers_scheduler
 
 BASELINES = ("eager", "compile_repeated_blocks", "torch_compile")
 

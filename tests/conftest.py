@@ -11,7 +11,7 @@ import torch
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(os.environ.get("PYTEST_TMPDIR", "/tmp"), "fvgraph-test-inductor"))
 
 from fvgraph.cards import get_card  # noqa: E402
-from fvgraph.runtime.engine import Engine  # noqa: E402
+from fvgraph.engine.engine import Engine  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,7 +5,7 @@ import torch
 from pydantic import ValidationError
 
 from fvgraph.cards import UnknownCardError
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request, RequestRejected
 
 OK = {"prompt": "a kite", "seed": 0, "num_inference_steps": 2, "num_frames": 5}

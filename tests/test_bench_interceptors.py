@@ -2,7 +2,7 @@
 
 import json
 
-from fvgraph.loops.interceptor import METHODS
+from fvgraph.caching.methods import METHODS
 from fvgraph.perf import bench_interceptors
 
 

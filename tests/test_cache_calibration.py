@@ -10,11 +10,12 @@ from typer.testing import CliRunner
 
 from fvgraph.card import ModelCard
 from fvgraph.cli import app
-from fvgraph.loops.cache_calibration import CalibrationStore, calibrate
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.caching.calibration_store import CalibrationStore
+from fvgraph.engine.calibrate import calibrate
+from fvgraph.models.components import diffusers_scheduler
 from fvgraph.request import Request, RequestRejected
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import load_components
+from fvgraph.engine.engine import Engine
 from conftest import embeds
 
 STEPS = 6

@@ -18,7 +18,7 @@ from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.capture_cache import CaptureCache, clear, file_sha256, verify
 from fvgraph.cli import app
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 
 REQUEST = dict(prompt="a red fox", num_inference_steps=1, guidance_scale=4.0, height=16, width=16, num_frames=1,
@@ -213,7 +213,7 @@ def test_a_live_warmups_staging_is_not_an_orphan(cache_copy):
 
 
 def test_warmup_refuses_a_shape_the_card_does_not_allow_before_loading(tmp_path, monkeypatch):
-    monkeypatch.setattr("fvgraph.runtime.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("fvgraph.engine.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
     args = ["warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", "-O", "1", "--shape", "5x512x512"]
     done = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
     assert done.exit_code == 2 and "height: 512 exceeds" in done.output, done.output

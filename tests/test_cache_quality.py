@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from fvgraph.cache_quality import cache_distance
 from fvgraph.cli import app
-from fvgraph.loops.interceptor import parse_cache_settings
+from fvgraph.caching.methods import parse_cache_settings
 from fvgraph.parity import Setting, compare
 from fvgraph.request import Request
 

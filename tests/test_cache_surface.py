@@ -10,10 +10,11 @@ from typer.testing import CliRunner
 
 from fvgraph.card import ModelCard
 from fvgraph.cli import app
-from fvgraph.loops.interceptor import NoCache, parse_cache_settings, parse_cache_text
-from fvgraph.loops.mag_cache import MagCacheSettings
+from fvgraph.caching.settings import NoCache, parse_cache_text
+from fvgraph.caching.methods import parse_cache_settings
+from fvgraph.caching.mag_cache import MagCacheSettings
 from fvgraph.request import Request, RequestRejected
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.serving.openai_requests import VideoBody, parse_body, video_request
 from conftest import embeds
 

@@ -16,7 +16,7 @@ import torch
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.capture_cache import CacheEntry, CaptureCache, verify
 from fvgraph.compile.compiler import CompileConfig, RecompileError
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 from fvgraph.compile.signature import RuntimeFactors
 
@@ -28,7 +28,7 @@ SERVE = """
 import json, sys, torch
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 cache_dir, backend, out = sys.argv[1:4]
 engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", cache_dir=cache_dir,

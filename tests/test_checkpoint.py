@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fvgraph.cards import get_card
-from fvgraph.runtime.components import CheckpointError
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import CheckpointError
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 
 

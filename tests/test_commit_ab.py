@@ -29,7 +29,7 @@ def test_one_run_times_both_trees_interleaved(capsys):
     [line] = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
     assert line["bench"] == "scheduler_overhead_ab" and line["base_commit"] == resolve_commit(BEFORE_LOOP_AGNOSTIC_MERGE)
     # each side ran its own fvgraph: the flat layout before fvgraph/ had subpackages, and this one
-    assert (line["base"]["engine_module"], line["this"]["engine_module"]) == ("fvgraph.engine", "fvgraph.runtime.engine")
+    assert (line["base"]["engine_module"], line["this"]["engine_module"]) == ("fvgraph.engine", "fvgraph.engine.engine")
     for side in ("base", "this"):  # the same mix on each side: 2 requests of 2 and 1 steps, one batch lane
         assert (line[side]["request_steps"], line[side]["batches"]) == (3, 3)
         assert line[side]["overhead_us_per_batch"]["repeats"] == 2

@@ -5,7 +5,7 @@ import torch
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig, RecompileError
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.passes.manager import PassConfig
 from fvgraph.request import Request
 

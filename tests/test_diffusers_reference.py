@@ -11,11 +11,11 @@ import torch
 from diffusers import WanPipeline
 
 from fvgraph.cards import get_card
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import load_components
+from fvgraph.engine.engine import Engine
 from fvgraph.runtime.projection_cache_wan import request_constant_projections
 from fvgraph.request import Request
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.models.components import diffusers_scheduler
 from conftest import embeds
 
 SHAPE = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": 6}

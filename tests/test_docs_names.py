@@ -8,7 +8,7 @@ import torch
 
 import fvgraph.kernels.fp8_linear  # noqa: F401  (the modules that register fvgraph:: ops)
 import fvgraph.kernels.norm_modulate  # noqa: F401
-import fvgraph.compile.markers  # noqa: F401
+import fvgraph.contract.markers  # noqa: F401
 import fvgraph.loops.taps  # noqa: F401
 from fvgraph.passes.manager import FX_PASSES, OPT_IN
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 from fvgraph.loops.t2v_loop import T2VState
 

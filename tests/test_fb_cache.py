@@ -10,14 +10,14 @@ from pydantic import ValidationError
 
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.loops.fb_cache import FirstBlockCache, FirstBlockCacheSettings
-from fvgraph.loops.fb_cache_steps import AFTER_FIRST_KINDS, CHANGE
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.caching.fb_cache import FirstBlockCache, FirstBlockCacheSettings
+from fvgraph.caching.fb_cache_steps import AFTER_FIRST_KINDS, CHANGE
+from fvgraph.models.components import diffusers_scheduler
 from fvgraph.loops.t2v_loop import T2VState
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import load_components
+from fvgraph.engine.engine import Engine
 from fvgraph.runtime.host_outputs import copy_to_host
 from cache_helpers import run_together_and_alone
 from conftest import embeds

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +18,7 @@ def _requests():
 
 
 def test_cuda_eager_matches_cpu_eager(tiny_card):
-    """Both engines run fp32 math (TF32 off for cuDNN's patch-embedding Conv3d too: fvgraph/runtime/fp32_math.py),
+    """Both engines run fp32 math (TF32 off for cuDNN's patch-embedding Conv3d too: fvgraph/runtime/tf32_switch.py),
     so what remains is the order CPU and CUDA kernels reduce in. That ulp-level difference grows through
     the guided steps (guidance multiplies the branch difference), hence ten times the loop tolerance."""
     assert torch.backends.cudnn.allow_tf32  # torch's default: the engine, not this test, turns it off

@@ -12,9 +12,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fvgraph.compile.graph_artifact as graph_artifact
 from fvgraph.compile.compiler import AttentionChoice, CompileConfig
-from fvgraph.runtime.counters import Counters
-from fvgraph.runtime.engine import Engine
-from fvgraph.runtime.fp32_math import math_mode
+from fvgraph.contract.counters import Counters
+from fvgraph.engine.engine import Engine
+from fvgraph.runtime.tf32_switch import math_mode
 from fvgraph.runtime.graph_capture import CaptureError, capture_graph
 from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.request import Request

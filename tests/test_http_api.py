@@ -195,7 +195,7 @@ def test_malformed_bodies_get_400_naming_the_field_and_rule_while_others_are_ser
 
 def test_an_image_to_video_card_takes_input_reference_as_its_first_frame(tmp_path):
     """input_reference reaches Request(image=...): the same image gives the same video, another image another."""
-    from fvgraph.runtime.engine import Engine
+    from fvgraph.engine.engine import Engine
 
     engine = Engine.from_card("tiny-wan-i2v", device="cpu")
 

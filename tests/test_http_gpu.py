@@ -4,7 +4,7 @@ import pytest
 from http_helpers import QUICK, client, httpx, live_server, wait_for
 
 from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.serving.http_server import warmup_requests
 from fvgraph.serving.media_encode import decode_mp4
 

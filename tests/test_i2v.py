@@ -9,13 +9,13 @@ import torch
 from diffusers import WanImageToVideoPipeline
 from pydantic import ValidationError
 
-from fvgraph.runtime.components import load_components
+from fvgraph.models.components import load_components
 from fvgraph.cards import get_card
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.loops.i2v_loop import I2VState
 from fvgraph.parity import Setting, compare
 from fvgraph.request import Request
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.models.components import diffusers_scheduler
 from conftest import embeds
 
 SHAPE = {"height": 48, "width": 64, "num_frames": 5, "num_inference_steps": 3}

@@ -11,18 +11,18 @@ import torch
 import fvgraph
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
-from fvgraph.runtime.engine_builder import compile_config_for
+from fvgraph.engine.engine import Engine
+from fvgraph.engine.parts import compile_config_for
 from fvgraph.loops.registry import LOOPS, loop_class
 from fvgraph.runtime.opt_levels import OPT_LEVELS, opt_level
 from fvgraph.request import Request
 from fvgraph.loops.expert_loop import SECOND_EXPERT_KINDS
-from fvgraph.loops.fb_cache_steps import FB_STEP_KINDS
+from fvgraph.caching.fb_cache_steps import AFTER_FIRST_KINDS, FIRST_BLOCK_KINDS
 from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
 from fvgraph.loops.t2v_loop import STEP_KINDS, T2VState, TextToVideoLoop
 
 PACKAGE = Path(fvgraph.__file__).parent
-RUNTIME = ("runtime/engine", "runtime/engine_builder", "runtime/scheduler", "runtime/executor", "compile/compiler",
+RUNTIME = ("engine", "runtime/scheduler", "runtime/executor", "compile/compiler",
            "runtime/graph_runner", "parity", "cli", "runtime/request_slot", "runtime/opt_levels", "loops/registry",
            "serving/async_engine", "serving/jsonl_server", "serving/http_app")  # fmt: skip
 
@@ -40,38 +40,73 @@ def test_runtime_modules_name_no_loop_type_or_step_kind(module):
         assert not re.search(rf"[\"'.]{name}\b|\b{name}[\"']|import .*\b{name}\b", source), f"{module}.py names {name!r}"
 
 
-def _imports(path: Path) -> set[str]:
-    """fvgraph modules imported anywhere in a file (module level or inside functions)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fvgraph"):
-            found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("fvgraph"))
+# The top-level folders install under the fvgraph namespace (pyproject's package-dir).
+ROOTS = {"fvgraph": PACKAGE, "fvgraph.passes": PACKAGE.parent / "passes", "fvgraph.kernels": PACKAGE.parent / "kernels",
+         "fvgraph.cards": PACKAGE.parent / "cards"}  # fmt: skip
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for prefix, root in ROOTS.items():
+        for path in root.rglob("*.py"):
+            parts = path.relative_to(root).with_suffix("").parts
+            parts = parts[:-1] if parts[-1] == "__init__" else parts
+            found[".".join((prefix, *parts))] = path
     return found
 
 
-def test_the_core_import_graph_has_no_cycle():
-    def name(path: Path) -> str:
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def _package(module: str) -> str:
+    """A module's package at the level the layers are drawn: fvgraph's subpackages and top-level modules."""
+    return ".".join(module.split(".")[:2])
 
-    graph = {name(p): _imports(p) for p in PACKAGE.rglob("*.py")}
-    graph = {m: {d for d in deps if d in graph and d != m} for m, deps in graph.items()}
+
+def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The fvgraph modules `module` imports at run time (module level or in functions), TYPE_CHECKING blocks aside."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for n in ast.walk(node)}  # fmt: skip
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the module's own package
+                package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            found.update(t for t in (base, *(f"{base}.{a.name}" for a in node.names)) if t in known)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in known)
+    return found
+
+
+def test_the_package_import_graph_has_no_cycle():
+    """Layers import downward only: between packages (fvgraph's subpackages and top-level modules, and
+    passes/, kernels/, cards/ under their fvgraph.* names) the import graph has no cycle."""
+    known = _modules()
+    graph: dict[str, set[str]] = {}
+    why: dict[tuple[str, str], str] = {}
+    for module, path in known.items():
+        for target in _imports(module, path, known):
+            a, b = _package(module), _package(target)
+            if a != b:
+                graph.setdefault(a, set()).add(b)
+                why.setdefault((a, b), f"{module} imports {target}")
     state: dict[str, int] = {}
 
-    def visit(module, path):
-        if state.get(module) == 1:
-            raise AssertionError("import cycle: " + " -> ".join([*path, module]))
-        if state.get(module) == 2:
+    def visit(package: str, path: list[str]) -> None:
+        if state.get(package) == 1:
+            cycle = [*path[path.index(package):], package]
+            raise AssertionError("package import cycle: " + "; ".join(why[(a, b)] for a, b in zip(cycle, cycle[1:])))
+        if state.get(package) == 2:
             return
-        state[module] = 1
-        for dep in sorted(graph[module]):
-            visit(dep, [*path, module])
-        state[module] = 2
+        state[package] = 1
+        for dep in sorted(graph.get(package, ())):
+            visit(dep, [*path, package])
+        state[package] = 2
 
-    for module in sorted(graph):
-        visit(module, [])
+    for package in sorted(graph):
+        visit(package, [])
 
 
 def test_the_registry_picks_the_cards_loop_and_names_the_known_ones():
@@ -85,7 +120,7 @@ def test_the_loop_declares_its_kinds_and_the_compiler_reads_them(tiny_engine):
     kinds = tiny_engine.loop.step_kinds
     denoise_kinds = ["denoise", "denoise_cfg", "denoise_keep", "denoise_reuse", "denoise_cfg_keep", "denoise_cfg_reuse",
                      "denoise_taylor_keep", "denoise_taylor_predict", "denoise_cfg_taylor_keep", "denoise_cfg_taylor_predict",
-                     *FB_STEP_KINDS]  # fmt: skip
+                     *FIRST_BLOCK_KINDS.values(), *AFTER_FIRST_KINDS.values()]  # fmt: skip
     assert {k for k, v in kinds.items() if v.compiled} == set(denoise_kinds)  # all but the first two: step caching
     assert {v.component for v in kinds.values()} == {"text_encoder", "transformer", "vae"}
     engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=CompileConfig(backend="eager"))

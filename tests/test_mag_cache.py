@@ -10,12 +10,12 @@ from pydantic import ValidationError
 from fvgraph.cards import get_card
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.loops.mag_cache import MagCache, MagCacheSettings
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.caching.mag_cache import MagCache, MagCacheSettings
+from fvgraph.models.components import diffusers_scheduler
 from fvgraph.loops.t2v_loop import T2VState
 from fvgraph.request import Request, RequestRejected
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import load_components
+from fvgraph.engine.engine import Engine
 from cache_helpers import block_calls as _block_calls, run_together_and_alone
 from conftest import embeds
 

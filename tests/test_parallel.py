@@ -21,7 +21,7 @@ from fvgraph.parallel.config import ParallelConfig
 from fvgraph.parallel.workers import WorkersLost
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
 
 CARD = get_card("tiny-wan")

@@ -15,7 +15,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from fvgraph.cards import get_card
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.runtime.projection_cache_wan import (
     apply_projection_cache,

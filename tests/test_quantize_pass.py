@@ -12,13 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fvgraph.runtime.engine import Engine
-from fvgraph.compile.fp8_weights import apply_fp8_weights
+from fvgraph.engine.engine import Engine
+from fvgraph.kernels.fp8_weights import apply_fp8_weights
 from fvgraph.passes.base import PassContext
 from fvgraph.passes.manager import PassConfig, PassManager
 from fvgraph.passes.quantize import FP8_LINEAR, FP8_LINEAR_PREQUANT, NORM_MODULATE_QUANT, QuantizePass
 from fvgraph.request import Request
-from fvgraph.compile.step_capture import capture_step, step_parameters
+from fvgraph.compile.step_capture import capture_step
+from fvgraph.passes.base import step_parameters
 
 QUANTIZE = PassConfig(enabled=("quantize",))
 FP8_OPS = (FP8_LINEAR, FP8_LINEAR_PREQUANT, NORM_MODULATE_QUANT)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 from fvgraph.loops.t2v_loop import T2VState
 

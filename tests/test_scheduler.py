@@ -5,7 +5,7 @@ import torch
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 
 AOT = CompileConfig(backend="aot_eager", step_kinds=("denoise_cfg",))

@@ -135,7 +135,7 @@ def test_serve_checks_output_options_before_any_work(tmp_path, monkeypatch, args
     (tmp_path / "a-file").write_text("not a folder")
     (tmp_path / "r.jsonl").write_text("")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("fvgraph.runtime.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("fvgraph.engine.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
     result = CliRunner().invoke(app, ["serve", "-O0", *args, "--requests", "r.jsonl"])
     assert result.exit_code == 2 and message in result.output, result.output
 
@@ -145,14 +145,14 @@ def test_serve_checks_output_options_before_any_work(tmp_path, monkeypatch, args
 def test_generate_checks_output_options_before_any_work(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a-file").write_text("not a folder")
-    monkeypatch.setattr("fvgraph.runtime.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("fvgraph.engine.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
     result = CliRunner().invoke(app, ["generate", "--steps", "1", *args])
     assert result.exit_code == 2 and message in result.output, result.output
 
 
 def test_mp4_needs_pyav_and_says_so_at_start_up(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "av", None)  # as on an install without PyAV
-    monkeypatch.setattr("fvgraph.runtime.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr("fvgraph.engine.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
     result = CliRunner().invoke(app, ["serve", "-O0", "--format", "mp4", "--requests", str(tmp_path / "r.jsonl")])
     assert result.exit_code == 2 and "PyAV" in result.output, result.output
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fvgraph.loops.loop import ShapeSignature
+from fvgraph.contract.plan import ShapeSignature
 from fvgraph.compile.signature import RuntimeFactors, StepSignature
 
 BASE = dict(

@@ -10,11 +10,11 @@ from pydantic import ValidationError
 
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.models.components import diffusers_scheduler
 from fvgraph.loops.t2v_loop import T2VState
 from fvgraph.request import Request
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import load_components
+from fvgraph.engine.engine import Engine
 from cache_helpers import block_calls as _block_calls, run_together_and_alone
 from conftest import embeds
 

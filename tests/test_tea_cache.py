@@ -14,12 +14,12 @@ from pydantic import ValidationError
 from fvgraph.card import ModelCard
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.models.components import diffusers_scheduler
 from fvgraph.loops.t2v_loop import T2VState
-from fvgraph.loops.tea_cache import TeaCacheSettings
+from fvgraph.caching.tea_cache import TeaCacheSettings
 from fvgraph.request import Request, RequestRejected
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import load_components
+from fvgraph.engine.engine import Engine
 from cache_helpers import block_calls as _block_calls, run_together_and_alone
 from conftest import embeds
 

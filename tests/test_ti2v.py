@@ -14,12 +14,12 @@ from typer.testing import CliRunner
 
 from fvgraph.cards import get_card
 from fvgraph.cli import app
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.models.components import diffusers_scheduler
 from fvgraph.loops.ti2v_loop import TI2VState
 from fvgraph.parity import Setting, compare
 from fvgraph.request import Request
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import load_components
+from fvgraph.engine.engine import Engine
 from conftest import embeds
 
 CARD = "tiny-wan2.2-ti2v"

@@ -6,12 +6,12 @@ import torch
 from diffusers import WanPipeline
 
 from fvgraph.cards import get_card
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import load_components
+from fvgraph.engine.engine import Engine
 from fvgraph.loops.expert_loop import TwoExpertT2VState
 from fvgraph.parity import Setting, compare
 from fvgraph.request import Request
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.models.components import diffusers_scheduler
 from conftest import embeds
 
 SHAPE = {"height": 48, "width": 64, "num_frames": 5}

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fvgraph.cards import get_card
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.engine import Engine
+from fvgraph.models.components import load_components
+from fvgraph.engine.engine import Engine
 from fvgraph.request import Request, RequestRejected
 from conftest import embeds
 

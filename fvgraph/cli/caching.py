@@ -40,8 +40,9 @@ def calibrate(
 ) -> None:
     """Measure a cache method's calibrated settings (MagCache: mag_ratios) on the loaded weights and
     store them where engines of this card and weights find them, so `--cache magcache` needs none."""
-    from fvgraph.loops.cache_calibration import CalibrationStore, calibrate as run_calibration, calibration_root
-    from fvgraph.runtime.engine import Engine
+    from fvgraph.caching.calibration_store import CalibrationStore, calibration_root
+    from fvgraph.engine.calibrate import calibrate as run_calibration
+    from fvgraph.engine.engine import Engine
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -64,7 +65,7 @@ def calibrate(
 def cache_quality(card, checkpoint, opt_level, compile_backend, disable_pass, device, requests, cache, report) -> None:
     """`parity --cache ... --against none`: the cached run's distance from the uncached one, printed and written."""
     from fvgraph.cache_quality import cache_distance
-    from fvgraph.runtime.engine import Engine
+    from fvgraph.engine.engine import Engine
 
     engine = Engine.from_card(card, checkpoint=checkpoint, opt_level=opt_level, device=device,
                               compile_config=compile_config(compile_backend, disable_pass))  # fmt: skip

@@ -15,7 +15,7 @@ DEFAULT_CACHE_DIR = Path("capture_cache")
 def card_with_cache(card: str, cache: Optional[str]):
     """The card, its `default_cache` replaced by `--cache` when given (the same errors as Request(cache=...))."""
     from fvgraph.cards import get_card
-    from fvgraph.loops.interceptor import parse_cache_settings
+    from fvgraph.caching.methods import parse_cache_settings
 
     model = get_card(card)
     if cache is None:
@@ -47,7 +47,7 @@ def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cud
                     ulysses: Optional[int] = None):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options."""
     from fvgraph.parallel.config import ParallelConfig
-    from fvgraph.runtime.engine import Engine
+    from fvgraph.engine.engine import Engine
 
     parallel = None
     if cfg_parallel is not None or ulysses is not None:  # either flag starts worker processes, even at degree 1

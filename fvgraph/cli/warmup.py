@@ -34,7 +34,7 @@ def warmup(
     processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
     from fvgraph.runtime.buckets import BucketSpec
     from fvgraph.request import Request
-    from fvgraph.runtime.engine import Engine
+    from fvgraph.engine.engine import Engine
     from fvgraph.runtime.opt_levels import compiling_levels
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

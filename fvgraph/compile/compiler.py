@@ -22,12 +22,14 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.nn.attention import sdpa_kernel
 
 from fvgraph.compile.capture_cache import CacheEntry, CaptureCache
-from fvgraph.runtime.counters import Counters
+from fvgraph.contract.counters import Counters
 from fvgraph.compile.graph_artifact import load_graph, load_in_child, save_graph
 from fvgraph.kernels.attention import sdpa_backends
-from fvgraph.loops.loop import StepKind, WorkPlan
+from fvgraph.contract.plan import WorkPlan
+from fvgraph.contract.step_kind import StepKind
 from fvgraph.compile.signature import RuntimeFactors, StepSignature
-from fvgraph.compile.step_capture import capture_step, step_parameters
+from fvgraph.compile.step_capture import capture_step
+from fvgraph.passes.base import step_parameters
 from fvgraph.passes.base import PassContext
 from fvgraph.passes.manager import PassConfig, PassManager
 

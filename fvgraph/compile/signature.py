@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fvgraph.loops.loop import ShapeSignature
+from fvgraph.contract.plan import ShapeSignature
 
 
 def _triton_version() -> str | None:

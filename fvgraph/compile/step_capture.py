@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
+from fvgraph.passes.base import export_graph, step_parameters
+
 
 class GraphBreakError(RuntimeError):
     """A step function could not be traced as one graph."""
@@ -30,10 +32,6 @@ class CapturedStep:
     @property
     def num_params(self) -> int:
         return len(self.param_names)
-
-
-def step_parameters(step: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(step.named_parameters()), **dict(step.named_buffers())}
 
 
 def capture_step(kind: str, step: nn.Module, inputs: dict[str, torch.Tensor]) -> CapturedStep:
@@ -56,14 +54,3 @@ def capture_step(kind: str, step: nn.Module, inputs: dict[str, torch.Tensor]) ->
     except torch._dynamo.exc.TorchDynamoException as err:
         raise GraphBreakError(f"step {kind!r} does not trace as one graph: {err}") from err
     return CapturedStep(gm, param_names, input_names, output_names, args)
-
-
-def export_graph(fn, args: list[torch.Tensor]) -> fx.GraphModule:
-    """One dynamo graph of `fn(*args)` whose placeholders are exactly `args`, returning a tuple."""
-    with torch.no_grad():
-        gm, _ = torch._dynamo.export(fn)(*args)
-    # export's pytree codegen pins forward's signature to the original arguments; passes add
-    # placeholders (hoisted values), so use the plain codegen: arguments = placeholders.
-    gm.graph._codegen = fx.graph.CodeGen()
-    gm.recompile()
-    return gm

@@ -16,20 +16,20 @@ import torch
 from torch import nn
 
 from fvgraph.card import ModelCard
-from fvgraph.runtime.components import Components
+from fvgraph.models.components import Components
 from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
 from fvgraph.loops.i2v_loop import I2VState, ImageToVideoLoop
-from fvgraph.loops.loop import StepKind, WorkPlan
+from fvgraph.contract.plan import WorkPlan
 from fvgraph.request import Request
 from fvgraph.loops.steps import DenoiseStep
-from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, DenoiseFacts, T2VState, TextToVideoLoop
+from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, DenoiseFacts, T2VState, TextToVideoLoop, denoise_kind
 from fvgraph.loops.t2v_loop import STEP_KINDS as T2V_STEP_KINDS
 from fvgraph.loops.taps import TapPoints
 
 DENOISE_2, DENOISE_CFG_2 = "denoise_2", "denoise_cfg_2"  # the low-noise expert's kinds
 SECOND_EXPERT_KINDS = {
-    DENOISE_2: StepKind(DENOISE_2, component="transformer_2", phase="denoise", compiled=True, per_inference_step=True),
-    DENOISE_CFG_2: StepKind(DENOISE_CFG_2, component="transformer_2", phase="denoise", compiled=True, per_inference_step=True),
+    DENOISE_2: denoise_kind(DENOISE_2, cfg=False, component="transformer_2"),
+    DENOISE_CFG_2: denoise_kind(DENOISE_CFG_2, cfg=True, component="transformer_2"),
 }
 LOW_NOISE_KIND = {DENOISE: DENOISE_2, DENOISE_CFG: DENOISE_CFG_2}
 

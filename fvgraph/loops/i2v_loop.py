@@ -16,9 +16,10 @@ from diffusers.video_processor import VideoProcessor
 from torch import nn
 
 from fvgraph.card import ModelCard
-from fvgraph.runtime.components import Components
+from fvgraph.models.components import Components
 from fvgraph.loops.i2v_steps import ImageEncodeStep, VaeEncodeStep
-from fvgraph.loops.loop import StepKind, StepResult, WorkPlan
+from fvgraph.contract.plan import StepResult, WorkPlan
+from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.request import Request, RequestRejected
 from fvgraph.loops.t2v_loop import STEP_KINDS as T2V_STEP_KINDS
 from fvgraph.loops.t2v_loop import T2VState, TextToVideoLoop
@@ -26,8 +27,10 @@ from fvgraph.loops.t2v_loop import T2VState, TextToVideoLoop
 IMAGE_ENCODE, VAE_ENCODE = "image_encode", "vae_encode"
 STEP_KINDS = {
     **T2V_STEP_KINDS,
-    IMAGE_ENCODE: StepKind(IMAGE_ENCODE, component="image_encoder", phase="image_encode"),
-    VAE_ENCODE: StepKind(VAE_ENCODE, component="vae", phase="vae_encode"),
+    IMAGE_ENCODE: StepKind(IMAGE_ENCODE, component="image_encoder", phase="image_encode",
+                           inputs={"pixel_values": Role.STEP}, outputs={"image_embeds": Role.RESULT}),
+    VAE_ENCODE: StepKind(VAE_ENCODE, component="vae", phase="vae_encode", inputs={"image": Role.STEP, "latents": Role.STEP},
+                         outputs={"condition": Role.RESULT}),
 }
 
 

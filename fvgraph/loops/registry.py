@@ -1,7 +1,7 @@
 """The loop registry: a card's `recipe.assumes_loop` id -> the class that runs it.
 
 Entries are import paths, imported on first use, so the registry (and the runtime that reads it)
-imports no loop module. Adding a loop: a new file with a class following fvgraph.loops.loop.Loop, one line
+imports no loop module. Adding a loop: a new file with a class following fvgraph.contract.loop.Loop, one line
 here, and a card naming its id (docs/loops.md).
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import importlib
 
 from fvgraph.card import ModelCard
-from fvgraph.runtime.components import Components
-from fvgraph.loops.loop import Loop
+from fvgraph.models.components import Components
+from fvgraph.contract.loop import Loop
 
 LOOPS: dict[str, str] = {
     "t2v": "fvgraph.loops.t2v_loop:TextToVideoLoop",

@@ -28,6 +28,10 @@ from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from fvgraph.card import SamplerSpec
 
 
+MAX_SOLVER_ORDER = 3  # UniPC's orders 1-3, as diffusers' UniPCMultistepScheduler runs them
+MAX_CARRY = 1 + MAX_SOLVER_ORDER  # the most history tensors a sampler carries (a step kind declares them all)
+
+
 @dataclass(frozen=True)
 class SamplerPlan:
     """Per-request schedule: `timesteps[i]` feeds the denoiser at step i, `coeffs[i]` the update."""
@@ -55,6 +59,7 @@ class FlowEulerSampler(_PlannedSampler):
     """diffusers FlowMatchEulerDiscreteScheduler as (sigma, dt) per step; carries no history."""
 
     history = 0
+    num_carry = 0  # tensors of history a step takes and returns ("carry_i")
 
     def __init__(self, config: dict):
         super().__init__()
@@ -96,8 +101,11 @@ class UniPCSampler(_PlannedSampler):
             )
         if cfg.solver_type not in ("bh1", "bh2") or cfg.solver_p is not None or cfg.thresholding:
             raise ValueError("sampler 'unipc' supports solver_type bh1/bh2 without solver_p or thresholding")
+        if not 1 <= cfg.solver_order <= MAX_SOLVER_ORDER:
+            raise ValueError(f"sampler 'unipc': solver_order={cfg.solver_order} must be in [1, {MAX_SOLVER_ORDER}]")
         self.order = cfg.solver_order
         self.history = self.order  # diffusers keeps solver_order past x0 predictions
+        self.num_carry = 1 + self.history  # the last sample and the x0 history
 
     def initial_carry(self, sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(x_last, h_0, ..., h_{K-1}); zeros weighted by zero coefficients until filled."""
@@ -211,12 +219,6 @@ class UniPCSampler(_PlannedSampler):
 def _per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """A [B] coefficient broadcast over a [B, ...] tensor."""
     return values.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
-
-
-def diffusers_scheduler(spec: SamplerSpec) -> FlowMatchEulerDiscreteScheduler | UniPCMultistepScheduler:
-    """The diffusers scheduler this sampler mirrors (the reference, and what checkpoints store)."""
-    cls = FlowMatchEulerDiscreteScheduler if spec.name == "flow_euler" else UniPCMultistepScheduler
-    return cls(**spec.config)
 
 
 def build_sampler(spec: SamplerSpec) -> FlowEulerSampler | UniPCSampler:

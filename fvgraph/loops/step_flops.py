@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from fvgraph.loops.loop import ShapeSignature
+from fvgraph.contract.plan import ShapeSignature
 
 aten = torch.ops.aten
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fvgraph.compile.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.contract.denoise_update import guided, sampler_update
+from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.models.wan_sections import wan_attention_shape
 from fvgraph.loops.taps import TapPoints
 from fvgraph.loops.samplers import FlowEulerSampler, UniPCSampler
 
@@ -38,7 +40,6 @@ class DenoiseStep(nn.Module):
         self.transformer = transformer
         self.sampler = sampler
         self.cfg = cfg
-        self.num_carry = 1 + sampler.history if isinstance(sampler, UniPCSampler) else 0
         # The tap variant (parity runs only) also returns intermediate tensors as "tap.*" outputs.
         self.tap_points = tap_points
         # CFG-parallel (fvgraph/parallel/cfg_split.py): this rank runs one branch and gathers the other.
@@ -78,36 +79,18 @@ class DenoiseStep(nn.Module):
         if self.cfg:
             if self.cfg_split is None:
                 noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds), **image)
-            noise = self._guided(noise, noise_uncond, guidance_scale)
+            noise = guided(noise, noise_uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = noise_uncond, noise
         # 3. the sampler update, with this request's coefficients and history
-        out = self._sampler_step(latents, noise, carry, coeffs)
+        out = sampler_update(self.sampler, latents, noise, carry, coeffs)
         if self.tap_points is not None:
             out.update(taps)
             out.update(self.tap_points.drain())  # block outputs (eager; traced graphs get them from the tap pass)
         return out
 
-    @staticmethod
-    def _guided(noise: torch.Tensor, noise_uncond: torch.Tensor, guidance_scale: torch.Tensor) -> torch.Tensor:
-        """The guidance combine, uncond + scale * (cond - uncond), with each row's own scale."""
-        scale = guidance_scale.to(noise.dtype).view(-1, *([1] * (noise.dim() - 1)))
-        return noise_uncond + scale * (noise - noise_uncond)
-
-    def _sampler_step(self, latents: torch.Tensor, noise: torch.Tensor, carry: dict[str, torch.Tensor],
-                      coeffs: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
-        """The sampler update from the step's noise prediction: "latents" and the new history "carry_i"."""
-        history = tuple(carry[f"carry_{i}"] for i in range(self.num_carry))
-        new_latents, new_history = self.sampler.update(latents, noise, history, coeffs)
-        return {"latents": new_latents, **{f"carry_{i}": t for i, t in enumerate(new_history)}}
-
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
-        """(tokens, head_dim, dtype) of the denoiser's self-attention for these inputs: what the SDPA
-        backend choice is made for (fvgraph.kernels.attention)."""
-        config = self.transformer.config
-        _, _, frames, height, width = inputs["latents"].shape
-        p_t, p_h, p_w = config.patch_size
-        tokens = (frames // p_t) * (height // p_h) * (width // p_w)
-        return tokens, config.attention_head_dim, inputs["prompt_embeds"].dtype
+        """(tokens, head_dim, dtype) of the denoiser's self-attention (fvgraph.kernels.attention)."""
+        return wan_attention_shape(self.transformer, inputs)
 
     def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states, **extra) -> torch.Tensor:
         """One denoiser call, marked as a CFG branch for the fusion pass (markers vanish in eager)."""

@@ -16,25 +16,50 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from torch import nn
 
 from fvgraph.card import ModelCard
-from fvgraph.runtime.components import Components
-from fvgraph.loops.cache_calibration import CalibrationStore
-from fvgraph.loops.loop import Done, SerializableState, ShapeSignature, StepKind, StepResult, WorkPlan
-from fvgraph.request import Request, RequestRejected, Result
-from fvgraph.loops.samplers import build_sampler
+from fvgraph.caching.calibration_store import CalibrationStore
+from fvgraph.caching.methods import caching_step_kinds, caching_steps, load_state
+from fvgraph.caching.state import StepCachingState
+from fvgraph.contract.denoise_update import carry_names
+from fvgraph.contract.loop import SerializableState
+from fvgraph.contract.plan import Done, ShapeSignature, StepResult, WorkPlan
+from fvgraph.contract.step_kind import Role, StepKind
+from fvgraph.loops.samplers import MAX_CARRY, build_sampler
+from fvgraph.loops.step_caching import StepCaching
 from fvgraph.loops.step_flops import StepFlops
 from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
-from fvgraph.loops.t2v_caching import CACHING_STEP_KINDS, StepCaching, caching_steps
 from fvgraph.loops.t2v_state_check import check_t2v_state
 from fvgraph.loops.taps import TapPoints
+from fvgraph.models.components import Components
+from fvgraph.models.wan_sections import WanSections
+from fvgraph.request import Request, RequestRejected, Result
 
 TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoise_cfg", "vae_decode"
+# Inputs every denoise step of a request takes alike (DenoiseStep's arguments): a loop that adds
+# conditioning passes some of these constants (i2v: condition, image_embeds; ti2v: first_frame, frame_mask).
+CONDITIONING = ("condition", "image_embeds", "first_frame", "frame_mask")
+
+
+def denoise_kind(name: str, cfg: bool, component: str = "transformer") -> StepKind:
+    """A whole denoise step: latents, timestep and sampler row per step; text (and guidance) constant;
+    the sampler's history carried."""
+    texts = ("prompt_embeds", "negative_prompt_embeds", "guidance_scale") if cfg else ("prompt_embeds",)
+    carry = dict.fromkeys(carry_names(MAX_CARRY), Role.CARRIED)
+    return StepKind(name, component=component, phase="denoise", compiled=True, per_inference_step=True,
+                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP,
+                            **dict.fromkeys((*texts, *CONDITIONING), Role.CONSTANT), **carry},
+                    outputs={"latents": Role.RESULT, **carry})  # fmt: skip
+
+
+DENOISE_KINDS = {False: denoise_kind(DENOISE, cfg=False), True: denoise_kind(DENOISE_CFG, cfg=True)}
 STEP_KINDS = {
-    TEXT_ENCODE: StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode"),
-    DENOISE: StepKind(DENOISE, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
-    DENOISE_CFG: StepKind(DENOISE_CFG, component="transformer", phase="denoise", compiled=True, per_inference_step=True),
-    VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode"),
-    **CACHING_STEP_KINDS,  # a request with step caching (fvgraph/loops/t2v_caching.py)
-}
+    TEXT_ENCODE: StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode",
+                          inputs={"input_ids": Role.STEP, "attention_mask": Role.STEP}, outputs={"embeds": Role.RESULT}),
+    DENOISE: DENOISE_KINDS[False],
+    DENOISE_CFG: DENOISE_KINDS[True],
+    VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
+                         outputs={"video": Role.RESULT}),
+    **caching_step_kinds(DENOISE_KINDS),  # a request with step caching (fvgraph/caching/)
+}  # fmt: skip
 
 
 class DenoiseFacts(NamedTuple):
@@ -44,7 +69,6 @@ class DenoiseFacts(NamedTuple):
     timesteps: tuple[torch.Tensor, ...]  # [1] per step, on the device
     coeffs: tuple[torch.Tensor, ...]  # [1, num_coeffs] per step, on the device
     constants: dict[str, torch.Tensor]  # inputs equal at every step: embeddings, guidance scale
-    constant_names: frozenset[str]  # their names (WorkPlan.constants)
     pixels: tuple[int, int, int]  # (frames, height, width) of the video
     carry_names: tuple[str, ...]  # the step's inputs and outputs for the sampler's history
     signature: ShapeSignature | None  # set from the first step's plan
@@ -74,19 +98,10 @@ class T2VState(SerializableState):
     video: torch.Tensor | None = None  # [1, 3, F, H, W] in [0, 1]
     timings: dict[str, float] = field(default_factory=dict)  # seconds per step kind, kept across resume
     weights_version: str = ""  # the weights it was started with: resuming on others would mix two models
-    cache: dict | None = None  # the request's interceptor settings (CacheSettings, dumped), or None
-    cache_memo: dict[str, float] = field(default_factory=dict)  # the interceptor's accumulators after the last step
-    cache_kept: list[torch.Tensor] = field(default_factory=list)  # per CFG branch: what the last full step kept
-    cache_counts: dict[str, int] = field(default_factory=dict)  # denoiser calls computed and reused; FLOPs run and uncached
-    # FBCache (fvgraph/loops/fb_cache.py): per CFG branch the first block's residual at its last full
-    # step; between a step's two launches, the first block's output and whether the rest runs.
-    cache_first: list[torch.Tensor] = field(default_factory=list)
-    cache_head: list[torch.Tensor] = field(default_factory=list)
-    cache_compute: list[bool] = field(default_factory=list)
+    # Step caching (fvgraph/caching/): the method's settings, accumulators and kept tensors, or None.
+    caching: StepCachingState | None = field(default=None, metadata={"load": load_state})
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
     derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
-    policy: Any = field(default=None, metadata={"transient": True})  # Interceptor built from `cache`
-    step_flops: tuple[int, int] | None = field(default=None, metadata={"transient": True})  # planned step's, uncached step's
 
     @property
     def num_steps(self) -> int:
@@ -114,6 +129,7 @@ class TextToVideoLoop(StepCaching):
         # The denoiser's dtype as diffusers reports it: its first parameter may be one kept in fp32
         # (from_pretrained loads scale_shift_table first), which is not the dtype it runs in.
         self.embed_dtype = components.transformer.dtype
+        self.sections = WanSections(components.transformer)  # what step caching runs on (no weight copy)
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
         self.calibration = CalibrationStore()  # where calibrated cache settings are found (the engine sets its root)
         self._flops: StepFlops | None = None  # built at the first cached request
@@ -131,7 +147,7 @@ class TextToVideoLoop(StepCaching):
         return {
             DENOISE: DenoiseStep(transformer, self.sampler, cfg=False, tap_points=tap_points),
             DENOISE_CFG: DenoiseStep(transformer, self.sampler, cfg=True, tap_points=tap_points),
-            **caching_steps(transformer, self.sampler),
+            **caching_steps(WanSections(transformer), self.sampler),
         }
 
     def check_request(self, request: Request) -> Request:
@@ -242,10 +258,10 @@ class TextToVideoLoop(StepCaching):
             i = state.step_index
             inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i],
                       **facts.constants, **dict(zip(facts.carry_names, state.carry))}  # fmt: skip
-            if state.cache is not None:
+            if state.caching is not None:
                 state.derived = facts  # its signature stays unset: a cached step's kind and inputs vary
                 return self._cached_plan(state, facts, inputs)
-            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, facts.constant_names, facts.signature)
+            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, facts.signature)
             if facts.signature is None:  # the first step; every later one has the same input shapes
                 # One object per distinct signature: grouping and graph lookups then match by identity.
                 plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
@@ -269,8 +285,7 @@ class TextToVideoLoop(StepCaching):
         pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
         kind = DENOISE_CFG if state.cfg else DENOISE
         timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
-        carry_names = tuple(f"carry_{k}" for k in range(len(state.carry)))
-        return DenoiseFacts(kind, timesteps, coeffs, constants, frozenset(constants), pixels, carry_names, signature=None)
+        return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names(len(state.carry)), signature=None)
 
     def _conditioning_inputs(self, state: T2VState) -> dict[str, torch.Tensor]:
         """Extra request-constant denoise inputs a subclass loop adds (none for text-to-video)."""
@@ -285,14 +300,15 @@ class TextToVideoLoop(StepCaching):
             state.encode_slots = []
             state.phase = self._phase_after_text(state)
         elif state.phase == "denoise":
-            if state.cache is not None and not self._advance_cache(state, result):
+            if state.caching is not None and not self._advance_caching(state, result):
                 return state  # the first of the step's two launches ran (FBCache)
             state.latents = result["latents"]
             state.carry = [result[name] for name in state.derived.carry_names]  # set by next()
             state.step_index += 1
             if state.step_index == state.num_steps:
-                state.carry = []  # history and derived values are dead weight once the last step ran
-                state.cache_kept, state.cache_first = [], []
+                state.carry = []  # history, kept tensors and derived values are dead weight once the last step ran
+                if state.caching is not None:
+                    state.caching.end()
                 state.derived = None
                 state.phase = "decode" if state.output_type == "np" else "done"
         elif state.phase == "decode":
@@ -312,7 +328,7 @@ class TextToVideoLoop(StepCaching):
             frames=frames,
             latents=state.latents.cpu(),
             timings=dict(state.timings),
-            cache=None if state.cache is None else {"method": state.cache["method"], **state.cache_counts},
+            cache=None if state.caching is None else state.caching.report(),
         )
 
     def adopt(self, state: T2VState) -> T2VState:
@@ -329,10 +345,9 @@ class TextToVideoLoop(StepCaching):
             if value is not None:
                 setattr(state, name, value.to(device))
         state.carry = [t.to(device) for t in state.carry]
-        state.cache_kept = [t.to(device) for t in state.cache_kept]
-        state.cache_first = [t.to(device) for t in state.cache_first]
-        state.cache_head = [t.to(device) for t in state.cache_head]
-        state.derived = state.policy = None  # derived on the other engine's device; rebuilt here on demand
+        if state.caching is not None:
+            state.caching.to(device)
+        state.derived = None  # derived on the other engine's device; rebuilt here on demand
         return state
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from fvgraph.loops.interceptor import parse_cache_settings
-from fvgraph.loops.loop import Loop, LoopState
+from fvgraph.caching.settings import NoCache
+from fvgraph.caching.state import StepCachingState
+from fvgraph.contract.loop import Loop, LoopState
 from fvgraph.loops.samplers import num_coeffs
 
 PHASES = ("encode", "denoise", "decode", "done")
@@ -76,44 +77,21 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
         c.fail("latents", f"must be [1, {loop.latent_channels}, frames, h, w], got {list(latents.shape)}")
     _check_carry(c, state, loop)
     _check_text(c, state, card.shapes.text_len, loop.facts.text_dim)
-    _check_cache(c, state)
+    _check_caching(c, state)
 
 
-def _check_cache(c: _Checker, state: LoopState) -> None:
-    """Settings a request could have been given; per CFG branch at most one kept residual."""
-    if state.cache is None:
-        for name in ("cache_kept", "cache_first", "cache_head"):
-            if getattr(state, name):
-                c.fail(name, "holds kept tensors but the state has no cache settings")
+def _check_caching(c: _Checker, state: LoopState) -> None:
+    """Complete settings of an active method, and the method's own check of what it keeps."""
+    caching = state.caching
+    if caching is None:
         return
-    try:
-        settings = parse_cache_settings(state.cache)
-    except ValueError as err:
-        c.fail("cache", str(err))
-    if settings.method == "none" or settings.missing_calibration():  # init stores only complete, active settings
-        c.fail("cache", f"must be complete settings of a caching method, got method {settings.method!r} "
-                        f"missing {list(settings.missing_calibration())}")  # fmt: skip
-    try:
-        per_branch, dims = settings.kept_layout(state.cache_memo)
-    except ValueError as err:
-        c.fail("cache", str(err))
-    branches = 2 if state.cfg else 1
-    if len(state.cache_kept) not in (0, branches * per_branch):
-        c.fail("cache_kept", f"must hold 0 or {branches * per_branch} tensors ({per_branch} per CFG branch), "
-                             f"got {len(state.cache_kept)}")  # fmt: skip
-    for i, kept in enumerate(state.cache_kept):
-        c.tensor(f"cache_kept[{i}]", dims=dims, value=kept)
-    for name in ("cache_first", "cache_head"):  # FBCache's (fvgraph/loops/fb_cache.py)
-        if len(getattr(state, name)) not in (0, branches):
-            c.fail(name, f"must hold 0 or {branches} tensors (one per CFG branch), got {len(getattr(state, name))}")
-        for i, kept in enumerate(getattr(state, name)):
-            c.tensor(f"{name}[{i}]", dims=3, value=kept)
-    if len(state.cache_compute) != len(state.cache_head):
-        c.fail("cache_compute", f"must hold one decision per tensor of cache_head ({len(state.cache_head)}), "
-                                f"got {len(state.cache_compute)}")  # fmt: skip
-    if state.cache_head and (state.phase != "denoise" or any(not c_ and not state.cache_kept for c_ in state.cache_compute)):
-        c.fail("cache_head", "a step between its two launches must be in phase 'denoise', and a branch that "
-                             "reuses needs a kept residual (cache_kept)")  # fmt: skip
+    if not isinstance(caching, StepCachingState):
+        c.fail("caching", f"must be a step-caching state, got {type(caching).__name__}")
+    settings = caching.settings
+    if isinstance(settings, NoCache) or settings.missing_calibration():  # init stores only complete, active settings
+        c.fail("caching.settings", f"must be complete settings of a caching method, got method {settings.method!r} "
+                                   f"missing {list(settings.missing_calibration())}")  # fmt: skip
+    caching.check(c.fail, state.cfg, state.phase)
 
 
 def _check_progress(c: _Checker, state: LoopState, steps: int, pre_denoise: tuple[str, ...]) -> None:

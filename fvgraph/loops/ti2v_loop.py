@@ -20,11 +20,11 @@ import torch
 from torch import nn
 
 from fvgraph.card import ModelCard
-from fvgraph.runtime.components import Components
+from fvgraph.models.components import Components
 from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
 from fvgraph.loops.i2v_loop import VAE_ENCODE, I2VState, ImageToVideoLoop
 from fvgraph.loops.i2v_steps import FirstFrameEncodeStep
-from fvgraph.loops.loop import StepResult
+from fvgraph.contract.plan import StepResult
 from fvgraph.request import Request
 
 STEP_KINDS = {kind: spec for kind, spec in I2V_STEP_KINDS.items() if spec.component != "image_encoder"}

@@ -8,7 +8,7 @@ cannot split is refused by name, before any rank starts it.
 
 from __future__ import annotations
 
-from fvgraph.loops.loop import StepResult, WorkPlan
+from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.parallel.workers import WorkerGroup, WorkersLost
 from fvgraph.runtime.request_slot import RequestSlot
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fvgraph.loops.loop import StepKind
+from fvgraph.contract.step_kind import StepKind
 from fvgraph.loops.steps import DenoiseStep
 from fvgraph.parallel.cfg_split import CfgSplit
 from fvgraph.parallel.config import ParallelConfig

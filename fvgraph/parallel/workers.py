@@ -22,17 +22,16 @@ import tempfile
 import time
 import traceback
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fvgraph.parallel.config import ParallelConfig
-from fvgraph.runtime.engine_builder import build_engine_parts
-from fvgraph.runtime.fp32_math import math_mode
 from fvgraph.runtime.request_slot import RequestSlot
 
 log = logging.getLogger(__name__)
@@ -40,24 +39,6 @@ log = logging.getLogger(__name__)
 
 class WorkersLost(RuntimeError):
     """A worker rank died or stopped answering: the engine's parallel group is gone."""
-
-
-@dataclass(frozen=True)
-class WorkerBuild:
-    """What a worker needs to build the same engine parts as rank 0 (all picklable)."""
-
-    card: object  # the ModelCard
-    checkpoint: str | None
-    level: int
-    device: str  # rank 0's device; rank r uses the r-th device after it (CUDA) or the CPU
-    switches: object  # the EngineSwitches
-    init_method: str
-
-
-def rank_device(device: torch.device, rank: int) -> torch.device:
-    if device.type != "cuda":
-        return device
-    return torch.device("cuda", (device.index or 0) + rank)
 
 
 class WorkerGroup:
@@ -74,15 +55,17 @@ class WorkerGroup:
         self._released: list[int] = []
 
     @classmethod
-    def spawn(cls, config: ParallelConfig, build: dict) -> tuple[WorkerGroup, str]:
-        """Start the workers; returns the group and the init method rank 0 joins with."""
+    def spawn(cls, config: ParallelConfig, target: Callable, build: Callable[[str], Any]) -> tuple[WorkerGroup, str]:
+        """Start the workers, each running `target(rank, config, build(init_method), conn)` (the
+        engine's worker rank: fvgraph/engine/worker_rank.py); returns the group and the init method
+        rank 0 joins with."""
         init_dir = tempfile.mkdtemp(prefix="fvgraph-group-")
         init_method = "file://" + str(Path(init_dir) / "init")
         context = mp.get_context("spawn")
         processes, conns = [], []
         for rank in range(1, config.world_size):
             ours, theirs = context.Pipe()
-            process = context.Process(target=worker_main, args=(rank, config, WorkerBuild(init_method=init_method, **build), theirs),
+            process = context.Process(target=target, args=(rank, config, build(init_method), theirs),
                                       name=f"fvgraph-rank{rank}", daemon=True)  # fmt: skip
             process.start()
             theirs.close()
@@ -179,41 +162,3 @@ class WorkerGroup:
         if dist.is_initialized():  # rank 0's membership goes with its workers
             dist.destroy_process_group()
         shutil.rmtree(self._init_dir, ignore_errors=True)
-
-
-def worker_main(rank: int, config: ParallelConfig, build: WorkerBuild, conn) -> None:
-    """A worker rank: build the engine parts, then run every call rank 0 sends until told to stop."""
-    try:
-        device = rank_device(torch.device(build.device), rank)
-        if device.type == "cpu":  # the ranks share the machine's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
-        parts = build_engine_parts(build.card, build.checkpoint, build.level, device, build.switches, rank=rank,
-                                   init_method=build.init_method)  # fmt: skip
-        math = math_mode(build.card.recipe.precision)
-        executor = parts.executor
-        compiler = getattr(executor, "compiler", None)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready",))
-    slots: dict[int, RequestSlot] = {}
-    try:
-        while (message := conn.recv())[0] == "run":
-            _, plans, numbers, lane, frozen, released = message
-            for number in released:
-                slots.pop(number, None)
-            for plan in plans:
-                plan.inputs = {name: t.to(device) for name, t in plan.inputs.items()}
-            if compiler is not None:
-                compiler.frozen = frozen
-            try:
-                with math:
-                    executor.run_batch(plans, [slots.setdefault(n, RequestSlot()) for n in numbers], lane)
-                conn.send(("ok",))
-            except Exception:
-                conn.send(("error", traceback.format_exc(limit=4)))
-    except (EOFError, ConnectionError):
-        pass  # rank 0 went away
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()

@@ -1,1 +1,1 @@
-"""Runtime: the engine, its scheduler and executors, the graph runner, and the model components they run."""
+"""Runtime: the scheduler and executors, the graph runner, request slots and the eager projection cache."""

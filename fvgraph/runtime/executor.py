@@ -18,8 +18,8 @@ from torch import nn
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.runtime.graph_runner import GraphRunner, request_rows
 from fvgraph.compile.compiler import StepCompiler
-from fvgraph.runtime.counters import Counters
-from fvgraph.loops.loop import StepResult, WorkPlan
+from fvgraph.contract.counters import Counters
+from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.runtime.request_slot import RequestSlot
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from fvgraph.loops.loop import StepResult
+from fvgraph.contract.plan import StepResult
 
 
 def all_finite(results: list[StepResult]) -> list[bool]:

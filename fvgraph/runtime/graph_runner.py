@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from fvgraph.compile.compiler import CompiledStep, StepCompiler
-from fvgraph.runtime.counters import Counters
+from fvgraph.contract.counters import Counters
 from fvgraph.runtime.graph_capture import capture_graph
-from fvgraph.loops.loop import StepResult, WorkPlan
+from fvgraph.contract.step_kind import Role
+from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.runtime.request_slot import RequestSlot
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,9 @@ class GraphRunner:
         entry = BucketGraph(self.compiler.get(step, example, batch=bucket), bucket, inputs)
         entry.input_owners = entry.hoisted_for = [_UNWRITTEN] * bucket
         entry.pad_from = bucket
-        for name, buffer in inputs.items():
-            (entry.constants if name in plans[0].constants else entry.per_step).append((name, buffer))
+        kind = self.compiler.step_kinds[plans[0].kind]
+        for name, buffer in inputs.items():  # constants stay in place while their request keeps its row
+            (entry.constants if kind.input_role(name) is Role.CONSTANT else entry.per_step).append((name, buffer))
         self._fill_inputs(entry, plans, [*slots, *[None] * (bucket - len(plans))])
         device = next(iter(inputs.values())).device
         entry.hoisted = [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fvgraph.loops.loop import StepResult
+from fvgraph.contract.plan import StepResult
 
 
 def copy_to_host(results: list[StepResult], names: tuple[str, ...]) -> None:

@@ -15,7 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.loops.loop import Done, Loop, LoopState, WorkPlan
+from fvgraph.contract.loop import Loop, LoopState
+from fvgraph.contract.plan import Done, WorkPlan
 
 
 @dataclass

@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from fvgraph.serving.admission import Admission
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.serving.memory_reservation import MemoryModel, default_budget
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.serving.request_events import CancelReason, RequestEvent

@@ -25,7 +25,7 @@ import uvicorn
 from fvgraph.serving.admission import Admission
 from fvgraph.card import ModelCard
 from fvgraph.serving.async_engine import AsyncEngine
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.serving.http_app import HttpSettings, create_app
 from fvgraph.serving.memory_reservation import MemoryModel, default_budget
 from fvgraph.request import Request

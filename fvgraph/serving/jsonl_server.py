@@ -39,7 +39,7 @@ from pathlib import Path
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from fvgraph.runtime.engine import Engine
+from fvgraph.engine.engine import Engine
 from fvgraph.request import MAX_REQUEST_ID_LENGTH, Request, RequestRejected, Result
 from fvgraph.serving.video_io import check_video_output, write_video
 

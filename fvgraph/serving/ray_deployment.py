@@ -74,7 +74,7 @@ class ReplicaSpec:
 
     def build_engine(self):
         """The replica's Engine (Engine.from_card with the spec's arguments)."""
-        from fvgraph.runtime.engine import Engine
+        from fvgraph.engine.engine import Engine
 
         engine = Engine.from_card(self.card, checkpoint=self.checkpoint, opt_level=self.opt_level, device=self.device,
                                   cache_dir=self.cache_dir, **self.engine_kwargs)  # fmt: skip

@@ -25,14 +25,17 @@ follows the same per-step rule.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
 
-from fvgraph.card import ModelCard
-from fvgraph.loops.interceptor import CacheSettings, PolicyContext
+from fvgraph.caching.residual_steps import ResidualState
+from fvgraph.caching.settings import CacheSettings, PolicyContext
+
+if TYPE_CHECKING:
+    from fvgraph.card import ModelCard
 
 Coefficient = Annotated[float, Field(allow_inf_nan=False)]
 RETAINED_STEPS = 5  # use_ret_steps: TeaCache4Wan2.1's ret_steps = 5 * 2 denoiser calls
@@ -42,6 +45,8 @@ class TeaCacheSettings(CacheSettings):
     """TeaCache4Wan2.1's settings: `teacache_thresh` as `threshold`, and `use_ret_steps`."""
 
     method: Literal["teacache"] = "teacache"
+    state_type: ClassVar[type] = ResidualState
+    memo_keys: ClassVar[tuple[str, ...]] = ("acc",)  # what its policy's start() returns
     threshold: float = Field(0.2, ge=0, allow_inf_nan=False, description="Accumulated rescaled change up to which steps reuse "
                              "(TeaCache4Wan2.1's default; its README pairs 0.05-0.08 with 1.5-2x on Wan 2.1 1.3B).")  # fmt: skip
     use_ret_steps: bool = Field(False, description="Retention steps: the first 5 steps always compute, the signal is the "

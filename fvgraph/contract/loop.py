@@ -19,8 +19,6 @@ declarations and names no loop; fvgraph/loops/registry.py picks a card's loop by
 from __future__ import annotations
 
 import dataclasses
-import functools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -30,73 +28,9 @@ from torch import nn
 if TYPE_CHECKING:
     from fvgraph.request import Request
 
-from fvgraph.loops.saved_state import read_saved_fields
-
-StepResult = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class ShapeSignature:
-    """What must match for two plans to run as one batch: step kind and every input's shape past the
-    batch dim and dtype. Per-request scalars are [B] tensors, so they never split a signature."""
-
-    kind: str
-    inputs: tuple[tuple[str, tuple[int, ...], str], ...]
-
-    def __hash__(self) -> int:
-        return self._hash  # the scheduler groups every plan of every tick by signature
-
-    @functools.cached_property
-    def _hash(self) -> int:
-        return hash((self.kind, self.inputs))
-
-    @classmethod
-    def of(cls, kind: str, inputs: dict[str, torch.Tensor]) -> ShapeSignature:
-        facts = tuple((name, tuple(t.shape[1:]), str(t.dtype).removeprefix("torch.")) for name, t in inputs.items())
-        return cls(kind, facts)
-
-
-@dataclass
-class WorkPlan:
-    """One step of one request: `inputs` are batch-1 tensors, keyed by the step function's arguments."""
-
-    request_id: str
-    kind: str
-    inputs: dict[str, torch.Tensor]
-    step_index: int = 0
-    pixel_shape: tuple[int, int, int] | None = None  # (frames, height, width) of the video it serves
-    # Inputs whose value is the same at every step of this request (embeddings, guidance scale): a
-    # batch runner may keep them in place while the request keeps its row.
-    constants: frozenset[str] = frozenset()
-    # Computed from `inputs` when not given. A loop whose inputs keep their shapes from step to step
-    # may pass the one it computed at the first step: the scheduler reads it for every plan.
-    signature: ShapeSignature | None = None
-
-    def __post_init__(self) -> None:
-        if self.signature is None:
-            self.signature = ShapeSignature.of(self.kind, self.inputs)
-
-
-@dataclass(frozen=True)
-class Done:
-    """The loop has nothing left to run; `finalize()` builds the result."""
-
-
-@dataclass(frozen=True)
-class StepKind:
-    """What the runtime needs to know about one step kind a loop emits."""
-
-    name: str
-    component: str  # the card component the step runs (a factor of the compile signature)
-    phase: str  # the key its run time is added to in Result.timings
-    compiled: bool = False  # compiled at -O1 and up unless CompileConfig.step_kinds says otherwise
-    per_inference_step: bool = False  # runs once per denoising step (progress bars, per-step timing)
-    # Small outputs the loop reads on the host to decide its next step: the runtime copies each of
-    # them for the whole group in one transfer, so the loop never syncs once per request.
-    host_outputs: tuple[str, ...] = ()
-    # The first launch of a step the loop splits in two: the engine runs the request's next step (the
-    # rest, chosen from this one's outputs) within the same scheduler tick, after this kind's group.
-    continues: bool = False
+from fvgraph.contract.plan import Done, StepResult, WorkPlan
+from fvgraph.contract.saved_state import read_saved_fields
+from fvgraph.contract.step_kind import StepKind
 
 
 class LoopState(Protocol):
@@ -116,7 +50,7 @@ class Loop(Protocol):
     loop_id: ClassVar[str]
     state_type: ClassVar[type]  # has .load(path): what save() wrote
     step_kinds: dict[str, StepKind]
-    components: Any  # fvgraph.runtime.components.Components
+    components: Any  # fvgraph.models.components.Components
 
     def check_request(self, request: Request) -> Request: ...  # resolved against the card; raises RequestRejected
 
@@ -143,14 +77,20 @@ class SerializableState:
     """Mixin for dataclass loop states: save/load as plain tensors and Python values (weights_only safe)."""
 
     def save(self, path: str | Path) -> None:
-        """Fields marked `metadata={"transient": True}` hold derived data and are rebuilt on resume."""
-        payload = {f.name: _compact(getattr(self, f.name)) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
+        """Fields marked `metadata={"transient": True}` hold derived data and are rebuilt on resume; a
+        field marked `metadata={"load": reader}` holds a part that saves itself (`.saved()`) and that
+        `reader` reads back (a loop state's step caching)."""
+        payload = {f.name: _compact(_plain(getattr(self, f.name))) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
         torch.save({"type": type(self).__name__, "fields": payload}, path)
 
     @classmethod
     def load(cls, path: str | Path):
         """ValueError, naming the file and the field, for a file that is not a sound saved state."""
         return cls(**read_saved_fields(cls, path))
+
+
+def _plain(value: Any) -> Any:
+    return value.saved() if hasattr(value, "saved") else value
 
 
 def _compact(value: Any) -> Any:
@@ -160,4 +100,6 @@ def _compact(value: Any) -> Any:
         return value.clone()
     if isinstance(value, list):
         return [_compact(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _compact(v) for k, v in value.items()}
     return value

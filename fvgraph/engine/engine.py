@@ -27,17 +27,18 @@ from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
-from fvgraph.runtime.counters import Counters
-from fvgraph.runtime.engine_builder import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches, build_engine_parts
+from fvgraph.contract.counters import Counters
+from fvgraph.engine.builder import build_engine_parts
+from fvgraph.engine.parts import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.runtime.finite_check import all_finite
 from fvgraph.runtime.host_outputs import copy_to_host
-from fvgraph.runtime.fp32_math import math_mode
-from fvgraph.loops.loop import Done, Loop, LoopState, WorkPlan
+from fvgraph.runtime.tf32_switch import math_mode
+from fvgraph.contract.loop import Loop, LoopState
+from fvgraph.contract.plan import Done, WorkPlan
 from fvgraph.parallel.config import ParallelConfig
-from fvgraph.parallel.launch import build_parallel_parts
 from fvgraph.parallel.workers import WorkersLost
-from fvgraph.runtime.model_facts import ModelFacts
+from fvgraph.contract.model_facts import ModelFacts
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.runtime.request_slot import RequestSlots
@@ -63,7 +64,7 @@ class Engine:
         self.opt_level = opt_level
         self.counters = counters
         self.projection_cache: ExactProjectionCache | None = None  # set by from_card when eager
-        self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/runtime/fp32_math.py)
+        self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/runtime/tf32_switch.py)
         # While warmup() serves its requests: the signatures prepared at every batch bucket, and its progress callback.
         self._warming: set | None = None
         self._warm_progress: Callable[[int], None] | None = None
@@ -125,10 +126,7 @@ class Engine:
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
             debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir, parallel=parallel,
         )  # fmt: skip
-        if parallel is None:
-            parts = build_engine_parts(card, checkpoint, opt_level, device, switches)
-        else:  # worker processes join this one (docs/parallel.md)
-            parts = build_parallel_parts(card, checkpoint, opt_level, device, switches)
+        parts = build_engine_parts(card, checkpoint, opt_level, device, switches)  # with its worker ranks when parallel
         engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)
         engine.projection_cache = parts.projection_cache
         return engine

@@ -1,5 +1,5 @@
-"""diffusers' `WanTransformer3DModel.forward` (diffusers 0.42.1) cut around its block loop, for steps
-that run the blocks in parts (FBCache's first block in one launch, the rest in the next).
+"""diffusers' `WanTransformer3DModel.forward` (diffusers 0.42.1) cut around its block loop: Wan's
+denoiser sections (fvgraph/contract/denoiser_sections.py), which every step-caching method runs on.
 
 `embed` is the forward's first section (rotary, patch and condition embeddings) and `project_out` its
 last (output norm, projection, unpatchify), each line diffusers' own in diffusers' order, so
@@ -75,3 +75,50 @@ def project_out(transformer: nn.Module, hidden_states: torch.Tensor, tokens: Wan
     )
     hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
     return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+class WanSections(nn.Module):
+    """Wan's DenoiserSections: the functions above, bound to one transformer (no weight copy)."""
+
+    def __init__(self, transformer: nn.Module):
+        super().__init__()
+        self.transformer = transformer
+
+    def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+              encoder_hidden_states_image: torch.Tensor | None = None) -> WanTokens:  # fmt: skip
+        return embed(self.transformer, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
+
+    def first_block(self, hidden: torch.Tensor, tokens: WanTokens) -> torch.Tensor:
+        return self.transformer.blocks[0](hidden, tokens.encoder_hidden_states, tokens.timestep_proj, tokens.rotary_emb)
+
+    def remaining_blocks(self, hidden: torch.Tensor, tokens: WanTokens) -> torch.Tensor:
+        for block in list(self.transformer.blocks)[1:]:
+            hidden = block(hidden, tokens.encoder_hidden_states, tokens.timestep_proj, tokens.rotary_emb)
+        return hidden
+
+    def project_out(self, hidden: torch.Tensor, tokens: WanTokens) -> torch.Tensor:
+        return project_out(self.transformer, hidden, tokens)
+
+    def token_shape(self, latents: torch.Tensor) -> tuple[int, int, int]:
+        config = self.transformer.config
+        return 1, _tokens(config, latents), config.num_attention_heads * config.attention_head_dim
+
+    def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
+        return wan_attention_shape(self.transformer, inputs)
+
+    @property
+    def token_dtype(self) -> torch.dtype:
+        # the patch embedding's: `transformer.dtype` may name a parameter kept in fp32 instead
+        return self.transformer.patch_embedding.weight.dtype
+
+
+def wan_attention_shape(transformer: nn.Module, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
+    """(tokens, head_dim, dtype) of the denoiser's self-attention for a step's inputs: what the SDPA
+    backend choice is made for (fvgraph.kernels.attention)."""
+    return _tokens(transformer.config, inputs["latents"]), transformer.config.attention_head_dim, inputs["prompt_embeds"].dtype
+
+
+def _tokens(config, latents: torch.Tensor) -> int:
+    _, _, frames, height, width = latents.shape
+    p_t, p_h, p_w = config.patch_size
+    return (frames // p_t) * (height // p_h) * (width // p_w)

@@ -1,11 +1,13 @@
-"""Building an engine apart from running it: (card, opt level, switches) -> the parts an Engine runs.
+"""One rank's engine parts, built apart from running them: (card, opt level, switches) -> what an Engine runs.
 
-    parts = build_engine_parts(card, checkpoint, opt_level=2, device="cuda", switches=EngineSwitches())
+    parts = build_rank_parts(card, checkpoint, opt_level=2, device="cuda", switches=EngineSwitches())
 
 This is the one place that reads what an -O level turns on (fvgraph/runtime/opt_levels.py) and applies it:
 the loop the card's recipe assumes (fvgraph/loops/registry.py), its step modules, and for compiling levels
 the compile config, FP8 weights, the step compiler, the graph runner and the batching executor.
 `Engine.from_card` is a thin front to it; nothing here runs a request.
+
+fvgraph/engine/builder.py builds a whole engine from these (rank 0's, and its workers' when parallel).
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ import torch
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
-from fvgraph.runtime.components import load_components
-from fvgraph.runtime.counters import Counters
+from fvgraph.models.components import load_components
+from fvgraph.contract.counters import Counters
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
-from fvgraph.compile.fp8_weights import apply_fp8_weights
+from fvgraph.kernels.fp8_weights import apply_fp8_weights
 from fvgraph.runtime.graph_runner import GraphRunner
-from fvgraph.loops.cache_calibration import CalibrationStore, calibration_root
-from fvgraph.loops.loop import Loop
+from fvgraph.caching.calibration_store import CalibrationStore, calibration_root
+from fvgraph.contract.loop import Loop
 from fvgraph.loops.registry import build_loop
+from fvgraph.loops.step_caching import StepCaching
 from fvgraph.parallel.config import ParallelConfig
 from fvgraph.parallel.plan import RankSetup, setup_rank
 from fvgraph.runtime.opt_levels import OptLevel, opt_level
@@ -70,17 +73,17 @@ class EngineParts:
     parallel: RankSetup | None = None  # this rank's share of a parallel engine
 
 
-def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: int, device: str | torch.device | None,
-                       switches: EngineSwitches, rank: int = 0, init_method: str | None = None) -> EngineParts:  # fmt: skip
-    """With `switches.parallel`, this process joins the group at `init_method` as `rank` and splits
-    its step modules (fvgraph/parallel/launch.py starts the ranks)."""
+def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int, device: str | torch.device | None,
+                     switches: EngineSwitches, rank: int = 0, init_method: str | None = None) -> EngineParts:  # fmt: skip
+    """One rank's parts. With `switches.parallel`, this process joins the group at `init_method` as
+    `rank` and splits its step modules."""
     requested = opt_level(level)
     effective = opt_level(0) if switches.enforce_eager else requested
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer"})
     components = load_components(card, checkpoint, device, skip)
     loop = build_loop(card, components)
-    if hasattr(loop, "calibration"):  # a loop with step caching finds calibrated settings here
+    if isinstance(loop, StepCaching):  # a loop with step caching finds calibrated settings here
         loop.calibration = CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir))
     counters = Counters()
     steps = loop.build_steps(taps=switches.taps)

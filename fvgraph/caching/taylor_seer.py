@@ -7,7 +7,7 @@ and `attn2`), so the default config hooks nothing there. Its lite mode (`use_lit
 `proj_out`'s output and turns the blocks into no-ops on forecast steps; that is what runs here. The
 output of `proj_out` becomes the noise prediction by a reshape and a permutation, so its Taylor
 series is the noise prediction's, elementwise: the features kept are each CFG branch's noise
-prediction, and a forecast step runs no transformer at all (fvgraph/loops/taylor_denoise.py).
+prediction, and a forecast step runs no transformer at all (fvgraph/caching/taylor_steps.py).
 
 The hook's arithmetic, which this follows (one state per CFG branch there; both branches see the same
 steps, so one decision per step serves both and the factors are per branch):
@@ -19,20 +19,21 @@ steps, so one decision per step serves both and the factors are per branch):
     a forecast step returns sum_k F_k * d**k / k!, d = i - (step of the last refresh).
 
 The decision reads no tensor: the schedule follows from the settings. The factors live in the
-request's loop state (`cache_kept`, per branch, order 0 first) and are refreshed between steps by
+request's loop state (its TaylorState's `kept`, per branch, order 0 first) and are refreshed between steps by
 `refreshed_factors`, a few elementwise ops on the device.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from diffusers.hooks import TaylorSeerCacheConfig
 from pydantic import Field, model_validator
 
-from fvgraph.loops.interceptor import CacheSettings, PolicyContext
+from fvgraph.caching.settings import CacheSettings, PolicyContext
+from fvgraph.caching.taylor_steps import TaylorState
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -41,6 +42,8 @@ class TaylorSeerSettings(CacheSettings):
     """diffusers' `TaylorSeerCacheConfig` names; its module patterns are fixed to lite mode (above)."""
 
     method: Literal["taylorseer"] = "taylorseer"
+    state_type: ClassVar[type] = TaylorState
+    memo_keys: ClassVar[tuple[str, ...]] = ("last", "orders")  # what its policy's start() returns
     cache_interval: int = Field(5, ge=1, description="Steps from one full computation to the next after the warmup.")
     disable_cache_before_step: int = Field(
         3, ge=1, description="Steps 0 .. this - 1 always compute (step 0 has nothing to forecast from)."
@@ -65,14 +68,6 @@ class TaylorSeerSettings(CacheSettings):
                                      disable_cache_after_step=self.disable_cache_after_step, max_order=self.max_order,
                                      taylor_factors_dtype=getattr(torch, self.taylor_factors_dtype), use_lite_mode=True)  # fmt: skip
 
-    def kept_layout(self, memo: dict[str, float]) -> tuple[int, int]:
-        last, orders = memo.get("last"), memo.get("orders")
-        if isinstance(last, bool) or not isinstance(last, int) or last < -1:
-            raise ValueError(f"cache_memo.last={last!r} must be the int step of the last refresh, or -1 before the first")
-        if isinstance(orders, bool) or not isinstance(orders, int) or not 0 <= orders <= self.max_order + 1:
-            raise ValueError(f"cache_memo.orders={orders!r} must be an int in [0, max_order + 1 = {self.max_order + 1}]")
-        return orders, 5  # per branch: its factors, shaped like the latents
-
     def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> TaylorSeer:
         device = None if context is None else next(context.transformer.parameters()).device
         return TaylorSeer(self, num_inference_steps, device)
@@ -80,8 +75,6 @@ class TaylorSeerSettings(CacheSettings):
 
 class TaylorSeer:
     """One request's TaylorSeer decisions; `memo` holds the step of the last refresh and its order count."""
-
-    step_family = "taylor"  # the loop runs its taylor_keep / taylor_predict kinds
 
     def __init__(self, settings: TaylorSeerSettings, num_inference_steps: int, device: torch.device | None):
         self.settings = settings
@@ -135,7 +128,7 @@ class TaylorSeer:
 
     def kept_after(self, kept: list[torch.Tensor], memo: dict[str, float], step_index: int,
                    result: dict[str, torch.Tensor], branches: int) -> list[torch.Tensor]:  # fmt: skip
-        """`cache_kept` after a computed step: per branch (cond first) its refreshed factors, order 0 first."""
+        """The kept factors after a computed step: per branch (cond first) its refreshed factors, order 0 first."""
         orders = int(memo["orders"])
         refreshed = [self.refreshed_factors(kept[b * orders : (b + 1) * orders], memo, step_index, result[f"features_{b}"])
                      for b in range(branches)]  # fmt: skip

@@ -25,7 +25,7 @@ in from what it stored for those weights.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -33,7 +33,8 @@ from diffusers.hooks import MagCacheConfig
 from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import Field
 
-from fvgraph.loops.interceptor import CacheSettings, PolicyContext
+from fvgraph.caching.residual_steps import ResidualState
+from fvgraph.caching.settings import CacheSettings, PolicyContext
 
 Ratio = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
@@ -42,6 +43,8 @@ class MagCacheSettings(CacheSettings):
     """diffusers' `MagCacheConfig` names; its `calibrate` mode is `fvgraph calibrate` here."""
 
     method: Literal["magcache"] = "magcache"
+    state_type: ClassVar[type] = ResidualState
+    memo_keys: ClassVar[tuple[str, ...]] = ("ratio", "skipped", "err")  # what its policy's start() returns
     threshold: float = Field(0.06, ge=0, allow_inf_nan=False, description="Accumulated error up to which steps reuse.")
     max_skip_steps: int = Field(3, ge=0, description="The most consecutive steps that reuse (K in the paper).")
     retention_ratio: float = Field(0.2, ge=0, le=1, description="Fraction of the first steps that always compute.")

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from torch import nn
 
-from fvgraph.runtime.byte_tokenizer import build_byte_tokenizer
-from fvgraph.card import ComponentSpec, ModelCard
-from fvgraph.runtime.model_facts import ModelFacts
-from fvgraph.loops.samplers import diffusers_scheduler
+from fvgraph.models.byte_tokenizer import build_byte_tokenizer
+from fvgraph.card import ComponentSpec, ModelCard, SamplerSpec
+from fvgraph.contract.model_facts import ModelFacts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
@@ -181,3 +181,9 @@ def _checkpoint_fingerprint(folder: Path) -> str:
                 header_len = int.from_bytes(handle.read(8), "little")
                 digest.update(handle.read(min(header_len, 1 << 24)))
     return digest.hexdigest()
+
+
+def diffusers_scheduler(spec: SamplerSpec) -> FlowMatchEulerDiscreteScheduler | UniPCMultistepScheduler:
+    """The diffusers scheduler this sampler mirrors (the reference, and what checkpoints store)."""
+    cls = FlowMatchEulerDiscreteScheduler if spec.name == "flow_euler" else UniPCMultistepScheduler
+    return cls(**spec.config)

@@ -28,21 +28,37 @@ def read_saved_fields(cls: type, path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not a saved state (expected a dict with 'type' and 'fields')")
     if blob.get("type") != cls.__name__:
         raise ValueError(f"{path}: holds a {blob.get('type')!r}, expected a {cls.__name__}")
-    fields = blob["fields"]
-    declared = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("transient")}
+    return checked_fields(cls, blob["fields"], str(path))
+
+
+def checked_fields(cls: type, fields: dict[str, Any], where: str, provided: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`fields` for dataclass `cls` once each is checked: known, present unless defaulted (or in
+    `provided`, which the caller passes itself), of its declared type. A field whose metadata has a
+    "load" reader is read back by it (a nested saved part: its reader checks it). ValueError names
+    `where` and the field."""
+    declared = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get("transient") and f.name not in provided}
     unknown = sorted(str(name) for name in fields if name not in declared)
     if unknown:
-        raise ValueError(f"{path}: unknown field {', '.join(unknown)} in a saved {cls.__name__}")
+        raise ValueError(f"{where}: unknown field {', '.join(unknown)} in a saved {cls.__name__}")
     required = [name for name, f in declared.items()
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]  # fmt: skip
     missing = [name for name in required if name not in fields]
     if missing:
-        raise ValueError(f"{path}: missing field {', '.join(missing)} in a saved {cls.__name__}")
+        raise ValueError(f"{where}: missing field {', '.join(missing)} in a saved {cls.__name__}")
     hints = typing.get_type_hints(cls)
+    out = {}
     for name, value in fields.items():
+        load = declared[name].metadata.get("load")
+        if load is not None and value is not None:
+            try:
+                out[name] = load(value)
+            except ValueError as err:
+                raise ValueError(f"{where}: field {name}: {err}") from None
+            continue
         if not _matches(value, hints[name]):
-            raise ValueError(f"{path}: field {name} must be {_describe(hints[name])}, got {type(value).__name__}")
-    return fields
+            raise ValueError(f"{where}: field {name} must be {_describe(hints[name])}, got {type(value).__name__}")
+        out[name] = value
+    return out
 
 
 def _matches(value: Any, hint: Any) -> bool:

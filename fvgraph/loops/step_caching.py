@@ -1,0 +1,91 @@
+"""The loop's side of step caching (fvgraph/caching/ decides): a mixin for loops whose denoiser
+has sections (fvgraph/contract/denoiser_sections.py).
+
+It checks a request's `cache` against the card and the calibration store, starts the request's
+caching state (the loop state's one `caching` field) when the request starts, asks that state before
+each denoise launch which kind runs and with which inputs, hands it each launch's outputs, and
+counts FLOPs (the planned step's against the uncached one's). What is kept, and why, is the method's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fvgraph.caching.methods import warmup_variants
+from fvgraph.caching.settings import CacheSettings, PolicyContext
+from fvgraph.caching.state import StepCachingState
+from fvgraph.contract.plan import StepResult, WorkPlan
+from fvgraph.loops.step_flops import StepFlops, meta_twin
+from fvgraph.request import Request, RequestRejected
+
+
+class StepCaching:
+    """Reads the loop's card, components, facts, calibration store, `_signatures`, `_flops`,
+    `_denoise_steps` and `sections`."""
+
+    @property
+    def caches(self) -> bool:
+        """Whether this loop serves step caching: not with image conditioning or two experts."""
+        return not self.takes_image and len(self.facts.experts) < 2
+
+    def _check_caching(self, resolved: Request) -> Request:
+        """`resolved` with its calibrated cache settings filled in; RequestRejected naming the field."""
+        if resolved.caching is None:
+            return resolved
+        if not self.caches:
+            raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
+                                           "runs on single-expert text-to-video loops only")  # fmt: skip
+        if problem := resolved.caching.check_card(self.card):
+            raise RequestRejected(*problem)
+        if resolved.caching.missing_calibration():
+            resolved = resolved.model_copy(update={"cache": self._calibrated(resolved.caching)})
+        return resolved
+
+    def _calibrated(self, settings: CacheSettings) -> CacheSettings:
+        """`settings` with their calibrated fields filled from the store, for these weights."""
+        c, method = self.components, settings.method
+        record = self.calibration.load(self.card.card_id, c.weights_version, method)
+        missing = settings.missing_calibration()
+        if record is None:
+            raise RequestRejected(f"cache.{missing[0]}", f"not given, and none calibrated for card {self.card.card_id!r} "
+                                  f"with weights {c.weights_version} under {self.calibration.root}: run `fvgraph calibrate "
+                                  f"--card {self.card.card_id} [--checkpoint P] --steps N` or pass {missing[0]}")  # fmt: skip
+        return settings.calibrated(record["values"])
+
+    def warmup_variants(self, plan: WorkPlan) -> list[WorkPlan]:
+        """The loop contract's warmup hook: the kinds a caching method may run in `plan`'s place."""
+        return warmup_variants(plan)
+
+    def _policy_context(self, state: Any) -> PolicyContext:
+        return PolicyContext(state.timesteps, self.components.transformer, self.embed_dtype, self.card, self.sections)
+
+    def _start_caching(self, state: Any, request: Request) -> None:
+        # The policy is built here, before any step is queued: one that plans from the denoiser
+        # (TeaCache runs its condition embedder on the timesteps) reads the device only now.
+        if request.caching is not None:
+            state.caching = request.caching.start(self._policy_context(state))
+
+    def _cached_plan(self, state: Any, facts: Any, inputs: dict[str, torch.Tensor]) -> WorkPlan:
+        """The launch the request's caching state decides on; its FLOPs and the uncached step's."""
+        caching: StepCachingState = state.caching
+        caching.bind(self._policy_context(state))
+        plain = dict(inputs)  # the uncached step's inputs, for its FLOPs
+        kind, inputs = caching.plan(state.cfg, state.step_index, inputs)
+        if self._flops is None:  # the denoise steps on a data-free twin of the denoiser
+            self._flops = StepFlops(self._denoise_steps(meta_twin(self.components.transformer)))
+        caching.flops = (self._flops.count(kind, inputs), self._flops.count(facts.kind, plain))
+        plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels)
+        plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
+        return plan
+
+    def _advance_caching(self, state: Any, result: StepResult) -> bool:
+        """Hand the launch's outputs to the caching state; False when the step has a launch still to run."""
+        caching: StepCachingState = state.caching
+        ran, uncached = caching.flops or (0, 0)
+        caching.counts["flops"] = caching.counts.get("flops", 0) + ran
+        whole = caching.advance(state.cfg, state.step_index, result)
+        if whole:  # the uncached step counts once per step, not per launch
+            caching.counts["flops_uncached"] = caching.counts.get("flops_uncached", 0) + uncached
+        return whole
