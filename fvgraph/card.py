@@ -84,7 +84,7 @@ class RecipeSpec(_Spec):
     )
     default_guidance_scale_2: float | None = Field(default=None, description="The low-noise expert's guidance.")
     teacache_coefficients: TeaCacheCoefficients | None = Field(
-        default=None, description="TeaCache's rescaling polynomials for these weights (docs/interceptors.md)."
+        default=None, description="TeaCache's rescaling polynomials for these weights (docs/step_caching.md)."
     )
 
     @model_validator(mode="after")
@@ -164,7 +164,7 @@ class ModelCard(_Spec):
     )
     default_cache: SerializeAsAny[CacheSettings] | None = Field(
         default=None,
-        description='Step caching a request gets when it gives no `cache` (docs/interceptors.md), e.g. '
+        description='Step caching a request gets when it gives no `cache` (docs/step_caching.md), e.g. '
         '{"method": "magcache", "threshold": 0.06}; a request opts out with cache="none".',
     )
 

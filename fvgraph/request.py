@@ -88,7 +88,7 @@ class Request(BaseModel):
     output_type: Literal["np", "latent"] = "np"
     cache: SerializeAsAny[CacheSettings] | None = Field(
         default=None,
-        description='Step caching (docs/interceptors.md): {"method": "magcache", ...} with the method\'s settings, '
+        description='Step caching (docs/step_caching.md): {"method": "magcache", ...} with the method\'s settings, '
         'or the text "magcache:threshold=0.1"; an unknown method or field is rejected naming it. None (or left '
         'out): the card\'s `default_cache`; "none": no caching even where the card names a default.',
     )

@@ -88,18 +88,18 @@ def instrument(engine: Engine, watch: Stopwatch) -> None:
 
 
 def _engine_api():
-    """(Engine, BucketSpec, CompileConfig) of the fvgraph on the path: this layout, or the flat one
-    before fvgraph/ had subpackages (a worker on an older commit imports through here too)."""
+    """(Engine, BucketSpec, CompileConfig) of the fvgraph on the path: this layout (and the one before
+    the contract package, which kept these two modules where they are), or the flat one before fvgraph/
+    had subpackages (a worker on an older commit imports through here too)."""
     import fvgraph
+    from fvgraph import Engine
 
     if (Path(fvgraph.__file__).parent / "runtime").is_dir():
         from fvgraph.compile.compiler import CompileConfig
         from fvgraph.runtime.buckets import BucketSpec
-        from fvgraph.engine.engine import Engine
     else:
         from fvgraph.buckets import BucketSpec
         from fvgraph.compiler import CompileConfig
-        from fvgraph.engine import Engine
     return Engine, BucketSpec, CompileConfig
 
 

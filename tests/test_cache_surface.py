@@ -123,8 +123,8 @@ def test_a_resumed_state_must_hold_complete_active_settings(tiny_engine):
     state = tiny_engine.start(_request(tiny_engine.card, 2, cache=TEXT))
     tiny_engine.step(state)
     for bad in ({"method": "none"}, {"method": "magcache", "threshold": 0.1}):
-        state.cache = bad
-        with pytest.raises(ValueError, match=r"cache: must be complete settings of a caching method"):
+        state.caching.settings = parse_cache_settings(bad)
+        with pytest.raises(ValueError, match=r"caching.settings: must be complete settings of a caching method"):
             tiny_engine.resume(state)
 
 

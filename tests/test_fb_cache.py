@@ -208,11 +208,11 @@ def test_a_saved_state_resumes_unchanged(tiny_engine, tmp_path, between_launches
     request = _request(21, _fb(MIXED))
     [whole] = tiny_engine.generate([request])
     state = tiny_engine.start(request)
-    while state.step_index < 2 or (state.cache_head == []) == between_launches:  # step 2: cond reuses, uncond computes
+    while state.step_index < 2 or (state.caching.head == []) == between_launches:  # step 2: cond reuses, uncond computes
         tiny_engine.step(state)
-    assert len(state.cache_kept) == len(state.cache_first) == 2
+    assert len(state.caching.kept) == len(state.caching.first) == 2
     if between_launches:
-        assert state.step_index == 2 and len(state.cache_head) == 2 and len(state.cache_compute) == 2
+        assert state.step_index == 2 and len(state.caching.head) == 2 and len(state.caching.compute) == 2
     state.save(tmp_path / "state.pt")
     resumed = tiny_engine.finish(tiny_engine.resume(T2VState.load(tmp_path / "state.pt")))
     assert torch.equal(resumed.latents, whole.latents)
@@ -222,9 +222,9 @@ def test_a_saved_state_resumes_unchanged(tiny_engine, tmp_path, between_launches
 def test_a_resumed_state_between_launches_is_checked(tiny_engine, tmp_path):
     state = tiny_engine.start(_request(21, _fb(MIXED)))
     tiny_engine.step(state)  # step 0's first launch
-    state.cache_compute = [True]
+    state.caching.compute = [True]
     state.save(tmp_path / "state.pt")
-    with pytest.raises(ValueError, match=r"cache_compute: must hold one decision per tensor of cache_head \(2\), got 1"):
+    with pytest.raises(ValueError, match=r"caching.compute: must hold one decision per tensor of caching.head \(2\), got 1"):
         tiny_engine.resume(T2VState.load(tmp_path / "state.pt"))
 
 

@@ -152,7 +152,7 @@ def test_a_state_saved_between_a_keep_and_a_reuse_resumes_unchanged(tiny_engine,
     state = tiny_engine.start(request)
     while state.step_index < 3:  # steps 0, 1 computed, step 2 reused: a residual and accumulators are held
         tiny_engine.step(state)
-    assert len(state.cache_kept) == 2 and state.cache_memo["skipped"] == 1
+    assert len(state.caching.kept) == 2 and state.caching.memo["skipped"] == 1
     state.save(tmp_path / "state.pt")
     resumed = tiny_engine.finish(tiny_engine.resume(T2VState.load(tmp_path / "state.pt")))
     assert torch.equal(resumed.latents, whole.latents)

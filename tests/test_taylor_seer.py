@@ -74,7 +74,7 @@ def test_latents_and_full_calls_match_diffusers_taylorseer(tiny_engine, name):
         reference = pipe(prompt_embeds=request.prompt_embeds[None], negative_prompt_embeds=request.negative_prompt_embeds[None],
                          guidance_scale=5.0, generator=torch.Generator().manual_seed(21), output_type="latent", **SHAPE).frames  # fmt: skip
         state = tiny_engine.start(request)
-        schedule = state.policy.schedule(STEPS)
+        schedule = state.caching.policy.schedule(STEPS)
         result = tiny_engine.finish(state)
     finally:
         for handle in their_hooks + our_hooks:
@@ -123,17 +123,17 @@ def test_a_state_saved_between_a_forecast_and_a_refresh_resumes_unchanged(tiny_e
     state = tiny_engine.start(request)
     while state.step_index < 4:  # steps 0-2 computed, step 3 forecast: three orders of factors per branch held
         tiny_engine.step(state)
-    assert len(state.cache_kept) == 2 * 3 and state.cache_memo == {"last": 2, "orders": 3}
+    assert len(state.caching.kept) == 2 * 3 and state.caching.memo == {"last": 2, "orders": 3}
     state.save(tmp_path / "state.pt")
     resumed = tiny_engine.finish(tiny_engine.resume(T2VState.load(tmp_path / "state.pt")))
     assert torch.equal(resumed.latents, whole.latents)
     assert resumed.cache == whole.cache
     broken = T2VState.load(tmp_path / "state.pt")
-    broken.cache_kept = broken.cache_kept[:-1]
-    with pytest.raises(ValueError, match=r"cache_kept: must hold 0 or 6 tensors \(3 per CFG branch\), got 5"):
+    broken.caching.kept = broken.caching.kept[:-1]
+    with pytest.raises(ValueError, match=r"caching.kept: must hold 0 or 6 tensors \(3 per CFG branch\), got 5"):
         tiny_engine.resume(broken)
-    broken.cache_memo = {"last": 2, "orders": 7}
-    with pytest.raises(ValueError, match=r"cache: cache_memo.orders=7 must be an int in \[0, max_order \+ 1 = 3\]"):
+    broken.caching.memo = {"last": 2, "orders": 7}
+    with pytest.raises(ValueError, match=r"caching.memo: orders=7 must be an int in \[0, max_order \+ 1 = 3\]"):
         tiny_engine.resume(broken)
 
 

@@ -150,7 +150,7 @@ def test_latents_and_full_calls_match_the_transcribed_teacache(tiny_engine, name
         reference = pipe(prompt_embeds=request.prompt_embeds[None], negative_prompt_embeds=request.negative_prompt_embeds[None],
                          guidance_scale=5.0, generator=torch.Generator().manual_seed(21), output_type="latent", **SHAPE).frames  # fmt: skip
         state = tiny_engine.start(request)
-        schedule = state.policy.schedule(STEPS)
+        schedule = state.caching.policy.schedule(STEPS)
         result = tiny_engine.finish(state)
     finally:
         for handle in their_hooks + our_hooks:
@@ -171,7 +171,7 @@ def test_the_two_settings_give_different_schedules_planned_when_the_request_star
     try:
         for name, cache in SETTINGS.items():
             state = tiny_engine.start(_request(3, cache))
-            counts[name] = sum(state.policy.schedule(STEPS))
+            counts[name] = sum(state.caching.policy.schedule(STEPS))
     finally:
         handle.remove()
     assert embedder_calls == [torch.Size([1])] * STEPS * 2  # once per timestep of each request, before its first step
@@ -209,7 +209,7 @@ def test_a_state_saved_between_a_reuse_and_a_keep_resumes_unchanged(tiny_engine,
     request = _request(9, SETTINGS["embedding_scaled"])
     [whole] = tiny_engine.generate([request])
     state = tiny_engine.start(request)
-    schedule = state.policy.schedule(STEPS)
+    schedule = state.caching.policy.schedule(STEPS)
     stop = next(i for i in range(1, STEPS) if not schedule[i - 1] and schedule[i])  # after a reuse, before a keep
     while state.step_index < stop:
         tiny_engine.step(state)

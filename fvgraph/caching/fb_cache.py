@@ -1,4 +1,4 @@
-"""First-Block Cache (FBCache, github.com/chengzeyi/ParaAttention) as an interceptor: decided from the
+"""First-Block Cache (FBCache, github.com/chengzeyi/ParaAttention) as a step-caching method: decided from the
 step's own data, on the host, between two launches of the step.
 
 At each denoise step FBCache runs the first transformer block and compares its residual r (output

@@ -1,4 +1,4 @@
-"""MagCache (Ma et al., github.com/Zehong-Ma/MagCache) as an interceptor: its schedule reads no tensor.
+"""MagCache (Ma et al., github.com/Zehong-Ma/MagCache) as a step-caching method: its schedule reads no tensor.
 
 MagCache skips the transformer blocks at a step when the magnitude of the blocks' residual is
 predicted to change little since the last full step. The prediction is a per-step ratio calibrated
@@ -33,10 +33,11 @@ from diffusers.hooks import MagCacheConfig
 from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import Field
 
-from fvgraph.caching.residual_steps import ResidualState
+from fvgraph.caching.residual_steps import RESIDUAL_KINDS, ResidualState
 from fvgraph.caching.settings import CacheSettings, PolicyContext
 
 Ratio = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+KEEP_KINDS = frozenset(kind for (_, reuse), kind in RESIDUAL_KINDS.items() if not reuse)
 
 
 class MagCacheSettings(CacheSettings):
@@ -125,6 +126,9 @@ class MagCacheCalibration:
 
     def settings(self) -> MagCacheSettings:
         return MagCacheSettings(max_skip_steps=0, mag_ratios=(1.0,))  # every step computes and keeps
+
+    def reads(self, kind: str) -> bool:
+        return kind in KEEP_KINDS  # a full step: it returns the blocks' residuals
 
     def observe(self, step_index: int, outputs: Mapping[str, Any]) -> None:
         if step_index != len(self.ratios):

@@ -3,7 +3,7 @@ request's `cache` value and the reader of a saved caching state.
 
 Adding a method: one file with its settings (a CacheSettings) and its decision, whose state and step
 kinds are one of the step families below (or a new family file beside them), and one line here
-(docs/interceptors.md).
+(docs/step_caching.md).
 """
 
 from __future__ import annotations

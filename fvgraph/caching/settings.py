@@ -126,6 +126,10 @@ class Calibration(Protocol):
         """Settings under which every step computes and keeps what the measurement reads."""
         ...
 
+    def reads(self, kind: str) -> bool:
+        """Whether the outputs of a step of this kind are what `observe` measures."""
+        ...
+
     def observe(self, step_index: int, outputs: Mapping[str, Any]) -> None: ...
 
     def values(self) -> dict[str, Any]:

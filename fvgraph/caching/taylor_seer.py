@@ -1,4 +1,4 @@
-"""TaylorSeer (Liu et al., arXiv 2503.06923) as an interceptor: a fixed refresh schedule, and the
+"""TaylorSeer (Liu et al., arXiv 2503.06923) as a step-caching method: a fixed refresh schedule, and the
 denoiser's output forecast from a Taylor series between refreshes.
 
 What diffusers' hook (diffusers.hooks.taylorseer_cache, 0.42.1) does on WanTransformer3DModel:

@@ -1,4 +1,4 @@
-"""TeaCache for Wan (Liu et al., github.com/ali-vilab/TeaCache) as an interceptor planned before the run.
+"""TeaCache for Wan (Liu et al., github.com/ali-vilab/TeaCache) as a step-caching method planned before the run.
 
 TeaCache skips the transformer blocks at a step when the model's output is predicted to change
 little since the last full step. Its predictor for Wan is the relative L1 change of the timestep
@@ -25,7 +25,7 @@ follows the same per-step rule.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -33,9 +33,6 @@ from pydantic import Field
 
 from fvgraph.caching.residual_steps import ResidualState
 from fvgraph.caching.settings import CacheSettings, PolicyContext
-
-if TYPE_CHECKING:
-    from fvgraph.card import ModelCard
 
 Coefficient = Annotated[float, Field(allow_inf_nan=False)]
 RETAINED_STEPS = 5  # use_ret_steps: TeaCache4Wan2.1's ret_steps = 5 * 2 denoiser calls
@@ -55,7 +52,7 @@ class TeaCacheSettings(CacheSettings):
         None, min_length=1, description="The rescaling polynomial, highest power first; default: the card's for the signal."
     )
 
-    def check_card(self, card: ModelCard) -> tuple[str, str] | None:
+    def check_card(self, card: Any) -> tuple[str, str] | None:  # a ModelCard (fvgraph/card.py sits above)
         if self.coefficients is None and card.recipe.teacache_coefficients is None:
             return ("cache.coefficients", f"card {card.card_id!r} declares no TeaCache coefficients "
                                           "(recipe.teacache_coefficients); pass the polynomial fitted for these weights")  # fmt: skip

@@ -30,6 +30,7 @@ cache_app = typer.Typer(no_args_is_help=True, help="Inspect the on-disk capture 
 cache_app.command("ls")(cache_ls)
 cache_app.command("verify")(cache_verify)
 cache_app.command("clear")(cache_clear)
-app.add_typer(cache_app, name="cache")
+app.add_typer(cache_app, name="capture-cache")
+app.add_typer(cache_app, name="cache", help="The same as `capture-cache` (the on-disk compiled steps; step caching is --cache).")
 
 __all__ = ["app"]

@@ -1,4 +1,4 @@
-"""The command line's step-caching parts (docs/interceptors.md): `--cache`'s help and report line,
+"""The command line's step-caching parts (docs/step_caching.md): `--cache`'s help and report line,
 `fvgraph calibrate`, and the quality rung `fvgraph parity --cache ... --against none`. (`--cache`
 becomes the card's default in fvgraph/cli/options.py.)"""
 
@@ -13,7 +13,7 @@ from rich.table import Table
 
 from fvgraph.cli.options import compile_config, console, writable_dir
 
-CACHE_HELP = ("Step caching for requests that give none (docs/interceptors.md): METHOD[:k=v,...], e.g. "
+CACHE_HELP = ("Step caching for requests that give none (docs/step_caching.md): METHOD[:k=v,...], e.g. "
               "magcache:threshold=0.06; 'none' turns the card's default off.")  # fmt: skip
 
 
@@ -38,7 +38,7 @@ def calibrate(
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     cache_dir: Path = typer.Option(Path("capture_cache"), help="Root of the capture cache; the settings go to its calibration/ folder."),
 ) -> None:
-    """Measure a cache method's calibrated settings (MagCache: mag_ratios) on the loaded weights and
+    """Measure a step-caching method's calibrated settings (MagCache: mag_ratios) on the loaded weights and
     store them where engines of this card and weights find them, so `--cache magcache` needs none."""
     from fvgraph.caching.calibration_store import CalibrationStore, calibration_root
     from fvgraph.engine.calibrate import calibrate as run_calibration

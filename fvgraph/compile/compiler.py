@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -66,6 +66,13 @@ class AttentionChoice(CustomGraphPass):
     def uuid(self) -> str:
         return f"fvgraph-sdpa:{self.backends}"
 
+
+
+@runtime_checkable
+class AttentionShaped(Protocol):
+    """A step module that says what its denoiser's self-attention runs at, for the SDPA backend choice."""
+
+    def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]: ...
 
 @dataclass(frozen=True)
 class CompileConfig:
@@ -153,7 +160,7 @@ class StepCompiler:
     def _sdpa_backends(self, step: nn.Module | None, plan: WorkPlan) -> list | None:
         """The SDPA backends chosen for this step's attention shape on this device (measured table in
         fvgraph.kernels.attention), or None for steps that declare no attention shape."""
-        if step is None or not hasattr(step, "attention_shape") or self.device.type != "cuda":
+        if not isinstance(step, AttentionShaped) or self.device.type != "cuda":
             return None  # on a CPU the choice changes nothing: keep torch's own order
         return sdpa_backends(*step.attention_shape(plan.inputs), self.device)
 

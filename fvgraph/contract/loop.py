@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from fvgraph.request import Request
+Request = Any  # fvgraph.request.Request, a layer above: the contract names it and imports nothing of it
 
 from fvgraph.contract.plan import Done, StepResult, WorkPlan
 from fvgraph.contract.saved_state import read_saved_fields
@@ -89,8 +88,15 @@ class SerializableState:
         return cls(**read_saved_fields(cls, path))
 
 
+@runtime_checkable
+class SavedPart(Protocol):
+    """A part of a loop state that saves itself as plain values (a request's step-caching state)."""
+
+    def saved(self) -> dict[str, Any]: ...
+
+
 def _plain(value: Any) -> Any:
-    return value.saved() if hasattr(value, "saved") else value
+    return value.saved() if isinstance(value, SavedPart) else value
 
 
 def _compact(value: Any) -> Any:

@@ -36,7 +36,7 @@ def calibrate(engine, method: str, steps: int, seed: int = 0, store: Calibration
                       **request_fields)  # fmt: skip
 
     def observe(state, plan, outputs):
-        if plan.step_index is not None and any(name.startswith("kept_") for name in outputs):
+        if calibration.reads(plan.kind):
             calibration.observe(plan.step_index, outputs)
 
     began = time.perf_counter()

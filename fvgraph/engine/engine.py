@@ -77,7 +77,7 @@ class Engine:
 
     @property
     def compiler(self) -> StepCompiler | None:
-        return getattr(self.executor, "compiler", None)
+        return self.executor.compiler
 
     @classmethod
     def from_card(
@@ -115,7 +115,7 @@ class Engine:
         engine (fail_on_recompile). `taps` builds the parity variant: the denoiser steps also return
         named intermediates ("tap.*"). `text_encoder=False` loads neither the text encoder nor the
         tokenizer: requests must then carry prompt embeddings (a text prompt is rejected, saying so).
-        `calibration_dir` is where calibrated cache settings are found (docs/interceptors.md; default
+        `calibration_dir` is where calibrated cache settings are found (docs/step_caching.md; default
         `<cache_dir>/calibration`, else `capture_cache/calibration`).
         `parallel` starts worker processes that split each denoise step with this process
         (CFG-parallel, Ulysses: docs/parallel.md); `close()` stops them.
@@ -134,13 +134,11 @@ class Engine:
     @property
     def unavailable(self) -> str | None:
         """Why this engine takes no more work (a parallel engine that lost a worker rank), or None."""
-        return getattr(self.executor, "unavailable", None)
+        return self.executor.unavailable
 
     def close(self) -> None:
         """Release what the engine holds beyond memory: a parallel engine's worker processes."""
-        close = getattr(self.executor, "close", None)
-        if close is not None:
-            close()
+        self.executor.close()
 
     # -- one request at a time -------------------------------------------------------------------
 
@@ -325,17 +323,14 @@ class Engine:
 
     def _abandon(self, ids: set[str]) -> None:
         """Drop these requests wherever they are (waiting, running, ended): nobody will take their results."""
-        scheduler = self._scheduler
-        scheduler.waiting = type(scheduler.waiting)(s for s in scheduler.waiting if s.request_id not in ids)
-        scheduler.remove([s for s in scheduler.running if s.request_id in ids])
+        self._scheduler.abandon(ids)
         self._outbox = [r for r in self._outbox if r.request_id not in ids]
         for request_id in ids:
             self._in_flight.pop(request_id, None)
-            scheduler.cancel_requested.discard(request_id)
 
     def _done(self, result: Result) -> None:
         result.timings["total"] = time.perf_counter() - self._in_flight[result.request_id]
-        self._scheduler.cancel_requested.discard(result.request_id)
+        self._scheduler.ended(result.request_id)
         self._outbox.append(result)
 
     def _take_results(self, ids: set[str] | None = None) -> list[Result]:

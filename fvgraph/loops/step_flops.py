@@ -1,6 +1,6 @@
 """FLOPs of a step, counted once per signature with torch.utils.flop_counter on fake tensors.
 
-A caching interceptor reports how much work it avoided: the FLOPs of the steps a request ran against
+A step-caching method reports how much work it avoided: the FLOPs of the steps a request ran against
 those of the uncached step at every step. `StepFlops.count(kind, inputs)` runs the step module once
 on the meta device inside `FlopCounterMode` (shapes only: no arithmetic, no memory) and keeps the
 total per `ShapeSignature`, so each (kind, input shapes) is counted once per engine, not per call.

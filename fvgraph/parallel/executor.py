@@ -21,7 +21,7 @@ class ParallelExecutor:
         self.refused = refused
         self.steps = local.steps
         self.counters = local.counters
-        self.compiler = getattr(local, "compiler", None)
+        self.compiler = local.compiler
 
     @property
     def unavailable(self) -> str | None:

@@ -28,6 +28,14 @@ log = logging.getLogger(__name__)
 class EagerExecutor:
     """Runs the loop's step modules (`Loop.build_steps`: one per step kind) as they are."""
 
+    # What the engine reads of any executor (this one, CompiledExecutor, ParallelExecutor): the step
+    # compiler (None: nothing compiles), why it takes no more work (None: it does), and close().
+    compiler: StepCompiler | None = None
+    unavailable: str | None = None
+
+    def close(self) -> None:
+        """Release what the executor holds beyond memory (nothing, here)."""
+
     def __init__(self, steps: dict[str, nn.Module], counters: Counters, padded: BucketSpec | None = None):
         self.steps = steps
         self.counters = counters
@@ -67,6 +75,11 @@ def _padded_rows(tensors: list[torch.Tensor], bucket: int) -> torch.Tensor:
 class CompiledExecutor:
     """Runs groups of compatible plans as one padded batch through the graph runner; step kinds the
     compiler does not cover, and shapes no bucket covers, run eagerly one plan at a time."""
+
+    unavailable: str | None = None
+
+    def close(self) -> None:
+        pass
 
     def __init__(self, eager: EagerExecutor, compiler: StepCompiler, runner: GraphRunner, buckets: BucketSpec):
         self.eager = eager

@@ -54,6 +54,16 @@ class Scheduler:
         """Takes effect at the next step boundary; the other requests are not disturbed."""
         self.cancel_requested.add(request_id)
 
+    def ended(self, request_id: str) -> None:
+        """The request has its result: a cancel asked for it no longer applies (its id may come again)."""
+        self.cancel_requested.discard(request_id)
+
+    def abandon(self, ids: set[str]) -> None:
+        """Drop these requests wherever they are, waiting or running, and forget their cancels."""
+        self.waiting = deque(s for s in self.waiting if s.request_id not in ids)
+        self.remove([s for s in self.running if s.request_id in ids])
+        self.cancel_requested -= ids
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

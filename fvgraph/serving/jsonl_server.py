@@ -226,7 +226,7 @@ class JsonlServer:
         answer = {"line": self._taken.get(_file_key(result.request_id)), "kind": "request", "request_id": result.request_id,
                   "status": result.status, "seed": result.seed, "error": result.error,
                   "timings": {k: round(v, 6) for k, v in result.timings.items()}, "output": None}  # fmt: skip
-        if result.cache is not None:  # step caching (docs/interceptors.md): what it did
+        if result.cache is not None:  # step caching (docs/step_caching.md): what it did
             answer["cache"] = result.cache
         if result.ok:
             try:

@@ -4,7 +4,7 @@ POST /v1/videos takes the OpenAI SDK's multipart form (prompt, model, seconds, s
 input_reference) or the same fields as JSON, plus fvgraph's own fields, which the SDK sends through
 `extra_body`: num_frames, fps, num_inference_steps, guidance_scale, negative_prompt, seed, timeout,
 cache (step caching: a JSON object, or in a form the text METHOD[:k=v,...] or a JSON object's text;
-"none" turns the card's default off; docs/interceptors.md).
+"none" turns the card's default off; docs/step_caching.md).
 `seconds` x `fps` becomes a frame count rounded to the nearest the card allows (k * 4 + 1 for Wan);
 `num_frames`, when given, must follow that rule itself. Every error is a RequestRejected naming the
 field and the rule (HTTP 400).
