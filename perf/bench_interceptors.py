@@ -4,7 +4,7 @@ diffusers' own cache hooks on untouched copies of the same weights (fvgraph.perf
     python perf/bench_interceptors.py                      # wan-cpu-bench, 9x128x128, 10 steps, -O1
     python perf/bench_interceptors.py --gpu --methods magcache   # Wan 1.3B config, bf16, 480x832x17, 50 steps, -O2
 
-For each method in fvgraph.caching.settings.METHODS (or --methods) at its published setting
+For each method in fvgraph.caching.methods.METHODS (or --methods) at its published setting
 (PUBLISHED, else the method's defaults; --setting METHOD:k=v,... overrides), calibrated on these
 weights first when the method calibrates (MagCache's ratios: fvgraph.caching.calibration_store), one
 case is a whole request's denoise loop (every step, both CFG branches, no text encoder or VAE):

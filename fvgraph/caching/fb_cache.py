@@ -53,7 +53,7 @@ class FirstBlockCacheSettings(CacheSettings):
 class FirstBlockCache:
     """One request's FBCache decisions, per CFG branch from the first-block launch's host row (CHANGE)."""
 
-    def __init__(self, settings: FirstBlockCacheSettings, sections: DenoiserSections | None):
+    def __init__(self, settings: FirstBlockCacheSettings, sections: DenoiserSections | None = None):
         self.threshold = settings.threshold
         self.sections = sections
 

@@ -34,7 +34,7 @@ from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import Field
 
 from fvgraph.caching.residual_steps import RESIDUAL_KINDS, ResidualState
-from fvgraph.caching.settings import CacheSettings, PolicyContext
+from fvgraph.caching.settings import CacheSettings, PolicyContext, ScheduledPolicy
 
 Ratio = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 KEEP_KINDS = frozenset(kind for (_, reuse), kind in RESIDUAL_KINDS.items() if not reuse)
@@ -78,7 +78,7 @@ class MagCacheSettings(CacheSettings):
         return MagCache(self, num_inference_steps)
 
 
-class MagCache:
+class MagCache(ScheduledPolicy):
     """One request's MagCache decisions; `memo` holds diffusers' three accumulators."""
 
     def __init__(self, settings: MagCacheSettings, num_inference_steps: int):
@@ -106,14 +106,6 @@ class MagCache:
         if has_kept and err <= self.threshold and skipped <= self.max_skip_steps:
             return False, {"ratio": float(ratio), "skipped": skipped, "err": float(err)}
         return True, self.start()
-
-    def schedule(self, num_inference_steps: int) -> list[bool]:
-        """Which steps compute, worked out ahead (every step keeps a residual once one computed)."""
-        memo, plan = self.start(), []
-        for i in range(num_inference_steps):
-            compute, memo = self.decide(memo, i, has_kept=i > 0)
-            plan.append(compute)
-        return plan
 
 
 class MagCacheCalibration:

@@ -60,6 +60,19 @@ class CachePolicy(Protocol):
     def decide(self, memo: dict[str, float], step_index: int, has_kept: bool) -> tuple[bool, dict[str, float]]: ...
 
 
+class ScheduledPolicy:
+    """Base of the policies decided by host arithmetic alone (CachePolicy): their whole schedule can be
+    worked out ahead."""
+
+    def schedule(self, num_inference_steps: int) -> list[bool]:
+        """Which steps compute (something is kept once a step computed)."""
+        memo, plan = self.start(), []
+        for i in range(num_inference_steps):
+            compute, memo = self.decide(memo, i, has_kept=i > 0)
+            plan.append(compute)
+        return plan
+
+
 class BranchPolicy(Protocol):
     """A policy decided from the step's own data: what the first launch measured (on the host,
     [branches, ...] per request); the answer is one decision per CFG branch."""

@@ -32,7 +32,7 @@ import torch
 from diffusers.hooks import TaylorSeerCacheConfig
 from pydantic import Field, model_validator
 
-from fvgraph.caching.settings import CacheSettings, PolicyContext
+from fvgraph.caching.settings import CacheSettings, PolicyContext, ScheduledPolicy
 from fvgraph.caching.taylor_steps import TaylorState
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -73,7 +73,7 @@ class TaylorSeerSettings(CacheSettings):
         return TaylorSeer(self, num_inference_steps, device)
 
 
-class TaylorSeer:
+class TaylorSeer(ScheduledPolicy):
     """One request's TaylorSeer decisions; `memo` holds the step of the last refresh and its order count."""
 
     def __init__(self, settings: TaylorSeerSettings, num_inference_steps: int, device: torch.device | None):
@@ -98,14 +98,6 @@ class TaylorSeer:
             return False, memo
         orders = min(int(memo["orders"]) + 1, self.max_order + 1) if memo["last"] >= 0 else 1
         return True, {"last": step_index, "orders": orders}
-
-    def schedule(self, num_inference_steps: int) -> list[bool]:
-        """Which steps compute, worked out ahead (factors exist once a step computed)."""
-        memo, plan = self.start(), []
-        for i in range(num_inference_steps):
-            compute, memo = self.decide(memo, i, has_kept=i > 0)
-            plan.append(compute)
-        return plan
 
     def forecast_coeffs(self, memo: dict[str, float], step_index: int) -> torch.Tensor:
         """[1, orders] float32: d**k / k! for the forecast at `step_index` (a per-row step input, so

@@ -32,7 +32,7 @@ import torch
 from pydantic import Field
 
 from fvgraph.caching.residual_steps import ResidualState
-from fvgraph.caching.settings import CacheSettings, PolicyContext
+from fvgraph.caching.settings import CacheSettings, PolicyContext, ScheduledPolicy
 
 Coefficient = Annotated[float, Field(allow_inf_nan=False)]
 RETAINED_STEPS = 5  # use_ret_steps: TeaCache4Wan2.1's ret_steps = 5 * 2 denoiser calls
@@ -75,7 +75,7 @@ def timestep_signal(transformer: torch.nn.Module, timestep: torch.Tensor, embed_
     return timestep_proj if projection else temb
 
 
-class TeaCache:
+class TeaCache(ScheduledPolicy):
     """One request's TeaCache decisions; `memo` holds the accumulated rescaled distance."""
 
     def __init__(self, settings: TeaCacheSettings, num_inference_steps: int, context: PolicyContext):
@@ -111,11 +111,3 @@ class TeaCache:
         if has_kept and acc < self.threshold:
             return False, {"acc": acc}
         return True, self.start()
-
-    def schedule(self, num_inference_steps: int) -> list[bool]:
-        """Which steps compute, worked out ahead (every step keeps a residual once one computed)."""
-        memo, plan = self.start(), []
-        for i in range(num_inference_steps):
-            compute, memo = self.decide(memo, i, has_kept=i > 0)
-            plan.append(compute)
-        return plan

@@ -62,6 +62,8 @@ def checked_fields(cls: type, fields: dict[str, Any], where: str, provided: tupl
 
 
 def _matches(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in args)

@@ -70,7 +70,8 @@ class StepCaching:
     def _cached_plan(self, state: Any, facts: Any, inputs: dict[str, torch.Tensor]) -> WorkPlan:
         """The launch the request's caching state decides on; its FLOPs and the uncached step's."""
         caching: StepCachingState = state.caching
-        caching.bind(self._policy_context(state))
+        if caching.policy is None:  # a resumed state: its policy is rebuilt on this engine
+            caching.bind(self._policy_context(state))
         plain = dict(inputs)  # the uncached step's inputs, for its FLOPs
         kind, inputs = caching.plan(state.cfg, state.step_index, inputs)
         if self._flops is None:  # the denoise steps on a data-free twin of the denoiser
