@@ -42,6 +42,7 @@ def generate(
     fps: int = typer.Option(8),
 ) -> None:
     """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
+    from fvgraph.parallel.executor import ParallelExecutor
     from fvgraph.request import Request
     from fvgraph.serving.video_io import check_video_output, write_video
 
@@ -112,6 +113,8 @@ def generate(
     c = engine.counters
     table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {c.compiles}, cache hits: {c.cache_hits}"
     console.print(table)
+    if isinstance(engine.executor, ParallelExecutor):  # which ranks did the work
+        console.print(engine.executor.group.summary(), highlight=False, soft_wrap=True)
     for path in written:
         console.print(f"wrote {path}")
     if failed:
