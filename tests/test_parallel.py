@@ -94,6 +94,12 @@ def _check_compiled(engine: Engine, step_kind: str, collective: str, rank: int =
     return counts
 
 
+def test_parallel_config_is_public_beside_engine_and_request():
+    import fvgraph
+
+    assert fvgraph.ParallelConfig is ParallelConfig and "ParallelConfig" in fvgraph.__all__
+
+
 @pytest.mark.gpu
 def test_parallel_code_path_at_degree_1_on_cuda():
     """One GPU: the parallel engine at degree 1 (an NCCL group of one, the mesh, the parallel
