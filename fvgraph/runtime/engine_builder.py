@@ -21,6 +21,7 @@ import torch
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
+from fvgraph.runtime.checkpoint_recipe import warn_recipe_differences
 from fvgraph.runtime.components import load_components
 from fvgraph.runtime.counters import Counters
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
@@ -79,6 +80,8 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer"})
     components = load_components(card, checkpoint, device, skip)
+    if checkpoint is not None and rank == 0:  # the folder's own recipe, where it differs from the run's
+        warn_recipe_differences(card, checkpoint)
     loop = build_loop(card, components)
     if hasattr(loop, "calibration"):  # a loop with step caching finds calibrated settings here
         loop.calibration = CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir))
