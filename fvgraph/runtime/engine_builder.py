@@ -106,7 +106,7 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
         executor = CompiledExecutor(executor, compiler, runner, switches.buckets)
     elif switches.cache_dir is not None:
         log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.cache_dir)
-    projection_cache = None  # its hit/miss all-reduce would be one more collective the ranks do not share
+    projection_cache = None  # per process: on a parallel engine the ranks would have to agree on each hit
     if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None:
         projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
         try:
