@@ -308,8 +308,6 @@ class StepCompiler:
         both set triton.cudagraphs). `attention` is the signature's SDPA choice (see AttentionChoice)."""
         patches = {} if self.config.mode == "default" else dict(torch._inductor.list_mode_options(self.config.mode))
         patches.update(INDUCTOR_CONFIG)
-        if self.pass_manager.inductor:
-            patches["post_grad_custom_post_pass"] = self.pass_manager.inductor
         if attention != "default":
             patches["post_grad_custom_pre_pass"] = AttentionChoice(attention)
         return patches
