@@ -83,9 +83,18 @@ def probe_load(path: Path, backend: str) -> None:
         torch.export.load(str(path)).module()
 
 
-# What a load child runs: load each artifact the way load_graph does, then exit 0. The modules that
-# register fvgraph's custom ops are imported first: a graph may call them.
-_OPS = "import fvgraph.compile.markers, fvgraph.kernels.fp8_linear, fvgraph.kernels.norm_modulate, fvgraph.loops.taps\n"
+def register_custom_ops() -> None:
+    """Import the modules that register fvgraph's custom ops: a child process loading or building a
+    graph that calls them needs them registered (a process running fvgraph has them already)."""
+    import fvgraph.compile.markers  # noqa: F401
+    import fvgraph.kernels.fp8_linear  # noqa: F401
+    import fvgraph.kernels.norm_modulate  # noqa: F401
+    import fvgraph.loops.taps  # noqa: F401
+
+
+# The children start with fvgraph's custom ops registered.
+_OPS = "from fvgraph.compile.graph_artifact import register_custom_ops\nregister_custom_ops()\n"
+# What a load child runs: load each artifact the way load_graph does, then exit 0.
 _CHILD = _OPS + """
 import logging, sys, torch
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
