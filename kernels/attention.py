@@ -28,13 +28,14 @@ class BackendRule:
 
 
 # First matching row wins; no row matches -> _DEFAULT_CUDA (flash first: the safe default below ~4k tokens).
-# The rows are anchor measurements of torch SDPA itself (DESIGN.md's H200 figures: each backend timed
-# alone at that shape), not measurements of an fvgraph run; perf/bench_kernels.py --gpu re-measures
+# The rows are anchor measurements of torch SDPA itself, measured outside the project on an H200 (torch
+# 2.11.0+cu130, bf16, a standalone probe script, 2026-11-29: each backend timed alone at 14040 tokens,
+# 12 heads x 128), not measurements of an fvgraph run; perf/bench_kernels.py --gpu re-measures
 # SDPA per backend at the Wan shapes (`sdpa_table` is this choice).
 BACKEND_TABLE = (
     BackendRule((9, 0), (torch.bfloat16, torch.float16), 128, 4096,
                 (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
-                "anchor measurement of SDPA alone (DESIGN.md), H200, torch 2.11, 14k tokens, head_dim 128, bf16: "
+                "anchor measurement of SDPA alone outside the project, H200, torch 2.11.0+cu130, 14040 tokens, 12 heads x 128, bf16: "
                 "cuDNN 595 TFLOP/s vs flash 365"),
 )  # fmt: skip
 

@@ -17,7 +17,6 @@ from fvgraph.passes.base import FxPass, PassContext
 from fvgraph.passes.cfg_fusion import CfgFusionPass
 from fvgraph.passes.cleanup import CleanupPass
 from fvgraph.passes.hoist_invariants import HoistInvariantsPass
-from fvgraph.passes.inductor_bundle import InductorPassBundle
 from fvgraph.passes.quantize import QuantizePass
 from fvgraph.passes.tap_outputs import TapOutputsPass
 
@@ -68,13 +67,12 @@ class PassConfig:
 
 
 class PassManager:
-    def __init__(self, config: PassConfig = PassConfig(), inductor: InductorPassBundle | None = None):
+    def __init__(self, config: PassConfig = PassConfig()):
         self.config = config
         self.passes = [cls() for name, cls in FX_PASSES.items() if config.runs(name)]
         if config.taps:
             self.passes.append(TapOutputsPass())
         self.tail = [CleanupPass()]
-        self.inductor = inductor or InductorPassBundle()
         self._uuid = self._compute_uuid()  # read on every step's signature: compute once
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -92,5 +90,5 @@ class PassManager:
 
     def _compute_uuid(self) -> str:
         parts = [p.name + ":" + p.uuid() for p in (*self.passes, *self.tail)]
-        parts += [f"inductor:{self.inductor.uuid()}", f"config:{self.config}"]
+        parts += [f"config:{self.config}"]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from fvgraph.perf.method import Case as MethodCase, interleaved, paired_ratio, provenance, spread, sync, timed
 
-PEAK_BF16_TFLOPS = 754.0  # measured on the H200 (docs: DESIGN.md "On the GPU")
+PEAK_BF16_TFLOPS = 754.0  # H200 bf16 8192^3 matmul, measured outside the project (torch 2.11.0+cu130, standalone probe, 2026-11-29)
 PEAK_COPY_TBS = 4.3  # measured device-to-device copy on the H200
 BATCH = 2  # a CFG pair
 

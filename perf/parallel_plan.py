@@ -36,8 +36,9 @@ from fvgraph.cards.wan import WAN_1_3B_TRANSFORMER, WAN_14B_TRANSFORMER
 VAE_TEMPORAL, VAE_SPATIAL = 4, 8  # Wan VAE: 4 frames (after the first) and 8x8 pixels per latent
 TEXT_TOKENS = 512  # WanPipeline's max_sequence_length: the UMT5 prompt embeddings cross-attention reads
 BF16_BYTES = 2
-MATMUL_FLOPS = 754e12  # H200 bf16 matmul, measured (docs: DESIGN.md "On the GPU")
-SDPA_FLOPS = 595e12  # H200 cuDNN SDPA at 14k tokens, measured (same place)
+# Measured outside the project on an H200 (torch 2.11.0+cu130, bf16, standalone probe scripts, 2026-11-29):
+MATMUL_FLOPS = 754e12  # an 8192^3 bf16 matmul
+SDPA_FLOPS = 595e12  # cuDNN SDPA at 14040 tokens, 12 heads x 128
 # NVLink 4 on H200 SXM: 900 GB/s per GPU, both directions together (NVIDIA's H200 specifications),
 # so 450 GB/s leave a GPU; through the NVSwitch of an 8-GPU board every pair gets it.
 NVLINK_BYTES_PER_S_ONE_WAY = 450e9

@@ -13,8 +13,11 @@ try:  # the HTTP client openai itself uses: httpx2 in its 3.x releases, httpx be
 except ImportError:
     import httpx
 
+from fvgraph.request import Request
 from fvgraph.serving.http_app import HttpSettings
 from fvgraph.serving.http_server import HttpServer
+from fvgraph.serving.media_encode import decode_mp4, encode_mp4
+from fvgraph.serving.openai_requests import DEFAULT_FPS
 
 KEY = "test-key"
 # Small and quick on a CPU: one 32x32 frame or five, a few steps.
@@ -28,6 +31,14 @@ def live_server(engine, tmp_path, **settings):
     server = HttpServer(engine, HttpSettings(api_key=KEY, **settings), tmp_path / "store", port=0, **limits)
     with server.running() as url:
         yield server, url
+
+
+def expected_video(engine, fps: float = DEFAULT_FPS, **fields):
+    """What a served video of `fields` must decode to: the engine run directly on Request(**fields),
+    through the same H.264 encode (deterministic: one input, one bitstream)."""
+    [result] = engine.generate([Request(**fields)])
+    assert result.ok, result.error
+    return decode_mp4(encode_mp4(result.frames, fps))
 
 
 def client(url: str, key: str = KEY) -> openai.OpenAI:

@@ -3,6 +3,7 @@ SDPA choice in inductor's cache key, loading a built artifact in a child process
 
 import contextlib
 import itertools
+import logging
 import signal
 from types import SimpleNamespace
 
@@ -155,3 +156,45 @@ def test_fp32_steps_run_without_tf32_and_the_callers_settings_come_back(tiny_car
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
     assert isinstance(math_mode("bf16"), contextlib.nullcontext)
+
+
+def test_tf32_set_through_the_new_api_is_refused_naming_the_cause():
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"  # torch then refuses reads of the legacy allow_tf32
+    try:
+        with pytest.raises(RuntimeError, match=r"set TF32 through torch's fp32_precision API .* fvgraph's fp32 context"):
+            with math_mode("fp32"):
+                pass
+    finally:
+        matmul.fp32_precision = before
+    with math_mode("fp32"):
+        assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def test_every_load_is_logged_first_and_a_child_crash_shows_its_stack(monkeypatch, tmp_path, caplog):
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 2))
+    path = tmp_path / "step.pt2"
+    graph_artifact.save_graph(gm, [torch.randn(1, 3)], "aot_eager", path, {})
+    with caplog.at_level(logging.INFO, logger="fvgraph.compile.graph_artifact"):
+        graph_artifact.load_graph(path, "aot_eager", torch.device("cpu"), lambda g, args: g)
+    assert f"loading the aot_eager artifact {path} on cpu" in caplog.text
+    monkeypatch.setattr(graph_artifact, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    problem = graph_artifact.load_in_child([path], "inductor", torch.device("cpu"))
+    assert "SIGSEGV" in problem and 'File "<string>", line 1' in problem  # faulthandler's stack of the child
+    monkeypatch.setattr(graph_artifact, "_CHILD", "import time; time.sleep(5)")
+    assert "took over 1 s in a child process" in graph_artifact.load_in_child([path], "inductor", torch.device("cpu"), timeout_s=1)
+    assert graph_artifact.CHILD_LOAD_TIMEOUT_S == 120.0
+
+
+def test_a_package_built_in_a_child_process_loads_and_runs_like_the_graph(tmp_path):
+    """The AOTInductor build of the GPU path, on the CPU: exported here, built in a child, loaded here."""
+    linear = torch.nn.Linear(3, 2)
+    gm = torch.fx.symbolic_trace(lambda x, w, b: (torch.nn.functional.linear(x, w, b),))
+    args = [torch.randn(4, 3), linear.weight.detach(), linear.bias.detach()]
+    path = tmp_path / "step.pt2"
+    graph_artifact.save_graph_in_child(gm, args, path, {})
+    loaded = graph_artifact.load_graph(path, "inductor", torch.device("cpu"), lambda g, a: g)
+    torch.testing.assert_close(loaded(*args)[0], gm(*args)[0])
+    with pytest.raises(RuntimeError, match=r"was not built: a child process building it ended with exit code 1"):
+        graph_artifact.save_graph_in_child(gm, args, tmp_path / "x.pt2", {"no_such_inductor_option": 1})

@@ -4,10 +4,12 @@ import base64
 import io
 import json
 
+import numpy as np
 import pytest
-from http_helpers import httpx, openai, KEY, QUICK, client, live_server, slow_steps, wait_for
+from http_helpers import httpx, openai, KEY, QUICK, client, expected_video, live_server, slow_steps, wait_for
 from PIL import Image
 
+from fvgraph.engine.engine import Engine
 from fvgraph.serving.media_encode import decode_mp4
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks the videos API deprecated
@@ -34,6 +36,11 @@ def test_create_and_poll_completes_and_the_content_is_the_requested_video(server
 
     frames = decode_mp4(api.videos.download_content(video.id).read())
     assert frames.shape == (5, 32, 32, 3)  # 1 s at 4 fps -> 4 frames -> the nearest 4k+1 is 5
+    direct = Engine.from_card("tiny-wan", device="cpu")  # the server's engine is busy in its own thread
+    assert np.array_equal(frames, expected_video(direct, fps=4, prompt="a fox", height=32, width=32, num_frames=5,
+                                                 num_inference_steps=2, seed=1))  # fmt: skip
+    other = api.videos.create_and_poll(prompt="a fox", size="32x32", seconds="1", poll_interval_ms=20, extra_body={**QUICK, "seed": 2})
+    assert not np.array_equal(decode_mp4(api.videos.download_content(other.id).read()), frames)  # the seed shows
     thumbnail = Image.open(io.BytesIO(api.videos.download_content(video.id, variant="thumbnail").read()))
     assert thumbnail.format == "JPEG" and thumbnail.size == (32, 32)
     assert not list(srv.store.root.glob("*.partial"))

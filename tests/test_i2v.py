@@ -17,6 +17,7 @@ from fvgraph.parity import Setting, compare
 from fvgraph.request import Request
 from fvgraph.models.components import diffusers_scheduler
 from conftest import embeds
+from reference_helpers import assert_matches_reference, assert_shares_no_storage, reference_pipeline, saved_pipeline
 
 SHAPE = {"height": 48, "width": 64, "num_frames": 5, "num_inference_steps": 3}
 
@@ -35,24 +36,15 @@ def i2v_checkpoint(tmp_path_factory):
     """tiny-wan-i2v's seeded weights written by diffusers' own pipeline class."""
     card = get_card("tiny-wan-i2v")
     c = load_components(card, None, torch.device("cpu"))
-    pipe = WanImageToVideoPipeline(
-        tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
-        scheduler=diffusers_scheduler(card.recipe.sampler), image_encoder=c.image_encoder, image_processor=c.image_processor,
-    )  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny-i2v-checkpoint")
-    pipe.save_pretrained(folder)
-    return folder
+    return saved_pipeline(WanImageToVideoPipeline, c, tmp_path_factory.mktemp("tiny-i2v-checkpoint"),
+                          scheduler=diffusers_scheduler(card.recipe.sampler))  # fmt: skip
 
 
 @pytest.mark.parametrize("guidance_scale", [5.0, 1.0])
 def test_released_card_on_a_diffusers_checkpoint_matches_wan_image_to_video_pipeline(i2v_checkpoint, guidance_scale):
-    engine = Engine.from_card("wan2.1-i2v-14b-480p", checkpoint=i2v_checkpoint, device="cpu")
-    c = engine.loop.components
-    pipe = WanImageToVideoPipeline(
-        tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
-        scheduler=diffusers_scheduler(engine.card.recipe.sampler), image_encoder=c.image_encoder,
-        image_processor=c.image_processor,
-    )  # fmt: skip
+    engine = Engine.from_card("wan2.1-i2v-14b-480p", checkpoint=i2v_checkpoint, device="cpu", dtype="fp32")  # a bf16 release
+    pipe = reference_pipeline(WanImageToVideoPipeline, i2v_checkpoint, scheduler=diffusers_scheduler(engine.card.recipe.sampler))
+    assert_shares_no_storage(engine, pipe)
     # Full-length embeddings (the card's text length, the checkpoint's width): diffusers uses short
     # ones as given, where Wan (and fvgraph) zero-pads them.
     g = torch.Generator().manual_seed(21)
@@ -65,8 +57,7 @@ def test_released_card_on_a_diffusers_checkpoint_matches_wan_image_to_video_pipe
     [result] = engine.generate([Request(image=image, prompt_embeds=positive, negative_prompt_embeds=negative,
                                         guidance_scale=guidance_scale, seed=5, output_type="latent", **SHAPE)])  # fmt: skip
     assert result.ok, result.error
-    tol = engine.card.parity.tolerance(engine.card.recipe.precision, "loop")
-    torch.testing.assert_close(result.latents, reference.float(), atol=tol.atol, rtol=tol.rtol)
+    assert_matches_reference(result.latents, reference)
 
 
 @pytest.mark.parametrize(

@@ -18,6 +18,7 @@ from fvgraph.models.components import load_components
 from fvgraph.engine.engine import Engine
 from cache_helpers import block_calls as _block_calls, run_together_and_alone
 from conftest import embeds
+from reference_helpers import assert_matches_reference
 
 STEPS = 10
 SHAPE = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": STEPS}
@@ -92,8 +93,7 @@ def test_latents_and_full_calls_match_diffusers_magcache(tiny_engine, threshold)
     assert not all(expected) and any(expected)
     assert ours == theirs == expected  # the same denoiser calls ran their blocks, in the same order
     assert _calls(result) == {"method": "magcache", "computed": sum(expected), "reused": len(expected) - sum(expected)}
-    tol = tiny_engine.card.parity.tolerance("fp32", "loop")  # the diffusers reference test's fp32 tolerance
-    torch.testing.assert_close(result.latents, reference, atol=tol.atol, rtol=tol.rtol)
+    assert_matches_reference(result.latents, reference)
 
 
 def test_a_cache_that_never_reuses_equals_no_cache_bit_for_bit(tiny_engine):

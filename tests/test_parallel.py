@@ -5,6 +5,7 @@ clear error and the engine refuses new work (503 through the async front end).""
 
 import asyncio
 import os
+import re
 import signal
 import threading
 
@@ -93,6 +94,12 @@ def _check_compiled(engine: Engine, step_kind: str, collective: str, rank: int =
     return counts
 
 
+def test_parallel_config_is_public_beside_engine_and_request():
+    import fvgraph
+
+    assert fvgraph.ParallelConfig is ParallelConfig and "ParallelConfig" in fvgraph.__all__
+
+
 @pytest.mark.gpu
 def test_parallel_code_path_at_degree_1_on_cuda():
     """One GPU: the parallel engine at degree 1 (an NCCL group of one, the mesh, the parallel
@@ -112,15 +119,16 @@ def test_parallel_code_path_at_degree_1_on_cuda():
 
 
 def test_cli_parallel_flags(tmp_path):
-    """--cfg-parallel 1 --ulysses 1 runs the parallel path at degree 1 (the GPU check's part, on
-    CPU); a bad degree is refused naming the flag, before anything loads."""
+    """--cfg-parallel 2 starts a worker rank that runs every guided denoise step with this process and
+    says so; a bad degree is refused naming the flag, before anything loads."""
     out = tmp_path / "x.gif"
     bad = CliRunner().invoke(app, ["generate", "--cfg-parallel", "3", "--device", "cpu", "-o", str(out)])
     assert bad.exit_code == 2 and "--cfg-parallel must be 1 or 2" in bad.output
-    ok = CliRunner().invoke(app, ["generate", "--cfg-parallel", "1", "--ulysses", "1", "--steps", "2", "--frames", "5",
+    ok = CliRunner().invoke(app, ["generate", "--cfg-parallel", "2", "--ulysses", "1", "--steps", "2", "--frames", "5",
                                   "-O0", "--device", "cpu", "-o", str(out)])  # fmt: skip
     assert ok.exit_code == 0, ok.output
     assert out.exists()
+    assert re.search(r"parallel group of 2 ranks \(cfg=2, ulysses=1\): rank 1 \(pid \d+\) ran 2 step calls", ok.output), ok.output
 
 
 def test_cfg_parallel_compiled_equals_single_process(single_process):

@@ -1,4 +1,4 @@
-"""ExactProjectionCache: exact reuse, invalidation, bypass, byte budget and TP hit agreement.
+"""ExactProjectionCache: exact reuse, invalidation, bypass, byte budget, and no collective in a distributed process.
 
 Every invalidation or bypass rule has its own test, written so that removing the rule makes the
 test fail (a stale value would be returned, or a hit would be counted where none is allowed).
@@ -17,8 +17,6 @@ from torch.nn.modules.module import register_module_forward_hook as global_hook
 from torch.nn.modules.module import register_module_forward_pre_hook as global_pre_hook
 
 from fvgraph.runtime.projection_cache import ExactProjectionCache, ProjectionCacheStats
-
-from projection_cache_tp_worker import run_two_ranks  # tests/ is on sys.path under pytest
 
 
 def counted(fn) -> Mock:
@@ -42,7 +40,6 @@ def _counts(stats: ProjectionCacheStats) -> tuple[int, int, dict]:
 @torch.no_grad()
 def test_warm_hit_is_bit_identical_for_linear(setup):
     proj, cond, cache = setup
-    cache.prepare(cond)
     cold = cache.project("p", proj, cond, lambda: proj(cond))
     compute = counted(lambda: proj(cond))
     warm = cache.project("p", proj, cond, compute)
@@ -54,7 +51,6 @@ def test_warm_hit_is_bit_identical_for_linear(setup):
 @torch.no_grad()
 def test_warm_hit_is_bit_identical_with_fixed_preprocessing(setup):
     proj, cond, cache = setup
-    cache.prepare(cond)
     cache.project("p", proj, cond, lambda: proj(F.silu(cond)))
     warm = cache.project("p", proj, cond, lambda: proj(F.silu(cond)))
     assert torch.equal(warm, proj(F.silu(cond)))
@@ -66,22 +62,20 @@ def test_inference_mode_conditioning_is_cached(setup):
     proj, _, cache = setup
     with torch.inference_mode():  # pipelines often build conditioning here; it has no version
         cond = torch.randn(2, 8)
-    cache.prepare(cond)
     cold = cache.project("p", proj, cond, lambda: proj(cond))
     assert cache.project("p", proj, cond, lambda: proj(cond)) is cold
-    assert _counts(cache.stats) == (1, 1, {}) and cache.stats.unprepared_hashes == 0
+    assert _counts(cache.stats) == (1, 1, {}) and cache.stats.hashes == 1  # hashed once, then remembered
 
 
 @torch.no_grad()
 def test_equal_content_in_a_new_tensor_hits_and_names_separate_entries(setup):
     proj, cond, cache = setup
-    cache.prepare(cond)
     cache.project("a", proj, cond, lambda: proj(cond))
-    copy = cond.clone()  # never prepared: hashed inside project(), counted
+    copy = cond.clone()  # another tensor object: hashed too
     assert torch.equal(cache.project("a", proj, copy, lambda: proj(copy)), proj(cond))
     cache.project("b", proj, cond, lambda: proj(cond))
     stats = cache.stats
-    assert (stats.hits, stats.misses, stats.unprepared_hashes, stats.entries) == (1, 2, 1, 2)
+    assert (stats.hits, stats.misses, stats.hashes, stats.entries) == (1, 2, 2, 2)
 
 
 # -- invalidation ----------------------------------------------------------------------------
@@ -90,7 +84,6 @@ def test_equal_content_in_a_new_tensor_hits_and_names_separate_entries(setup):
 @torch.no_grad()
 def test_inplace_weight_update_invalidates(setup):
     proj, cond, cache = setup
-    cache.prepare(cond)
     cache.project("p", proj, cond, lambda: proj(cond))
     proj.weight.add_(1)  # same tensor, same storage, bumped version
     out = cache.project("p", proj, cond, lambda: proj(cond))
@@ -102,7 +95,6 @@ def test_inplace_weight_update_invalidates(setup):
 @torch.no_grad()
 def test_weight_storage_move_invalidates(setup):
     proj, cond, cache = setup
-    cache.prepare(cond)
     cache.project("p", proj, cond, lambda: proj(cond))
     proj.weight.data = proj.weight.data.clone()  # same values and version, new storage
     cache.project("p", proj, cond, lambda: proj(cond))
@@ -118,7 +110,6 @@ def test_new_weights_at_a_reused_address_are_caught(setup):
     proj, cond, cache = setup
     host = np.random.default_rng(0).standard_normal((16, 8), dtype=np.float32)
     proj.weight.data = torch.from_numpy(host)
-    cache.prepare(cond)
     cache.project("p", proj, cond, lambda: proj(cond))
     # New weights land at the freed address with an unchanged version counter, as a caching
     # allocator can arrange after an offload or a checkpoint swap; only the storage differs.
@@ -134,19 +125,17 @@ def test_new_weights_at_a_reused_address_are_caught(setup):
 @torch.no_grad()
 def test_mutated_conditioning_is_rehashed(setup):
     proj, cond, cache = setup
-    cache.prepare(cond)
     cache.project("p", proj, cond, lambda: proj(cond))
     cond.mul_(2)  # against the contract, but the version counter makes it safe
     out = cache.project("p", proj, cond, lambda: proj(cond))
     assert torch.equal(out, proj(cond))
     stats = cache.stats
-    assert (stats.hits, stats.misses, stats.unprepared_hashes) == (0, 2, 1)
+    assert (stats.hits, stats.misses, stats.hashes) == (0, 2, 2)  # the version counter forced a rehash
 
 
 @torch.no_grad()
-def test_autocast_after_prepare_misses_then_fp32_hits_again(setup):
+def test_autocast_after_a_first_call_misses_then_fp32_hits_again(setup):
     proj, cond, cache = setup
-    cache.prepare(cond)
     fp32 = cache.project("p", proj, cond, lambda: proj(cond))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = cache.project("p", proj, cond, lambda: proj(cond))
@@ -159,7 +148,6 @@ def test_autocast_after_prepare_misses_then_fp32_hits_again(setup):
 @torch.no_grad()
 def test_matmul_precision_setting_is_part_of_the_key(setup, monkeypatch):
     proj, cond, cache = setup
-    cache.prepare(cond)
     cache.project("p", proj, cond, lambda: proj(cond))
     # Patch the getter rather than the global setting, so no precision state leaks to other tests.
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "medium")
@@ -170,7 +158,6 @@ def test_matmul_precision_setting_is_part_of_the_key(setup, monkeypatch):
 @torch.no_grad()
 def test_clear_forces_a_miss(setup):
     proj, cond, cache = setup
-    cache.prepare(cond)
     cache.project("p", proj, cond, lambda: proj(cond))
     cache.clear()
     assert cache.stats.entries == 0 and cache.stats.bytes_held == 0
@@ -218,7 +205,6 @@ def test_global_module_hook_bypasses(setup, register):
 
 def test_grad_enabled_bypasses(setup):
     proj, cond, cache = setup
-    cache.prepare(cond)
     _assert_bypassed(cache, proj, cond, "grad_enabled")
     out = cache.project("p", proj, cond, lambda: proj(cond))
     assert out.grad_fn is not None  # a fresh autograd graph, as the original computation has
@@ -254,7 +240,6 @@ def test_cuda_graph_capture_bypasses(setup, monkeypatch):
     proj, cond, cache = setup
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert cache.prepare(cond) is None  # no hashing (a host sync) during capture
     _assert_bypassed(cache, proj, cond, "cuda_graph_capture")
 
 
@@ -266,7 +251,6 @@ def test_cuda_hits_and_real_graph_capture_bypass():
     proj = nn.Linear(64, 128, device="cuda")
     cond = torch.randn(2, 64, device="cuda")
     cache = ExactProjectionCache(max_bytes=1 << 20)
-    cache.prepare(cond)
     cold = cache.project("p", proj, cond, lambda: proj(cond))
     assert cache.project("p", proj, cond, lambda: proj(cond)) is cold
     with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -345,31 +329,7 @@ def test_output_larger_than_budget_is_not_stored(setup):
     _assert_bypassed_after(cache, {"too_large": 2})
 
 
-# -- extension hook and errors -------------------------------------------------------------
-
-
-class _Offline(ExactProjectionCache):
-    def __init__(self, value):
-        super().__init__(max_bytes=1 << 20)
-        self.value, self.lookups = value, []
-
-    def _lookup_precomputed(self, name, projection, conditioning_key):
-        self.lookups.append((name, conditioning_key))
-        return self.value
-
-
-@torch.no_grad()
-def test_precomputed_lookup_only_on_runtime_miss(setup):
-    proj, cond, _ = setup
-    cache = _Offline(proj(cond))
-    key = cache.prepare(cond)
-    compute = counted(lambda: proj(cond))
-    first = cache.project("p", proj, cond, compute)
-    second = cache.project("p", proj, cond, compute)
-    assert compute.call_count == 0 and cache.lookups == [("p", key)]
-    assert torch.equal(first, proj(cond)) and second is first
-    stats = cache.stats
-    assert (stats.precomputed_hits, stats.hits, stats.misses) == (1, 1, 0)
+# -- errors -------------------------------------------------------------
 
 
 @torch.no_grad()
@@ -381,16 +341,23 @@ def test_errors_name_the_field_and_rule(setup):
         cache.project("p", proj, cond, lambda: (proj(cond), proj(cond)))
 
 
-# -- tensor parallel -------------------------------------------------------------------------
+# -- no collective --------------------------------------------------------------------------
 
 
-def test_two_rank_gloo_rank_local_miss_makes_every_rank_recompute(tmp_path):
-    r0, r1 = run_two_ranks(tmp_path, timeout_s=90)  # fails if a rank hangs or errors
-    for result in (r0, r1):
-        assert all(result[phase]["correct"] for phase in ("first", "second", "third"))
-        assert (result["first"]["hits"], result["first"]["misses"]) == (0, 1)
-        assert (result["second"]["hits"], result["second"]["misses"]) == (0, 2)  # both recompute
-        assert (result["third"]["hits"], result["third"]["misses"]) == (1, 2)  # both hit again
-        assert result["third"]["computes"] == 2
-    assert r0["second"]["tp_forced_misses"] == 1  # rank 0 held the entry but recomputed
-    assert r1["second"]["tp_forced_misses"] == 0
+@torch.no_grad()
+def test_an_eager_engine_in_a_distributed_process_enters_no_collective(monkeypatch):
+    """A process that belongs to a group of two (a serving replica set, say) builds an -O0 engine:
+    its projections are cached per process and call no torch.distributed function."""
+    import torch.distributed as dist
+
+    from fvgraph.request import Request
+    from fvgraph.engine.engine import Engine
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for name in ("get_world_size", "get_backend", "all_reduce", "all_gather", "broadcast", "barrier"):
+        monkeypatch.setattr(dist, name, lambda *a, _name=name, **k: calls.append(_name) or 2)
+    engine = Engine.from_card("tiny-wan", device="cpu")
+    [result] = engine.generate([Request(prompt="a", seed=0, num_inference_steps=2, num_frames=1, height=32, width=32)])
+    assert result.ok, result.error
+    assert engine.projection_cache.stats.hits > 0 and calls == []

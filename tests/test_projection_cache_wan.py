@@ -114,7 +114,7 @@ def test_each_projection_misses_once_per_branch_then_hits_every_step(wan, cfg):
     assert (stats.misses, stats.hits, stats.bypasses, stats.entries) == (pairs, (steps - 1) * pairs, {}, pairs)
     # Hashing is once per conditioning tensor, not per step or per block: the prompt embeddings and
     # the text_embedder output of each branch. K/V lookups find the remembered key of the latter.
-    assert stats.unprepared_hashes == 2 * branches
+    assert stats.hashes == 2 * branches
 
 
 # -- (c) the model is untouched ----------------------------------------------------------------

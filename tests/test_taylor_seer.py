@@ -17,6 +17,7 @@ from fvgraph.models.components import load_components
 from fvgraph.engine.engine import Engine
 from cache_helpers import block_calls as _block_calls, run_together_and_alone
 from conftest import embeds
+from reference_helpers import assert_matches_reference
 
 STEPS = 10
 SHAPE = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": STEPS}
@@ -85,8 +86,7 @@ def test_latents_and_full_calls_match_diffusers_taylorseer(tiny_engine, name):
     assert theirs == expected  # diffusers runs every call's embedders; its blocks ran at these calls only
     assert ours == [True] * sum(expected)  # a forecast step runs no transformer at all
     assert {k: result.cache[k] for k in ("method", "computed", "reused")} == {"method": "taylorseer", "computed": sum(expected), "reused": len(expected) - sum(expected)}
-    tol = tiny_engine.card.parity.tolerance("fp32", "loop")  # the diffusers reference test's fp32 tolerance
-    torch.testing.assert_close(result.latents, reference, atol=tol.atol, rtol=tol.rtol)
+    assert_matches_reference(result.latents, reference)
 
 
 def _mixed() -> list[Request]:

@@ -21,6 +21,7 @@ from fvgraph.request import Request
 from fvgraph.models.components import load_components
 from fvgraph.engine.engine import Engine
 from conftest import embeds
+from reference_helpers import assert_matches_reference, assert_shares_no_storage, reference_pipeline, saved_pipeline
 
 CARD = "tiny-wan2.2-ti2v"
 SHAPE = {"height": 64, "width": 96, "num_frames": 5, "num_inference_steps": 3}  # latents [1, 48, 2, 4, 6]
@@ -36,15 +37,18 @@ def ti2v():
 
 
 @pytest.fixture(scope="module")
-def released(tmp_path_factory):
-    """The released card's engine on tiny-wan2.2-ti2v's seeded weights, written by diffusers' own WanPipeline."""
+def ti2v_checkpoint(tmp_path_factory):
+    """tiny-wan2.2-ti2v's seeded weights, written by diffusers' own WanPipeline."""
     card = get_card(CARD)
     c = load_components(card, None, torch.device("cpu"))
-    pipe = WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
-                       scheduler=diffusers_scheduler(card.recipe.sampler), expand_timesteps=True)  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny-ti2v-checkpoint")
-    pipe.save_pretrained(folder)
-    return Engine.from_card("wan2.2-ti2v-5b", checkpoint=folder, device="cpu")
+    return saved_pipeline(WanPipeline, c, tmp_path_factory.mktemp("tiny-ti2v-checkpoint"),
+                          scheduler=diffusers_scheduler(card.recipe.sampler), expand_timesteps=True)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def released(ti2v_checkpoint):
+    """The released (bf16) card's engine, in fp32, on that checkpoint."""
+    return Engine.from_card("wan2.2-ti2v-5b", checkpoint=ti2v_checkpoint, device="cpu", dtype="fp32")
 
 
 def test_the_wan_2_2_vae_facts_come_from_the_checkpoint(released):
@@ -57,12 +61,14 @@ def test_the_wan_2_2_vae_facts_come_from_the_checkpoint(released):
 
 
 @pytest.mark.parametrize("with_image", [False, True], ids=["text", "text+image"])
-def test_released_card_on_a_diffusers_checkpoint_matches_the_diffusers_pipelines(released, with_image):
-    """WanPipeline for text alone, WanImageToVideoPipeline for a first frame, both with expand_timesteps."""
-    c = released.loop.components
-    parts = dict(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
-                 scheduler=diffusers_scheduler(released.card.recipe.sampler), expand_timesteps=True)  # fmt: skip
-    pipe = WanImageToVideoPipeline(**parts) if with_image else WanPipeline(**parts)
+def test_released_card_on_a_diffusers_checkpoint_matches_the_diffusers_pipelines(released, ti2v_checkpoint, with_image):
+    """WanPipeline for text alone, WanImageToVideoPipeline for a first frame, both with expand_timesteps,
+    loaded from the checkpoint apart from the engine."""
+    pipe = reference_pipeline(WanPipeline, ti2v_checkpoint, scheduler=diffusers_scheduler(released.card.recipe.sampler))
+    if with_image:  # the same loaded modules in the image pipeline
+        pipe = WanImageToVideoPipeline(**pipe.components, expand_timesteps=pipe.config.expand_timesteps)
+    assert pipe.config.expand_timesteps
+    assert_shares_no_storage(released, pipe)
     image = {"image": _image(1)} if with_image else {}
     g = torch.Generator().manual_seed(21)  # full-length embeddings: diffusers does not pad short ones
     positive, negative = (torch.randn(1, released.card.shapes.text_len, released.facts.text_dim, generator=g) for _ in range(2))
@@ -73,8 +79,7 @@ def test_released_card_on_a_diffusers_checkpoint_matches_the_diffusers_pipelines
                                           output_type="latent", **image, **SHAPE)], on_step=lambda s, kind: kinds.append(kind))  # fmt: skip
     assert result.ok, result.error
     assert ("vae_encode" in kinds) == with_image
-    tol = released.card.parity.tolerance(released.card.recipe.precision, "loop")
-    torch.testing.assert_close(result.latents, reference.float(), atol=tol.atol, rtol=tol.rtol)
+    assert_matches_reference(result.latents, reference)
 
 
 def _requests():

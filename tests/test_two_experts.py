@@ -13,6 +13,7 @@ from fvgraph.parity import Setting, compare
 from fvgraph.request import Request
 from fvgraph.models.components import diffusers_scheduler
 from conftest import embeds
+from reference_helpers import assert_matches_reference, assert_shares_no_storage, reference_pipeline, saved_pipeline
 
 SHAPE = {"height": 48, "width": 64, "num_frames": 5}
 
@@ -26,21 +27,17 @@ def a14b():
 def a14b_checkpoint(tmp_path_factory):
     card = get_card("tiny-wan2.2-a14b")
     c = load_components(card, None, torch.device("cpu"))
-    pipe = WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
-                       transformer_2=c.transformer_2, scheduler=diffusers_scheduler(card.recipe.sampler),
-                       boundary_ratio=card.recipe.boundary_ratio)  # fmt: skip
-    folder = tmp_path_factory.mktemp("tiny-a14b-checkpoint")
-    pipe.save_pretrained(folder)
-    return folder
+    return saved_pipeline(WanPipeline, c, tmp_path_factory.mktemp("tiny-a14b-checkpoint"),
+                          scheduler=diffusers_scheduler(card.recipe.sampler), boundary_ratio=card.recipe.boundary_ratio)  # fmt: skip
 
 
 def test_released_card_on_a_diffusers_checkpoint_matches_wan_pipeline_with_two_experts(a14b_checkpoint):
-    engine = Engine.from_card("wan2.2-t2v-a14b", checkpoint=a14b_checkpoint, device="cpu")
+    engine = Engine.from_card("wan2.2-t2v-a14b", checkpoint=a14b_checkpoint, device="cpu", dtype="fp32")  # a bf16 release
     assert engine.facts.experts == ("transformer", "transformer_2")
-    c, recipe = engine.loop.components, engine.card.recipe
-    pipe = WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
-                       transformer_2=c.transformer_2, scheduler=diffusers_scheduler(recipe.sampler),
-                       boundary_ratio=recipe.boundary_ratio)  # fmt: skip
+    recipe = engine.card.recipe
+    pipe = reference_pipeline(WanPipeline, a14b_checkpoint, scheduler=diffusers_scheduler(recipe.sampler),
+                              boundary_ratio=recipe.boundary_ratio)  # fmt: skip
+    assert_shares_no_storage(engine, pipe)
     g = torch.Generator().manual_seed(31)  # full-length embeddings: diffusers does not pad short ones
     positive, negative = (torch.randn(1, engine.card.shapes.text_len, engine.facts.text_dim, generator=g) for _ in range(2))
     reference = pipe(prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=4.0, guidance_scale_2=2.0,
@@ -53,8 +50,7 @@ def test_released_card_on_a_diffusers_checkpoint_matches_wan_pipeline_with_two_e
     )  # fmt: skip
     assert result.ok, result.error
     assert "denoise_cfg" in kinds and "denoise_cfg_2" in kinds  # the run straddles the boundary
-    tol = engine.card.parity.tolerance(recipe.precision, "loop")
-    torch.testing.assert_close(result.latents, reference.float(), atol=tol.atol, rtol=tol.rtol)
+    assert_matches_reference(result.latents, reference)
 
 
 def _requests(card):
@@ -105,7 +101,7 @@ def test_guidance_scale_2_is_for_two_expert_cards_only(tiny_engine):
     assert result.status == "rejected" and "guidance_scale_2: card 'tiny-wan' has one denoiser expert" in result.error
 
 
-def test_two_expert_image_to_video_matches_diffusers_without_an_image_encoder():
+def test_two_expert_image_to_video_matches_diffusers_without_an_image_encoder(tmp_path):
     """Wan 2.2 I2V A14B's shape: no CLIP tower, the first frame through the VAE only, two experts."""
     import numpy as np
     import PIL.Image
@@ -120,10 +116,10 @@ def test_two_expert_image_to_video_matches_diffusers_without_an_image_encoder():
                                    "recipe": base.recipe.model_copy(update={"precision": "fp32"}),
                                    "shapes": tiny.shapes})  # fmt: skip
     engine = Engine.from_card(card, device="cpu")
-    c = engine.loop.components
-    pipe = WanImageToVideoPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
-                                   transformer_2=c.transformer_2, scheduler=diffusers_scheduler(card.recipe.sampler),
-                                   boundary_ratio=card.recipe.boundary_ratio)  # fmt: skip
+    folder = saved_pipeline(WanImageToVideoPipeline, load_components(card, None, torch.device("cpu")), tmp_path / "checkpoint",
+                            scheduler=diffusers_scheduler(card.recipe.sampler), boundary_ratio=card.recipe.boundary_ratio)  # fmt: skip
+    pipe = reference_pipeline(WanImageToVideoPipeline, folder)
+    assert_shares_no_storage(engine, pipe)
     image = PIL.Image.fromarray(np.random.default_rng(2).integers(0, 256, (48, 64, 3), dtype=np.uint8))
     positive, negative = embeds(5, tiny)
     reference = pipe(image=image, prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=3.5,
@@ -132,5 +128,4 @@ def test_two_expert_image_to_video_matches_diffusers_without_an_image_encoder():
     [result] = engine.generate([Request(image=image, prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=3.5,
                                         guidance_scale_2=2.5, seed=4, output_type="latent", num_inference_steps=4, **SHAPE)])  # fmt: skip
     assert result.ok, result.error
-    tol = card.parity.tolerance("fp32", "loop")
-    torch.testing.assert_close(result.latents, reference, atol=tol.atol, rtol=tol.rtol)
+    assert_matches_reference(result.latents, reference)

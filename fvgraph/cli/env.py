@@ -3,20 +3,43 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.table import Table
 
-from fvgraph.cli.options import console
+from fvgraph.cli.options import BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, chosen_card_from_options, console
 
 
-def env(as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table.")) -> None:
-    """Versions of torch / CUDA / triton / diffusers, the GPU, optional kernel packages, and the cards."""
-    from fvgraph.cards import card_names
+def env(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    card: Optional[str] = typer.Option(None, help="Also list the recipe a run of this card uses (loads no weights)."),
+    checkpoint: Optional[Path] = typer.Option(None, help="With --card: set each recipe value beside what this folder says."),
+    dtype: Optional[str] = DTYPE_OPTION,
+    flow_shift: Optional[float] = FLOW_SHIFT_OPTION,
+    boundary_ratio: Optional[float] = BOUNDARY_RATIO_OPTION,
+) -> None:
+    """Versions of torch / CUDA / triton / diffusers, the GPU, optional kernel packages, and the cards;
+    with --card, the precision and recipe a run uses, and where a --checkpoint says otherwise."""
+    from fvgraph.cards import card_names, get_card
     from fvgraph.env_report import environment
+    from fvgraph.runtime.checkpoint_recipe import recipe_values
 
     report = environment()
     report["cards"] = card_names()
+    if card is not None:
+        try:
+            chosen = chosen_card_from_options(get_card(card), dtype, flow_shift, boundary_ratio)
+        except (KeyError, ValueError) as err:
+            console.print(f"[red]error:[/red] {err}")
+            raise typer.Exit(2) from None
+        report["precision"] = chosen.recipe.precision
+        for value in recipe_values(chosen, checkpoint) if checkpoint is not None else ():
+            report[f"recipe {value.key}"] = str(value) + (" (differs)" if value.differs else "")
+        if checkpoint is None:
+            report["recipe flow_shift"] = str(chosen.recipe.sampler.config.get("flow_shift"))
+            report["recipe boundary_ratio"] = str(chosen.recipe.boundary_ratio)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return

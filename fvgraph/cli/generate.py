@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fvgraph.cli.caching import CACHE_HELP, cache_line
-from fvgraph.cli.options import console, serving_engine, writable_dir
+from fvgraph.cli.options import BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, console, serving_engine, writable_dir
 
 
 def generate(
@@ -38,10 +38,14 @@ def generate(
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     cfg_parallel: Optional[int] = typer.Option(None, "--cfg-parallel", help="2: cond and uncond branches on two processes (docs/parallel.md)."),
     ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree: processes splitting each denoiser call's tokens; divides the head count."),
+    dtype: Optional[str] = DTYPE_OPTION,
+    flow_shift: Optional[float] = FLOW_SHIFT_OPTION,
+    boundary_ratio: Optional[float] = BOUNDARY_RATIO_OPTION,
     output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
     """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
+    from fvgraph.parallel.executor import ParallelExecutor
     from fvgraph.request import Request
     from fvgraph.serving.video_io import check_video_output, write_video
 
@@ -52,7 +56,8 @@ def generate(
         writable_dir(output.parent, "--output")
         engine = serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, compile_steps, cache=cache,
-                                 cfg_parallel=cfg_parallel, ulysses=ulysses)  # fmt: skip
+                                 cfg_parallel=cfg_parallel, ulysses=ulysses,
+                                 dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio)  # fmt: skip
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
@@ -112,6 +117,8 @@ def generate(
     c = engine.counters
     table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {c.compiles}, cache hits: {c.cache_hits}"
     console.print(table)
+    if isinstance(engine.executor, ParallelExecutor):  # which ranks did the work
+        console.print(engine.executor.group.summary(), highlight=False, soft_wrap=True)
     for path in written:
         console.print(f"wrote {path}")
     if failed:

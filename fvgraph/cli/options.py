@@ -6,10 +6,34 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import typer
 from rich.console import Console
 
 console = Console()
 DEFAULT_CACHE_DIR = Path("capture_cache")
+
+# The run's precision and recipe over the card's (fvgraph/card_choices.py), shared by generate, serve and env.
+DTYPE_OPTION = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16: the denoiser and text encoder's dtype (default: the card's precision).")
+FLOW_SHIFT_OPTION = typer.Option(None, "--flow-shift", help="The sampler's flow_shift (default: the card's; a checkpoint that says otherwise is warned about).")
+BOUNDARY_RATIO_OPTION = typer.Option(None, "--boundary-ratio", help="Two-expert cards: where the low-noise expert takes over (default: the card's).")
+
+
+def chosen_card_from_options(card, dtype: Optional[str], flow_shift: Optional[float], boundary_ratio: Optional[float]):
+    """The card with --dtype, --flow-shift and --boundary-ratio applied; ValueError naming the flag."""
+    from fvgraph.card_choices import with_dtype, with_recipe
+
+    if dtype is not None:
+        try:
+            card = with_dtype(card, dtype)
+        except ValueError as err:
+            raise ValueError(f"--dtype: {err}") from None
+    for flag, key, value in (("--flow-shift", "flow_shift", flow_shift), ("--boundary-ratio", "boundary_ratio", boundary_ratio)):
+        if value is not None:
+            try:
+                card = with_recipe(card, {key: value})
+            except ValueError as err:
+                raise ValueError(f"{flag}: {err}") from None
+    return card
 
 
 def card_with_cache(card: str, cache: Optional[str]):
@@ -44,7 +68,8 @@ def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cud
                     compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
                     fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
                     cache: Optional[str] = None, cfg_parallel: Optional[int] = None,
-                    ulysses: Optional[int] = None):  # fmt: skip
+                    ulysses: Optional[int] = None, dtype: Optional[str] = None, flow_shift: Optional[float] = None,
+                    boundary_ratio: Optional[float] = None):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options."""
     from fvgraph.parallel.config import ParallelConfig
     from fvgraph.engine.engine import Engine
@@ -56,8 +81,9 @@ def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cud
         except ValueError as err:
             raise ValueError(f"--cfg-parallel must be 1 or 2 and --ulysses at least 1: {err}") from None
 
+    chosen = chosen_card_from_options(card_with_cache(card, cache), dtype, flow_shift, boundary_ratio)
     engine = Engine.from_card(
-        card_with_cache(card, cache), checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
+        chosen, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
         compile_config=compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
         cache_dir=cache_dir, max_running=max_running, parallel=parallel,
     )  # fmt: skip

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from fvgraph.cli.caching import CACHE_HELP
-from fvgraph.cli.options import parse_shape, serving_engine, writable_dir
+from fvgraph.cli.options import BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, parse_shape, serving_engine, writable_dir
 
 
 def serve(
@@ -29,6 +29,9 @@ def serve(
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
     cfg_parallel: Optional[int] = typer.Option(None, "--cfg-parallel", help="2: cond and uncond branches on two processes (docs/parallel.md)."),
     ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree: processes splitting each denoiser call's tokens; divides the head count."),
+    dtype: Optional[str] = DTYPE_OPTION,
+    flow_shift: Optional[float] = FLOW_SHIFT_OPTION,
+    boundary_ratio: Optional[float] = BOUNDARY_RATIO_OPTION,
     video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 is written with PyAV)."),
     fps: int = typer.Option(8),
     port: Optional[int] = typer.Option(None, help="Serve the OpenAI-style HTTP API on this port (0: any free one) instead of JSON lines."),
@@ -61,7 +64,8 @@ def serve(
             source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
         engine = serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache,
-                                 cfg_parallel=cfg_parallel, ulysses=ulysses)  # fmt: skip
+                                 cfg_parallel=cfg_parallel, ulysses=ulysses,
+                                 dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio)  # fmt: skip
         if port is not None:
             from fvgraph.serving.http_server import HttpServer
 

@@ -23,7 +23,7 @@ from torch.nn.attention import sdpa_kernel
 
 from fvgraph.compile.capture_cache import CacheEntry, CaptureCache
 from fvgraph.contract.counters import Counters
-from fvgraph.compile.graph_artifact import load_graph, load_in_child, save_graph
+from fvgraph.compile.graph_artifact import load_graph, load_in_child, save_graph, save_graph_in_child
 from fvgraph.kernels.attention import sdpa_backends
 from fvgraph.contract.plan import WorkPlan
 from fvgraph.contract.step_kind import StepKind
@@ -125,6 +125,7 @@ class StepCompiler:
         self._runtime = RuntimeFactors.current(device)
         self._compiled: dict[StepSignature, CompiledStep] = {}
         self._rejected: dict[str, tuple[dict, str]] = {}  # cache entries found unusable: key -> (record, why)
+        self._loaded_in_child: set[str] = set()  # cache entries a child process has loaded (GPU AOTInductor)
         self.cache = None if cache_dir is None else CaptureCache(cache_dir, self.fingerprint(opt_level))
 
     def fingerprint(self, opt_level: int) -> dict:
@@ -236,14 +237,20 @@ class StepCompiler:
         """Compile each graph to a file, publish the files, and run what was published (another
         process's entry, when it published this signature first). Returns (step_fn, prologue_fn, meta)."""
         backend, patches = self.config.backend, self._inductor_patches(signature.attention)
+        in_child = self._aoti_in_child  # see graph_artifact: AOTInductor never crashes this process
         with self.cache.staging_dir() as staging:
             files = {"step": Path(staging) / "step.pt2"}
-            save_graph(gm, base_args + hoisted, backend, files["step"], patches)
+            graphs = [(gm, base_args + hoisted, files["step"])]
             if prologue is not None:
                 files["prologue"] = Path(staging) / "prologue.pt2"
-                save_graph(prologue, base_args, backend, files["prologue"], patches)
+                graphs.append((prologue, base_args, files["prologue"]))
+            for graph, args, path in graphs:
+                if in_child:
+                    save_graph_in_child(graph, args, path, patches)
+                else:
+                    save_graph(graph, args, backend, path, patches)
             meta["compile_seconds"] = time.perf_counter() - began
-            if backend == "inductor" and self.device.type == "cuda":  # see graph_artifact: never crash here
+            if in_child:
                 problem = load_in_child(files.values(), backend, self.device)
                 if problem is not None:
                     raise RuntimeError(f"the built package does not load: {problem}")
@@ -261,6 +268,10 @@ class StepCompiler:
         problem = self.cache.check(entry, signature.factors())
         if problem is None and entry.meta.get("param_names") != list(step_parameters(step)):
             problem = "the step's parameters differ from the ones it was compiled with"
+        if problem is None and self._aoti_in_child and entry.key not in self._loaded_in_child:
+            paths = [self.cache.path(entry, name) for name in entry.artifact_names]
+            problem = load_in_child(paths, self.config.backend, self.device)  # the first load of a hit, in a child
+            self._loaded_in_child.add(entry.key)
         if problem is None:
             try:
                 step_fn, prologue_fn = self._load_entry(entry, base_args)
@@ -284,6 +295,11 @@ class StepCompiler:
         step_fn = load_graph(self.cache.path(entry, "step"), backend, self.device, compile_fn, base_args + hoisted)
         return step_fn, prologue_fn
 
+    @property
+    def _aoti_in_child(self) -> bool:
+        """AOTInductor packages on a GPU: built, and first loaded, in a child process."""
+        return self.config.backend == "inductor" and self.device.type == "cuda"
+
     def _backend_compile(self, gm: torch.fx.GraphModule, example_args: list[torch.Tensor], attention: str = "default"):
         backend = self.config.backend
         if backend == "eager":
@@ -301,8 +317,6 @@ class StepCompiler:
         both set triton.cudagraphs). `attention` is the signature's SDPA choice (see AttentionChoice)."""
         patches = {} if self.config.mode == "default" else dict(torch._inductor.list_mode_options(self.config.mode))
         patches.update(INDUCTOR_CONFIG)
-        if self.pass_manager.inductor:
-            patches["post_grad_custom_post_pass"] = self.pass_manager.inductor
         if attention != "default":
             patches["post_grad_custom_pre_pass"] = AttentionChoice(attention)
         return patches

@@ -7,9 +7,13 @@
 - eager / aot_eager: the post-pass graph as a `torch.export` program. Loading it skips dynamo capture
   and the FX passes; the backend (cheap for these two) runs again on the loaded graph.
 
-On a GPU a freshly built package is first loaded in a child process (`load_in_child`): torch
-2.11's AOTInductor loader was seen to die of SIGSEGV on an H200 loading a package fvgraph had just
-built, and a crash there should cost the child and one logged in-process compile, not the server.
+On a GPU, AOTInductor work that could crash the process runs in a child process first: a package
+is built in one (`save_graph_in_child`), and loaded in one (`load_in_child`) after it is built and
+before the first in-process load of a capture-cache hit. torch 2.11's AOTInductor loader was seen to
+die of SIGSEGV on an H200 loading a package fvgraph had just built; a crash there should cost the
+child and one logged in-process compile, not the server. Each child runs with faulthandler on (a
+crash prints its Python stack) under a time limit, and every load logs a line first, so the last
+line before a crash names the file.
 
 Either way the graph's calling convention is kept: flat positional tensors in, a sequence of tensors out.
 The process that writes an artifact runs it through `load_graph` too, so a warm process runs the very
@@ -19,14 +23,21 @@ same code as the one that warmed the cache.
 from __future__ import annotations
 
 import inspect
+import logging
+import pickle
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from torch import fx
+
+log = logging.getLogger(__name__)
+CHILD_LOAD_TIMEOUT_S = 120.0  # a load that takes longer is treated as failed (the step compiles in process)
+CHILD_BUILD_TIMEOUT_S = 480.0  # an AOTInductor build took 72 s on an H200 for a one-layer graph
 
 GraphFn = Callable[..., "tuple[torch.Tensor, ...] | list[torch.Tensor]"]
 
@@ -48,6 +59,7 @@ def load_graph(path: Path, backend: str, device: torch.device, compile_fn: Calla
                example_args: list[torch.Tensor] | None = None) -> GraphFn:  # fmt: skip
     """The callable stored at `path`. For eager/aot_eager, `compile_fn(gm, example_args)` runs the
     backend on the loaded graph (example_args may be meta tensors shaped like the real inputs)."""
+    log.info("loading the %s artifact %s on %s", backend, path, device)
     if backend == "inductor":
         # run_single_threaded: no locking around a run, which CUDA graph capture needs (and a
         # GraphRunner never runs one graph from two threads).
@@ -71,27 +83,73 @@ def probe_load(path: Path, backend: str) -> None:
         torch.export.load(str(path)).module()
 
 
-# What the child runs: load each artifact the way load_graph does, then exit 0.
-_CHILD = """
-import sys, torch
+def register_custom_ops() -> None:
+    """Import the modules that register fvgraph's custom ops: a child process loading or building a
+    graph that calls them needs them registered (a process running fvgraph has them already)."""
+    import fvgraph.contract.markers  # noqa: F401
+    import fvgraph.kernels.fp8_linear  # noqa: F401
+    import fvgraph.kernels.norm_modulate  # noqa: F401
+    import fvgraph.loops.taps  # noqa: F401
+
+
+# The children start with fvgraph's custom ops registered.
+_OPS = "from fvgraph.compile.graph_artifact import register_custom_ops\nregister_custom_ops()\n"
+# What a load child runs: load each artifact the way load_graph does, then exit 0.
+_CHILD = _OPS + """
+import logging, sys, torch
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 from fvgraph.compile.graph_artifact import load_graph
 backend, device = sys.argv[1], torch.device(sys.argv[2])
 for path in sys.argv[3:]:
     load_graph(path, backend, device, lambda gm, args: gm)
 """
 
+# What a build child runs: the exported program and the inductor patches (pickled) to an AOTInductor package.
+_BUILD_CHILD = _OPS + """
+import pickle, sys, torch
+program = torch.export.load(sys.argv[1])
+with open(sys.argv[2], "rb") as handle:
+    patches = pickle.load(handle)
+with torch._inductor.config.patch(patches):
+    torch._inductor.aoti_compile_and_package(program, package_path=sys.argv[3])
+"""
 
-def load_in_child(paths: Iterable[Path], backend: str, device: torch.device, timeout_s: float = 300.0) -> str | None:
-    """Load the artifacts at `paths` in a fresh Python process. None when they all load; otherwise
-    what happened to the child (its exit code or the signal that killed it, and its last stderr)."""
-    command = [sys.executable, "-c", _CHILD, backend, str(device), *(str(p) for p in paths)]
+
+def _run_child(script: str, args: list[str], timeout_s: float, doing: str) -> str | None:
+    """Run `script` in a fresh Python with faulthandler on. None when it exits 0; otherwise what
+    happened to it (its exit code or the signal that killed it, and its last stderr lines)."""
+    command = [sys.executable, "-X", "faulthandler", "-c", script, *args]
     try:
         child = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        return f"loading took over {timeout_s:.0f} s in a child process"
+        return f"{doing} took over {timeout_s:.0f} s in a child process"
     if child.returncode == 0:
         return None
     how = (f"killed by {signal.Signals(-child.returncode).name}" if child.returncode < 0
            else f"exit code {child.returncode}")  # fmt: skip
     tail = child.stderr.strip().splitlines()[-3:]
-    return f"a child process loading it ended with {how}" + (": " + " | ".join(tail) if tail else "")
+    return f"a child process {doing} ended with {how}" + (": " + " | ".join(tail) if tail else "")
+
+
+def load_in_child(paths: Iterable[Path], backend: str, device: torch.device, timeout_s: float = CHILD_LOAD_TIMEOUT_S) -> str | None:
+    """Load the artifacts at `paths` in a fresh Python process. None when they all load; otherwise
+    what happened to the child (its exit code or the signal that killed it, and its last stderr)."""
+    paths = [str(p) for p in paths]
+    log.info("loading %s in a child process first (limit %.0f s)", ", ".join(paths), timeout_s)
+    return _run_child(_CHILD, [backend, str(device), *paths], timeout_s, "loading it")
+
+
+def save_graph_in_child(gm: fx.GraphModule, example_args: list[torch.Tensor], path: Path, inductor_patches: dict,
+                        timeout_s: float = CHILD_BUILD_TIMEOUT_S) -> None:  # fmt: skip
+    """save_graph for the inductor backend, with the AOTInductor build in a child process: the graph
+    is exported here and built there. Raises RuntimeError saying what happened to a child that failed."""
+    with torch.no_grad():
+        program = torch.export.export(gm, tuple(example_args), strict=False)
+    with tempfile.TemporaryDirectory(prefix="fvgraph-build-") as scratch:
+        exported, patches = Path(scratch) / "program.pt2", Path(scratch) / "patches.pkl"
+        torch.export.save(program, str(exported))
+        patches.write_bytes(pickle.dumps(inductor_patches))
+        log.info("building the AOTInductor package %s in a child process (limit %.0f s)", path, timeout_s)
+        problem = _run_child(_BUILD_CHILD, [str(exported), str(patches), str(path)], timeout_s, "building it")
+    if problem is not None:
+        raise RuntimeError(f"the AOTInductor package {path} was not built: {problem}")

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
+from fvgraph.card_choices import chosen_card
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.contract.counters import Counters
@@ -98,6 +99,8 @@ class Engine:
         text_encoder: bool = True,
         calibration_dir: str | Path | None = None,
         parallel: ParallelConfig | None = None,
+        dtype: str | torch.dtype | None = None,
+        recipe: dict | None = None,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -119,8 +122,11 @@ class Engine:
         `<cache_dir>/calibration`, else `capture_cache/calibration`).
         `parallel` starts worker processes that split each denoise step with this process
         (CFG-parallel, Ulysses: docs/parallel.md); `close()` stops them.
+        `dtype` ("fp32", "bf16", "fp16" or a torch dtype) runs the denoiser and text encoder in it
+        instead of the card's precision; `recipe` sets flow_shift, boundary_ratio and the defaults
+        named in fvgraph/card_choices.py over the card's (and a checkpoint's) own.
         """
-        card = get_card(card) if isinstance(card, str) else card
+        card = chosen_card(get_card(card) if isinstance(card, str) else card, dtype, recipe)
         switches = EngineSwitches(
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,

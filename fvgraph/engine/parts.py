@@ -25,6 +25,7 @@ from fvgraph.card import ModelCard
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.models.components import load_components
 from fvgraph.contract.counters import Counters
+from fvgraph.runtime.checkpoint_recipe import warn_recipe_differences
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.kernels.fp8_weights import apply_fp8_weights
 from fvgraph.runtime.graph_runner import GraphRunner
@@ -82,6 +83,8 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer"})
     components = load_components(card, checkpoint, device, skip)
+    if checkpoint is not None and rank == 0:  # the folder's own recipe, where it differs from the run's
+        warn_recipe_differences(card, checkpoint)
     loop = build_loop(card, components)
     if isinstance(loop, StepCaching):  # a loop with step caching finds calibrated settings here
         loop.calibration = CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir))
@@ -106,7 +109,7 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
         executor = CompiledExecutor(executor, compiler, runner, switches.buckets)
     elif switches.cache_dir is not None:
         log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.cache_dir)
-    projection_cache = None  # its hit/miss all-reduce would be one more collective the ranks do not share
+    projection_cache = None  # per process: on a parallel engine the ranks would have to agree on each hit
     if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None:
         projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
         try:

@@ -53,6 +53,7 @@ class WorkerGroup:
         self._serial = count()
         self._numbers: weakref.WeakKeyDictionary[RequestSlot, int] = weakref.WeakKeyDictionary()
         self._released: list[int] = []
+        self.calls_done = [0] * len(processes)  # per worker rank (1, 2, ...): split step calls it answered "ok"
 
     @classmethod
     def spawn(cls, config: ParallelConfig, target: Callable, build: Callable[[str], Any]) -> tuple[WorkerGroup, str]:
@@ -109,6 +110,8 @@ class WorkerGroup:
         for rank, answer in self._answers(f"a {kind} step", timeout):
             if answer[0] == "error":
                 errors.append(f"rank {rank}: {answer[1]}")
+            else:
+                self.calls_done[rank - 1] += 1
         if errors:
             raise RuntimeError(f"{kind} step failed on a worker rank:\n" + "\n".join(errors))
 
@@ -126,6 +129,13 @@ class WorkerGroup:
                 yield rank, conn.recv()
             except (EOFError, ConnectionError) as err:
                 self._lose(f"worker rank {rank} (pid {process.pid}) closed its pipe ({err!r}) during {doing}")
+
+    def summary(self) -> str:
+        """One line naming each worker rank, its process and the step calls it ran."""
+        ranks = ", ".join(f"rank {rank} (pid {process.pid}) ran {done} step calls"
+                          for rank, (process, done) in enumerate(zip(self.processes, self.calls_done), start=1))  # fmt: skip
+        return f"parallel group of {self.config.world_size} ranks (cfg={self.config.cfg}, ulysses={self.config.ulysses}): " + (
+            ranks or "rank 0 alone")
 
     def check_alive(self, doing: str) -> None:
         """Raise WorkersLost if a worker has exited (after a collective failed, say why)."""

@@ -5,8 +5,8 @@ embedding) through the same weights at every step. ``ExactProjectionCache`` keep
 and returns it while its key still holds: projection name, conditioning content hash, identity,
 storage and version of every weight/buffer, and the numerical settings of the ``project()`` call.
 What the key cannot see (compilation, CUDA-graph capture, autograd, hooks, unversioned or subclass
-weights) runs the original computation instead. Under tensor parallelism the ranks agree on hit vs
-miss with one small all-reduce, so a miss on any rank makes every rank recompute.
+weights) runs the original computation instead. The cache is per process and never communicates:
+a parallel engine runs without it (fvgraph/engine/builder.py).
 See docs/projection_cache.md for usage and integration rules.
 """
 
@@ -19,12 +19,10 @@ from collections import OrderedDict
 from typing import Callable, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules import module as _nn_module
 
-# Bypass reasons. All but TOO_LARGE are decided before the TP all-reduce and are assumed to be the
-# same on every rank (same code path, same grad mode, same hooks, same way of loading weights).
+# Bypass reasons: why a call ran compute() without reading or writing the cache.
 COMPILING = "compiling"
 CUDA_GRAPH_CAPTURE = "cuda_graph_capture"
 GRAD_ENABLED = "grad_enabled"
@@ -38,25 +36,21 @@ TOO_LARGE = "too_large"
 @dataclasses.dataclass
 class ProjectionCacheStats:
     """Counters for one cache. Every eager ``project()`` call adds exactly one to ``hits``,
-    ``precomputed_hits``, ``misses`` or one ``bypasses`` reason; ``bypasses["compiling"]`` counts
-    traces, not calls of the compiled code."""
+    ``misses`` or one ``bypasses`` reason; ``bypasses["compiling"]`` counts traces, not calls of the
+    compiled code."""
 
     hits: int = 0
-    """Calls answered from the runtime cache (on TP, only when every rank hit)."""
-    precomputed_hits: int = 0
-    """Runtime-cache misses answered by ``_lookup_precomputed`` (TP size 1 only)."""
+    """Calls answered from the cache."""
     misses: int = 0
     """Calls that ran ``compute()`` and stored its output."""
     bypasses: dict[str, int] = dataclasses.field(default_factory=dict)
     """Calls that ran ``compute()`` without reading or writing the cache, by reason."""
-    tp_forced_misses: int = 0
-    """Calls where this rank hit locally but recomputed because another rank missed."""
     invalidations: int = 0
     """Entries dropped because a projection weight/buffer changed identity, storage or version."""
     evictions: int = 0
     """Entries dropped to stay within ``max_bytes``."""
-    unprepared_hashes: int = 0
-    """Conditionings hashed inside ``project()`` because ``prepare()`` had not seen them."""
+    hashes: int = 0
+    """Conditionings hashed (once per tensor object, and again after it is changed in place)."""
     bytes_held: int = 0
     """Bytes of storage kept alive by cached outputs."""
     entries: int = 0
@@ -74,7 +68,7 @@ class ConditioningKey:
     device: str
 
 
-class _Prepared(NamedTuple):
+class _Hashed(NamedTuple):
     ref: weakref.ref
     storage: weakref.ref
     data_ptr: int
@@ -96,18 +90,16 @@ class ExactProjectionCache:
     Keep one cache per model instance, and a separate one for each concurrent forward.
     """
 
-    def __init__(self, max_bytes: int, process_group: dist.ProcessGroup | None = None) -> None:
-        """``max_bytes`` bounds the storage kept alive by cached outputs. ``process_group`` is the
-        tensor-parallel group whose ranks must agree on hits (default: the world group)."""
+    def __init__(self, max_bytes: int) -> None:
+        """``max_bytes`` bounds the storage kept alive by cached outputs."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
             raise ValueError(
                 f"ExactProjectionCache: max_bytes={max_bytes!r} must be a non-negative int "
                 "(bytes of projection outputs to keep); pass 0 to store nothing."
             )
         self.max_bytes = max_bytes
-        self._group = process_group
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
-        self._prepared: dict[int, _Prepared] = {}
+        self._hashed: dict[int, _Hashed] = {}
         self._stats = ProjectionCacheStats()
         self._bytes_held = 0
 
@@ -119,21 +111,12 @@ class ExactProjectionCache:
         return snap
 
     def clear(self) -> None:
-        """Drop every cached output and prepared key; counters are kept.
+        """Drop every cached output and remembered conditioning key; counters are kept.
 
         Call on checkpoint or adapter loads, projection behaviour changes and model moves."""
         self._entries.clear()
-        self._prepared.clear()
+        self._hashed.clear()
         self._bytes_held = 0
-
-    def prepare(self, conditioning: Tensor) -> ConditioningKey | None:
-        """Hash ``conditioning`` once so later ``project()`` calls on it skip hashing.
-
-        The tensor must not be mutated until its projections are done. Hashing copies the tensor
-        to the host (one device sync). Does nothing while compiling (returns None)."""
-        if torch.compiler.is_compiling() or _capturing_cuda_graph():
-            return None
-        return self._remember(conditioning)
 
     def project(
         self, name: str, projection: nn.Module, conditioning: Tensor, compute: Callable[[], Tensor]
@@ -158,39 +141,16 @@ class ExactProjectionCache:
             self._drop(key)  # stale: the weights moved or were updated in place
             self._stats.invalidations += 1
             entry = None
-        tp_size = self._tp_size()
-        hit = entry is not None
-        if tp_size > 1:
-            # Every non-bypassed call enters this collective, hit or miss, on every rank.
-            agreed = self._all_ranks_hit(hit, conditioning)
-            self._stats.tp_forced_misses += int(hit and not agreed)
-            hit = agreed
-        if hit:
+        if entry is not None:
             self._entries.move_to_end(key)
             self._stats.hits += 1
             return entry.output
-        if tp_size == 1:
-            precomputed = self._lookup_precomputed(name, projection, cond_key)
-            if precomputed is not None:
-                self._stats.precomputed_hits += 1
-                self._store(key, weights, tensors, precomputed)
-                return precomputed
         output = compute()
         if self._store(key, weights, tensors, output):
             self._stats.misses += 1
         else:
             self._count_bypass(TOO_LARGE)
         return output
-
-    def _lookup_precomputed(
-        self, name: str, projection: nn.Module, conditioning_key: ConditioningKey
-    ) -> Tensor | None:
-        """Extension point: return a validated offline result, or None to compute.
-
-        Consulted only at TP size 1 and only on runtime-cache misses. A subclass owns artifact
-        validation, weight binding and layouts, and must return only results that are exact for
-        the current weights and numerical settings."""
-        return None
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -205,10 +165,12 @@ class ExactProjectionCache:
         return True
 
     def _remember(self, conditioning: Tensor) -> ConditioningKey:
+        """Hash `conditioning` (one host copy: a device sync) and remember the key for this tensor."""
+        self._stats.hashes += 1
         key = _hash_conditioning(conditioning)
-        self._prepared = {k: p for k, p in self._prepared.items() if p.ref() is not None}
+        self._hashed = {k: p for k, p in self._hashed.items() if p.ref() is not None}
         storage, version = conditioning.untyped_storage(), _version_of(conditioning)
-        self._prepared[id(conditioning)] = _Prepared(
+        self._hashed[id(conditioning)] = _Hashed(
             weakref.ref(conditioning), weakref.ref(storage), conditioning.data_ptr(), version, key
         )
         return key
@@ -216,7 +178,7 @@ class ExactProjectionCache:
     def _key_for(self, conditioning: Tensor) -> ConditioningKey:
         # Identity alone is not enough: ids are reused after GC and a tensor can be mutated or
         # re-pointed, so the object, its storage, its address and its version must all match.
-        p = self._prepared.get(id(conditioning))
+        p = self._hashed.get(id(conditioning))
         if (
             p is not None
             and p.ref() is conditioning
@@ -225,7 +187,6 @@ class ExactProjectionCache:
             and p.version == _version_of(conditioning)
         ):
             return p.key
-        self._stats.unprepared_hashes += 1
         return self._remember(conditioning)
 
     def _store(self, key: tuple, weights: tuple, tensors: list, output: Tensor) -> bool:
@@ -254,24 +215,6 @@ class ExactProjectionCache:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes_held -= entry.nbytes
-
-    def _tp_size(self) -> int:
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1
-        return dist.get_world_size(self._group)
-
-    def _all_ranks_hit(self, local_hit: bool, conditioning: Tensor) -> bool:
-        """MIN all-reduce of the local hit flag: True only if every rank in the group hit."""
-        backend = str(dist.get_backend(self._group))
-        if "nccl" not in backend:
-            device = torch.device("cpu")  # gloo (and mpi) reduce host tensors
-        elif conditioning.device.type == "cuda":
-            device = conditioning.device
-        else:
-            device = torch.device("cuda", torch.cuda.current_device())
-        flag = torch.tensor([int(local_hit)], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._group)
-        return bool(flag.item())
 
 
 def _symmetric_bypass_reason(projection: nn.Module) -> str | None:

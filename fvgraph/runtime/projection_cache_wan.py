@@ -27,8 +27,7 @@ cache bypasses itself and Dynamo inlines the original forward, so a fullgraph tr
 Hashing: the prompt embeddings are hashed once per tensor object by the cache (it remembers the key
 of every tensor it has seen, checked by identity, storage, address and version). On a text_embedder
 hit the very same `ctx` tensor comes back each step, so every K/V lookup finds its key without
-hashing again; `ctx` itself is hashed once, on the step that computed it. `prepare()` is not called
-per forward on purpose: it always rehashes (one host copy and sync per call).
+hashing again; `ctx` itself is hashed once, on the step that computed it.
 """
 
 from __future__ import annotations

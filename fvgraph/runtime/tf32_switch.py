@@ -19,14 +19,25 @@ import contextlib
 import torch
 
 
+_MIXED_APIS = (
+    "fp32 math: this process set TF32 through torch's fp32_precision API (torch.backends.cuda.matmul."
+    "fp32_precision or torch.backends.cudnn.conv.fp32_precision), and fvgraph's fp32 context "
+    "(fvgraph/runtime/tf32_switch.py) reads and sets torch.backends.*.allow_tf32, which torch then refuses. "
+    "For an fp32 card, leave TF32 unset in this process or set it with allow_tf32 only (torch said: {err})"
+)
+
+
 class Fp32Math:
     """TF32 off for cuDNN and cuBLAS while inside; the previous settings restored on the way out."""
 
     def __enter__(self) -> None:
         backends = torch.backends
-        self._saved = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32)
-        backends.cudnn.allow_tf32 = False
-        backends.cuda.matmul.allow_tf32 = False
+        try:
+            self._saved = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32)
+            backends.cudnn.allow_tf32 = False
+            backends.cuda.matmul.allow_tf32 = False
+        except RuntimeError as err:  # torch refuses the legacy switches once the new API set TF32
+            raise RuntimeError(_MIXED_APIS.format(err=err)) from err
 
     def __exit__(self, *exc) -> None:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self._saved
