@@ -35,7 +35,7 @@ def server(tiny_engine, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def i2v_server(tmp_path_factory):
-    from fvgraph.runtime.engine import Engine
+    from fvgraph.engine.engine import Engine
 
     with live_server(Engine.from_card("tiny-wan-i2v", device="cpu"), tmp_path_factory.mktemp("i2v")) as (srv, url):
         yield srv, url

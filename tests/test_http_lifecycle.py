@@ -71,7 +71,8 @@ def test_drain_finishes_running_videos_cancels_what_outlasts_it_and_refuses_new_
         assert httpx.get(url + "/ready").status_code == 503
         wait_for(lambda: not srv.served.accepting and srv.served.in_flight == 0, what="the drain")
     done, cut = srv.store.get(short.id), srv.store.get(long.id)
-    assert done.status == "completed" and decode_mp4(done.files["video"].read_bytes()).shape == (5, 32, 32, 3)
+    assert done.status == "completed", done.error
+    assert decode_mp4(done.files["video"].read_bytes()).shape == (5, 32, 32, 3)
     assert cut.status == "failed" and cut.error["code"] == "shutdown" and not cut.files
     kept = [f"{short.id}.jpg", f"{short.id}.json", f"{short.id}.mp4", f"{long.id}.json"]  # a failed video keeps its record
     assert sorted(p.name for p in srv.store.root.iterdir()) == sorted(kept)
