@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from fvgraph.card import ModelCard
 from fvgraph.caching.settings import CacheSettings, NoCache
@@ -38,6 +38,14 @@ class RequestRejected(ValueError):
     def __init__(self, field_name: str, message: str):
         self.field = field_name
         super().__init__(f"{field_name}: {message}")
+
+
+def refuse_boolean(value: Any, info: ValidationInfo) -> Any:
+    """A `mode="before"` field validator for number fields: pydantic would read True as 1. The one
+    rule for Request and for the HTTP bodies that map onto it (fvgraph/serving/openai_requests.py)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{info.field_name} must be a number, not a boolean ({value})")
+    return value
 
 
 def _check_embeds(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
@@ -102,12 +110,8 @@ class Request(BaseModel):
             raise ValueError("request_id must be printable: no control characters such as newlines")
         return value
 
-    @field_validator("num_inference_steps", "guidance_scale", "height", "width", "num_frames", "seed", mode="before")
-    @classmethod
-    def _not_a_boolean(cls, value, info):
-        if isinstance(value, bool):  # pydantic would read True as 1
-            raise ValueError(f"{info.field_name} must be a number, not a boolean ({value})")
-        return value
+    _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "height", "width", "num_frames", "seed",
+                                     mode="before")(refuse_boolean)  # fmt: skip
 
     @field_validator("height", "width")
     @classmethod

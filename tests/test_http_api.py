@@ -31,7 +31,7 @@ def test_create_and_poll_completes_and_the_content_is_the_requested_video(server
     api = client(url)
     video = api.videos.create_and_poll(prompt="a fox", size="32x32", seconds="1", poll_interval_ms=20, extra_body=QUICK)
     assert video.status == "completed" and video.progress == 100 and video.model == "tiny-wan"
-    assert video.id.startswith("video_") and video.seconds == "1" and video.size == "32x32"
+    assert video.id.startswith("video_") and video.seconds == "1.25" and video.size == "32x32"  # 5 frames at 4 fps
     assert video.completed_at >= video.created_at and video.expires_at > video.completed_at
 
     frames = decode_mp4(api.videos.download_content(video.id).read())
@@ -170,7 +170,7 @@ MALFORMED = [
     ({"data": {"prompt": "x", "size": "40x32"}}, "width", "multiple of 16"),
     ({"data": {"prompt": "x", "model": "sora-2"}}, "model", "not served here"),
     ({"data": {"prompt": "x" * (10 << 20)}}, "prompt", "exceed the limit"),
-    ({"data": {"prompt": "x"}, "files": {"input_reference": ("ref.png", b"not an image", "image/png")}}, "input_reference", "not a decodable image"),
+    ({"data": {"prompt": "x"}, "files": {"input_reference": ("ref.png", b"not an image", "image/png")}}, "input_reference", "takes no image"),  # checked before the upload is opened
     ({"json": {"prompt": "x", "input_reference": {"image_url": "http://169.254.169.254/"}}}, "input_reference", "fetches no URLs"),
 ]  # fmt: skip
 

@@ -26,7 +26,7 @@ def test_store_ids_are_the_servers_and_a_deleted_item_leaves_no_file(tmp_path):
     store.remove(dropped.id)  # deleted while it ran: its content arrives afterwards
     assert not store.finish(dropped.id, "completed", content={"video": b"late"})
     assert store.finish(kept.id, "completed", content={"video": b"mp4", "thumbnail": b"jpg"})
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{kept.id}.jpg", f"{kept.id}.mp4"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{kept.id}.jpg", f"{kept.id}.json", f"{kept.id}.mp4"]
     assert store.get(kept.id).expires_at == 1010
     now[0] = 1010.0
     assert store.expire() == [kept.id] and not list(tmp_path.iterdir())
@@ -39,6 +39,19 @@ def test_content_expires_after_the_retention_and_its_files_are_deleted(tiny_engi
         assert video.status == "completed" and list(srv.store.root.glob(f"{video.id}.*"))
         wait_for(lambda: not list(srv.store.root.glob(f"{video.id}.*")), timeout_s=10, what="the files to expire")
         assert httpx.get(f"{url}/v1/videos/{video.id}", headers={"Authorization": f"Bearer {KEY}"}).status_code == 404
+
+
+def test_a_restarted_server_serves_lists_and_deletes_the_videos_of_the_last_one(tiny_engine, tmp_path):
+    with live_server(tiny_engine, tmp_path) as (_, url):
+        video = client(url).videos.create_and_poll(prompt="kept", size="32x32", poll_interval_ms=20, extra_body=QUICK)
+        mp4 = client(url).videos.download_content(video.id).read()
+    with live_server(tiny_engine, tmp_path) as (srv, url):
+        api = client(url)
+        assert api.videos.retrieve(video.id).status == "completed"
+        assert api.videos.download_content(video.id).read() == mp4
+        assert [v.id for v in api.videos.list(limit=10).data] == [video.id]
+        api.videos.delete(video.id)
+        assert not list(srv.store.root.glob(f"{video.id}*"))
 
 
 def test_drain_finishes_running_videos_cancels_what_outlasts_it_and_refuses_new_ones(tiny_engine, tmp_path, monkeypatch):
@@ -59,12 +72,13 @@ def test_drain_finishes_running_videos_cancels_what_outlasts_it_and_refuses_new_
         assert httpx.get(url + "/ready").status_code == 503
         wait_for(lambda: not srv.served.accepting and srv.served.in_flight == 0, what="the drain")
     done, cut = srv.store.get(short.id), srv.store.get(long.id)
-    assert done.status == "completed"
+    assert done.status == "completed", done.error
     assert np.array_equal(decode_mp4(done.files["video"].read_bytes()),
                           expected_video(tiny_engine, fps=4, prompt="short", height=32, width=32, num_frames=5,
                                          num_inference_steps=4, seed=1))  # fmt: skip
     assert cut.status == "failed" and cut.error["code"] == "shutdown" and not cut.files
-    assert sorted(p.name for p in srv.store.root.iterdir()) == [f"{short.id}.jpg", f"{short.id}.mp4"]
+    kept = [f"{short.id}.jpg", f"{short.id}.json", f"{short.id}.mp4", f"{long.id}.json"]  # a failed video keeps its record
+    assert sorted(p.name for p in srv.store.root.iterdir()) == sorted(kept)
 
 
 def test_serve_port_refuses_bad_options_by_name(tmp_path):
@@ -76,6 +90,9 @@ def test_serve_port_refuses_bad_options_by_name(tmp_path):
     assert result.exit_code == 2 and "--memory-budget='lots' must be a size such as 8GiB" in result.output
     result = CliRunner().invoke(app, ["serve", "-O0", "--port", "0", "--warmup-shape", "9x64", "-o", str(tmp_path)])
     assert result.exit_code == 2 and "--warmup-shape='9x64' must be FRAMESxHEIGHTxWIDTH" in result.output
+    for value in ("inf", "nan"):  # every finished video would fail computing its expiry
+        result = CliRunner().invoke(app, ["serve", "-O0", "--port", "0", "--retention-s", value, "-o", str(tmp_path)])
+        assert result.exit_code == 2 and "(--retention-s) must be a finite, positive number" in result.output, result.output
 
 
 def test_sigterm_stops_the_cli_server_cleanly(tmp_path):

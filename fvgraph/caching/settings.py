@@ -171,8 +171,8 @@ def parse_cache_text(text: str) -> dict[str, Any]:
     if text.startswith("{"):
         try:
             value = json.loads(text)
-        except ValueError as err:
-            raise ValueError(f"cache={text!r} is not a JSON object: {err}") from None
+        except (ValueError, RecursionError) as err:  # RecursionError: nested past the parser's depth
+            raise ValueError(f"cache={text[:64]!r} is not a JSON object: {err}") from None
         if not isinstance(value, dict):
             raise ValueError(f"cache={text!r} must be a JSON object")
         return value
@@ -186,6 +186,8 @@ def parse_cache_text(text: str) -> dict[str, Any]:
             settings[name.strip()] = json.loads(raw)
         except ValueError:
             settings[name.strip()] = raw.strip()
+        except RecursionError:
+            raise ValueError(f"cache: {name.strip()[:64]!r} is nested past the JSON parser's depth") from None
     return settings
 
 

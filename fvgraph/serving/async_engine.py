@@ -126,8 +126,9 @@ class AsyncEngine:
         return request_id in self._known
 
     def submit(self, request: Request, timeout_s: float | None = None) -> str:
-        """Accept `request` (queued event) or raise: RequestRejected (bad for this card, or can never
-        fit the memory budget), QueueFull, EngineClosed. `timeout_s` cancels it that long after now."""
+        """Accept `request` (queued event) or raise: RequestRejected (what the loop's `check_request`
+        refuses, or can never fit the memory budget), QueueFull, EngineClosed. `timeout_s` cancels it
+        that long after now."""
         if not self.accepting or self.error is not None:
             raise EngineClosed("the server is shutting down and takes no new requests" if self.error is None
                                else f"the engine stopped: {self.error!r}")  # fmt: skip
@@ -137,7 +138,9 @@ class AsyncEngine:
             raise RequestRejected("request_id", f"{request.request_id!r} is already in flight")
         if timeout_s is not None and not timeout_s > 0:
             raise RequestRejected("timeout", f"{timeout_s} must be a positive number of seconds")
-        resolved = request.resolve(self.engine.card, self.engine.facts)
+        # Everything the engine would refuse, refused now (400), not after it was accepted: the card's
+        # limits, the loop's own rules (an image-to-video card needs an image), step caching.
+        resolved = self.engine.loop.check_request(request)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # The thread learns of the request before admission can hand it over, so its deadline and
         # start time are known when it enters the engine.
@@ -269,9 +272,13 @@ class AsyncEngine:
             self._accepted_at.pop(command[1], None)
         elif name == "cancel":
             _, request_id, reason, answer = command
-            answer.set_result(self._cancel(request_id, reason))
+            cancelled = self._cancel(request_id, reason)
+            if answer.set_running_or_notify_cancel():  # False: the caller stopped waiting (its task was cancelled)
+                answer.set_result(cancelled)
         elif name == "warmup":
             _, requests, done = command
+            if not done.set_running_or_notify_cancel():  # the server stopped before its warmup began
+                return
             try:
                 self.engine.warmup(requests)
                 done.set_result(None)

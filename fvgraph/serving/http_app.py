@@ -10,7 +10,8 @@
     GET    /v1/images/{id}/content        the PNG behind such a URL
     GET    /health, /ready, /metrics      liveness, readiness (warm), Prometheus metrics
 
-Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}; `param` names the field.
+Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}; `param` names the field
+the client sent (fvgraph/serving/http_errors.py).
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ import base64
 import json
 import logging
 import time
+from collections.abc import Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from fvgraph.serving.admission import QueueFull
 from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
-from fvgraph.serving.http_guard import BodyTooLarge, HttpGuard
+from fvgraph.serving.http_errors import ApiError, error_handlers
+from fvgraph.serving.http_guard import HttpGuard
 from fvgraph.serving.media_encode import encode_image, encode_mp4
 from fvgraph.serving.openai_requests import (
     ImageBody,
@@ -37,6 +41,7 @@ from fvgraph.serving.openai_requests import (
     VideoBody,
     check_input_reference,
     image_request,
+    json_fields,
     parse_body,
     video_request,
 )
@@ -62,18 +67,6 @@ class HttpSettings:
     retention_s: float = 3600.0  # finished videos and their files are deleted this long after they end
     drain_timeout_s: float = 30.0  # on shutdown, running requests get this long before they are cancelled
     warmup: tuple[Request, ...] = ()  # run through Engine.warmup before /ready says ready
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None):  # fmt: skip
-        super().__init__(message)
-        self.status, self.param, self.code, self.headers = status, param, code, headers
-
-
-def _error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 class VideoApi:
@@ -163,15 +156,12 @@ class VideoApi:
     async def _fields(self, http: HttpRequest) -> dict:
         kind = http.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind == "application/json":
-            try:
-                fields = json.loads(await http.body())
-            except ValueError as err:
-                raise RequestRejected("body", f"is not valid JSON: {err}") from None
-            if not isinstance(fields, dict):
-                raise RequestRejected("body", f"must be a JSON object, got {type(fields).__name__}")
-            return fields
+            return json_fields(await http.body())
         if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
-            form = await http.form(max_part_size=self.settings.max_body_bytes)
+            try:
+                form = await http.form(max_part_size=self.settings.max_body_bytes)
+            except HTTPException as err:  # no boundary, too many fields or files (1000), a part too large
+                raise RequestRejected("body", f"is not a readable form: {err.detail}") from None
             fields = {}
             for name, value in form.multi_items():
                 if name in fields:
@@ -251,6 +241,8 @@ class VideoApi:
         try:
             if (now := self.store.get(video_id)) is not None:
                 yield _sse("video", now.to_json())
+                if now.status in ("completed", "failed"):  # it has ended: this is the final Video already
+                    return
             while self.served.knows(video_id):
                 event = await events.get()
                 yield _sse(event.kind, event.to_json())
@@ -280,11 +272,11 @@ class VideoApi:
         try:
             for one in parsed:
                 self._accept(one)
-            results = await asyncio.gather(*(_result_of(events) for _, events in subscriptions))
-        finally:  # a refused or abandoned request takes the others of its call with it
+            results = await _unless_hung_up(http, _results_of([events for _, events in subscriptions]))
+        finally:  # a refused request, or a client that hung up, takes the others of its call with it
             for request_id, events in subscriptions:
                 self.served.unsubscribe(request_id, events)
-                await self.served.cancel(request_id)
+            await asyncio.gather(*(self.served.cancel(request_id) for request_id, _ in subscriptions))  # one step boundary
         data = []
         for one, result in zip(parsed, results):
             if not result.ok:
@@ -334,7 +326,7 @@ ROUTES = [
 def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -> FastAPI:
     """The app; `app.state.api` is its VideoApi (`app.state.api.drain()` starts a drain)."""
     api = VideoApi(served, store, settings)
-    app = FastAPI(title="fvgraph", lifespan=api.lifespan, exception_handlers=_error_handlers(api.metrics))
+    app = FastAPI(title="fvgraph", lifespan=api.lifespan, exception_handlers=error_handlers(api.metrics))
     app.state.api = api
     app.add_middleware(HttpGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        on_reject=api.metrics.reject)  # fmt: skip
@@ -343,37 +335,32 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
     return app
 
 
-def _error_handlers(metrics: ServingMetrics) -> dict:
-    """Each refusal as an OpenAI error body with its status, counted by reason."""
-
-    def refusal(status: int, reason: str, code: str, param: str | None = None, retry_after=None):
-        async def handle(_, err: Exception):
-            metrics.reject(reason)
-            headers = None if retry_after is None else {"Retry-After": str(retry_after(err))}
-            return JSONResponse(_error_body(str(err), status, param, code), status, headers=headers)
-
-        return handle
-
-    async def rejected(_, err: RequestRejected):
-        metrics.reject("memory" if err.field == "memory_budget" else "invalid")
-        return JSONResponse(_error_body(str(err), 400, err.field, "invalid_value"), 400)
-
-    async def api_error(_, err: ApiError):
-        return JSONResponse(_error_body(str(err), err.status, err.param, err.code), err.status, headers=err.headers)
-
-    return {
-        ApiError: api_error,
-        RequestRejected: rejected,
-        QueueFull: refusal(429, "queue_full", "queue_full", retry_after=lambda err: err.retry_after),
-        EngineClosed: refusal(503, "draining", "unavailable", retry_after=lambda err: 5),
-        BodyTooLarge: refusal(413, "too_large", "body_too_large", param="body"),
-    }
+async def _unless_hung_up(http: HttpRequest, waiting: Coroutine):
+    """What `waiting` returns; ClientDisconnect, with `waiting` cancelled, once the client hangs up."""
+    answer, hung_up = asyncio.ensure_future(waiting), asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({answer, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (answer, hung_up):
+            task.cancel()
+    if not answer.cancelled() and answer.done():
+        return answer.result()
+    raise ClientDisconnect()
 
 
-async def _result_of(events: asyncio.Queue):
-    while not (event := await events.get()).terminal:
+async def _disconnected(http: HttpRequest) -> None:
+    """Returns when the client hangs up (its body has been read: the next ASGI message is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
         pass
-    return event.result
+
+
+async def _results_of(subscriptions: list[asyncio.Queue]) -> list:
+    results = []
+    for events in subscriptions:
+        while not (event := await events.get()).terminal:
+            pass
+        results.append(event.result)
+    return results
 
 
 def _sse(kind: str, body: dict) -> str:

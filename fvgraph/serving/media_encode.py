@@ -10,6 +10,19 @@ import numpy as np
 from PIL import Image
 
 
+# The frame rates a served mp4 is written at: each is kept as given (to 1/1001 precision), so a
+# video's length is frames / mp4_rate(fps). Below 1/1001 the rate would round to 0, which libx264
+# silently replaces by 24.
+MIN_FPS, MAX_FPS = 1.0, 120.0
+
+
+def mp4_rate(fps: float) -> Fraction:
+    """The frame rate the mp4 of a video at `fps` is written at (MIN_FPS <= fps <= MAX_FPS)."""
+    if not MIN_FPS <= fps <= MAX_FPS:
+        raise ValueError(f"fps={fps} must be between {MIN_FPS:g} and {MAX_FPS:g}")
+    return Fraction(fps).limit_denominator(1001)
+
+
 def _check(frames: np.ndarray) -> None:
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or frames.shape[0] < 1:
         raise ValueError(f"frames must be uint8 [T>=1, H, W, 3], got {frames.dtype} {list(frames.shape)}")
@@ -23,7 +36,7 @@ def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
         raise ValueError(f"H.264 in yuv420p needs an even size, got {width}x{height}")
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
+        stream = container.add_stream("libx264", rate=mp4_rate(fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = {"crf": "18", "preset": "veryfast"}
         for frame in frames:

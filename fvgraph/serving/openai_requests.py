@@ -6,30 +6,40 @@ input_reference) or the same fields as JSON, plus fvgraph's own fields, which th
 cache (step caching: a JSON object, or in a form the text METHOD[:k=v,...] or a JSON object's text;
 "none" turns the card's default off; docs/step_caching.md).
 `seconds` x `fps` becomes a frame count rounded to the nearest the card allows (k * 4 + 1 for Wan);
-`num_frames`, when given, must follow that rule itself. Every error is a RequestRejected naming the
-field and the rule (HTTP 400).
+`num_frames`, when given, must follow that rule itself; the Video's `seconds` is what was rendered:
+frames / the frame rate the mp4 is written at. A number field refuses a boolean (JSON `true` is not
+1) and a non-finite value. Every error is a RequestRejected naming the field the client sent and
+the rule (HTTP 400).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from PIL import Image, UnidentifiedImageError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fvgraph.card import ModelCard
-from fvgraph.request import Request, RequestRejected
+from fvgraph.request import Request, RequestRejected, refuse_boolean
+from fvgraph.serving.media_encode import MAX_FPS, MIN_FPS, mp4_rate
 
 SIZE = re.compile(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})")
 DEFAULT_FPS = 16.0  # Wan 2.1 is trained at 16 frames per second
+SEED_RANGE = 2**63  # seeds are 0 <= seed < 2**63; image i of n gets (seed + i) modulo this
+# input_reference: the formats the API documents, opened by these PIL plugins only (an upload never
+# reaches Ghostscript, TIFF or any other decoder), and at most this many pixels, checked from the
+# header before any pixel is decoded.
+REFERENCE_FORMATS = ("PNG", "JPEG", "WEBP")
 MAX_REFERENCE_PIXELS = 4096 * 4096
+MAX_JSON_DEPTH = 32  # how deeply a JSON field may nest; a real one nests 2 (cache settings holding mag_ratios)
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     prompt: str = Field(min_length=1)
     model: str | None = None
@@ -37,20 +47,26 @@ class _Body(BaseModel):
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0, lt=SEED_RANGE)
     timeout: float | None = Field(default=None, gt=0, description="Seconds after which the request is cancelled.")
-    cache: str | dict[str, Any] | None = Field(default=None, description="Step caching, as Request(cache=...) takes it.")
+    cache: Any = Field(default=None, description="Step caching, as Request(cache=...) takes it (and checks it).")
+
+    _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "seed", "timeout", mode="before")(refuse_boolean)
 
 
 class VideoBody(_Body):
     seconds: float | None = Field(default=None, gt=0, le=600)
-    fps: float | None = Field(default=None, gt=0, le=120)
+    fps: float | None = Field(default=None, ge=MIN_FPS, le=MAX_FPS, description="Frames per second of the mp4.")
     num_frames: int | None = Field(default=None, ge=1)
+
+    _numbers_not_booleans = field_validator("seconds", "fps", "num_frames", mode="before")(refuse_boolean)
 
 
 class ImageBody(_Body):
     n: int = Field(default=1, ge=1, le=8)
     response_format: Literal["b64_json", "url"] = "b64_json"
+
+    _count_not_a_boolean = field_validator("n", mode="before")(refuse_boolean)
 
 
 @dataclass(frozen=True)
@@ -64,14 +80,74 @@ class Parsed:
     timeout: float | None
 
 
+def json_fields(raw: bytes) -> dict:
+    """A JSON body as its fields: an object whose values nest at most MAX_JSON_DEPTH deep (deeper
+    input would reach Python's recursion limit in the parser or in what reads it later). Too deep a
+    value is refused naming its field."""
+    try:
+        fields = json.loads(raw)
+    except RecursionError:
+        name = _deep_field(raw.decode("utf-8", errors="replace"))
+        raise RequestRejected(name, f"is nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as err:  # UnicodeDecodeError too
+        raise RequestRejected("body", f"is not valid JSON: {err}") from None
+    if not isinstance(fields, dict):
+        raise RequestRejected("body", f"must be a JSON object, got {type(fields).__name__}")
+    for name, value in fields.items():
+        if _depth(value) > MAX_JSON_DEPTH:
+            raise RequestRejected(name, f"is nested deeper than {MAX_JSON_DEPTH} levels")
+    return fields
+
+
+def _depth(value: Any) -> int:
+    """How deeply lists and objects nest in `value` (a scalar: 0, [1]: 1), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in children)
+    return deepest
+
+
+_JSON_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]')  # strings (skipped whole) and brackets
+
+
+def _deep_field(text: str) -> str:
+    """The top-level field of a body too deep to parse: the last string at the top level before the
+    nesting passes MAX_JSON_DEPTH is its key ("body" when there is none)."""
+    depth, key = 0, None
+    for token in _JSON_TOKENS.finditer(text):
+        mark = token.group()
+        if mark in ("[", "{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH + 1:
+                break
+        elif mark in ("]", "}"):
+            depth -= 1
+        elif depth == 1:
+            key = mark
+    try:
+        name = json.loads(key) if key is not None else "body"
+    except ValueError:
+        return "body"
+    return name[:64] if isinstance(name, str) else "body"
+
+
 def parse_body(model: type[_Body], fields: dict) -> _Body:
     try:
         return model.model_validate(fields)
     except ValidationError as err:
-        first = err.errors()[0]
-        name = ".".join(str(p) for p in first["loc"]) or "body"
-        message = "unknown field; " + _known(model) if first["type"] == "extra_forbidden" else first["msg"]
-        raise RequestRejected(name, message) from None
+        raise _rejected(err, "unknown field; " + _known(model)) from None
+
+
+def _rejected(err: ValidationError, unknown: str = "unknown field") -> RequestRejected:
+    """The first error, named by the field the client sent (pydantic's location can go on into a
+    union member's type name, which no client sent)."""
+    first = err.errors()[0]
+    name = str(first["loc"][0]) if first["loc"] else "body"
+    return RequestRejected(name, unknown if first["type"] == "extra_forbidden" else first["msg"])
 
 
 def _known(model: type[_Body]) -> str:
@@ -106,8 +182,7 @@ def _request(body: _Body, card: ModelCard, request_id: str, max_prompt_chars: in
                        guidance_scale=body.guidance_scale, seed=body.seed, cache=body.cache, request_id=request_id,
                        **shape)  # fmt: skip
     except ValidationError as err:
-        first = err.errors()[0]
-        raise RequestRejected(".".join(str(p) for p in first["loc"]) or "body", first["msg"]) from None
+        raise _rejected(err) from None
 
 
 def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_chars: int,
@@ -120,7 +195,7 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
         frames = frames_for(body.seconds, fps, temporal_multiple)  # the weights' VAE: ModelFacts
     else:
         frames = card.shapes.default_frames
-    seconds = f"{body.seconds:g}" if body.seconds is not None else f"{frames / fps:g}"
+    seconds = f"{frames / float(mp4_rate(fps)):g}"  # what is rendered and written, not what was asked
     shape = dict(height=height, width=width, num_frames=frames)
     request = _request(body, card, request_id, max_prompt_chars, **shape, **({} if image is None else {"image": image}))
     return Parsed(request, f"{width}x{height}", seconds, fps, body.timeout)
@@ -128,23 +203,28 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
 
 def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_chars: int, index: int) -> Parsed:
     width, height = _size(body.size, card)
-    seed = None if body.seed is None else body.seed + index
+    seed = None if body.seed is None else (body.seed + index) % SEED_RANGE  # every valid seed works for any n
     request = _request(body.model_copy(update={"seed": seed}), card, request_id, max_prompt_chars,
                        height=height, width=width, num_frames=1)  # fmt: skip
     return Parsed(request, f"{width}x{height}", "0", DEFAULT_FPS, body.timeout)
 
 
 def check_input_reference(data: bytes, card: ModelCard, takes_image: bool) -> Image.Image:
-    """An image-to-video reference: it must decode as an image of sane size, and the served loop must
-    take one (`Loop.takes_image`). Returns it as RGB, for `Request(image=...)`."""
-    try:
-        image = Image.open(io.BytesIO(data))
-        if image.width * image.height > MAX_REFERENCE_PIXELS:
-            raise RequestRejected("input_reference", f"{image.width}x{image.height} has more than {MAX_REFERENCE_PIXELS} pixels")
-        image.load()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
-        raise RequestRejected("input_reference", f"is not a decodable image (PNG, JPEG, WebP): {err}") from None
+    """An image-to-video reference. The served loop must take one (`Loop.takes_image`), checked
+    before the upload is looked at; then it must be a PNG, JPEG or WebP (no other PIL plugin sees
+    it) of at most MAX_REFERENCE_PIXELS pixels. Returns it as RGB, for `Request(image=...)`."""
     if not takes_image:
         raise RequestRejected("input_reference", f"card {card.card_id!r} generates from text only and takes no image; "
                                                  "serve an image-to-video card to use input_reference")  # fmt: skip
-    return image.convert("RGB")
+    try:
+        image = Image.open(io.BytesIO(data), formats=REFERENCE_FORMATS)  # reads the header only
+        if image.width * image.height <= MAX_REFERENCE_PIXELS:
+            image.load()
+            return image.convert("RGB")
+    except _UNDECODABLE as err:
+        raise RequestRejected("input_reference", f"is not a decodable image (PNG, JPEG, WebP): {err}") from None
+    raise RequestRejected("input_reference", f"{image.width}x{image.height} has more than {MAX_REFERENCE_PIXELS} pixels")
+
+
+# What PIL raises for bytes it cannot open or decode (SyntaxError and EOFError from some truncated files).
+_UNDECODABLE = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)

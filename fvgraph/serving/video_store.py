@@ -2,25 +2,38 @@
 
 Ids are made here (`video_` + 32 hex digits, or `img_...`); a client's string is only ever a key to
 look up, never part of a path. Content is written to a temporary file and renamed into place, and a
-video is marked completed only once all of its files are there, so no partial file is ever served.
-A finished item expires `retention_s` after it ended: `expire()` deletes its record and its files.
+video is marked completed only once all of its files are there, so no partial file is ever served;
+a write that fails removes what it wrote. A finished item expires `retention_s` after it ended:
+`expire()` deletes its record and its files.
+
+Each item's record (`{id}.json`, the StoredVideo's fields) lies beside its files, written the same
+way whenever the item is added, changes status or ends. A store opened on a folder adopts the
+records an earlier server left there (`adopt()`): finished items are served, listed and expired as
+before; an item that had not finished is adopted as failed (code `interrupted`: its request died
+with the server); a record that cannot be read, or a completed one whose files are gone, is removed
+with its files, and so are content files without a record and partial files. Files whose names are
+not the store's (`ID_PATTERN` and a suffix of VARIANTS, or .json) are never touched.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
 Status = Literal["queued", "in_progress", "completed", "failed"]
 # variant -> file suffix; the only names content files ever get besides the server's ids
 VARIANTS = {"video": "mp4", "thumbnail": "jpg", "image": "png"}
+ID_PATTERN = re.compile(r"(video|img)_[0-9a-f]{32}(-[0-9]+)?")  # new_id (+ "-i" for image i of n > 1)
+INTERRUPTED = {"code": "interrupted", "message": "the server stopped before this video finished; create it again"}
 
 
 @dataclass
@@ -41,6 +54,7 @@ class StoredVideo:
     error: dict | None = None  # {"code", "message"} as OpenAI's VideoCreateError
     files: dict[str, Path] = field(default_factory=dict)
     expire_after: float | None = None  # clock time it expires (expires_at is its whole second, for the API)
+    added_ns: int = 0  # when the store took it (time.time_ns()): the order it is listed in
 
     def to_json(self) -> dict:
         """The OpenAI Video object (the fields its SDK reads)."""
@@ -54,22 +68,27 @@ class StoredVideo:
 
 class VideoStore:
     def __init__(self, root: str | Path, retention_s: float, clock: Callable[[], float] = time.time):
-        if retention_s <= 0:
-            raise ValueError(f"retention_s={retention_s} must be positive")
+        """Opens (or makes) `root` and adopts what an earlier server left in it."""
+        if not (math.isfinite(retention_s) and retention_s > 0):  # inf would make every expiry time overflow
+            raise ValueError(f"retention_s={retention_s} (--retention-s) must be a finite, positive number of seconds")
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.retention_s = retention_s
         self.clock = clock
         self._items: dict[str, StoredVideo] = {}  # insertion order is creation order
         self._lock = threading.Lock()
+        self._disk_lock = threading.RLock()  # a record is written or deleted under it: a delete is never undone
+        self.adopt()
 
     @staticmethod
     def new_id(kind: Literal["video", "image"]) -> str:
         return ("video_" if kind == "video" else "img_") + secrets.token_hex(16)
 
     def add(self, item: StoredVideo) -> StoredVideo:
+        item.added_ns = item.added_ns or time.time_ns()
         with self._lock:
             self._items[item.id] = item
+        self._persist(item.id)
         return item
 
     def get(self, item_id: str) -> StoredVideo | None:
@@ -90,18 +109,20 @@ class VideoStore:
             if item is not None:
                 for name, value in fields.items():
                     setattr(item, name, value)
-            return item
+        if item is not None and "status" in fields:  # progress alone is not worth a write: it is lost on restart
+            self._persist(item_id)
+        return item
 
     def finish(self, item_id: str, status: Status, error: dict | None = None, content: dict[str, bytes] | None = None) -> bool:
         """Write `content` (variant -> bytes) atomically, then mark the item ended. False when the item
         was deleted meanwhile: then nothing is left on disk."""
         files = {}
-        for variant, data in (content or {}).items():
-            path = self.root / f"{item_id}.{VARIANTS[variant]}"
-            partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
-            partial.write_bytes(data)
-            os.replace(partial, path)
-            files[variant] = path
+        try:
+            for variant, data in (content or {}).items():
+                files[variant] = _write_atomically(self.root / f"{item_id}.{VARIANTS[variant]}", data)
+        except BaseException:  # a full disk: nothing of this item stays behind
+            _unlink(files.values())
+            raise
         now = self.clock()
         with self._lock:
             item = self._items.get(item_id)
@@ -112,14 +133,17 @@ class VideoStore:
                 item.expires_at = math.ceil(item.expire_after)
         if item is None:
             _unlink(files.values())
+        else:
+            self._persist(item_id)
         return item is not None
 
     def remove(self, item_id: str) -> StoredVideo | None:
-        """Forget an item and delete its files."""
-        with self._lock:
-            item = self._items.pop(item_id, None)
-        if item is not None:
-            _unlink(item.files.values())
+        """Forget an item and delete its record and files."""
+        with self._disk_lock:
+            with self._lock:
+                item = self._items.pop(item_id, None)
+            if item is not None:
+                _unlink([*item.files.values(), self._record(item_id)])
         return item
 
     def content(self, item_id: str, variant: str) -> Path | None:
@@ -154,6 +178,104 @@ class VideoStore:
         for item_id in gone:
             self.remove(item_id)
         return gone
+
+
+    # -- records on disk -----------------------------------------------------------------------------
+
+    def _record(self, item_id: str) -> Path:
+        return self.root / f"{item_id}.json"
+
+    def _to_record(self, item: StoredVideo) -> dict:
+        """What `{id}.json` holds: the item's fields, its files by name."""
+        record = asdict(item)
+        record["files"] = {variant: path.name for variant, path in item.files.items()}
+        return record
+
+    def _persist(self, item_id: str) -> None:
+        """Write the item's record, unless it was removed meanwhile."""
+        with self._disk_lock:
+            with self._lock:
+                item = self._items.get(item_id)
+                record = None if item is None else self._to_record(item)
+            if record is not None:
+                _write_atomically(self._record(item_id), json.dumps(record).encode())
+
+    def adopt(self) -> list[str]:
+        """Take over the records in `root` (see the module's docstring); returns the ids adopted."""
+        now, adopted = self.clock(), []
+        for path in sorted(self.root.glob("*.json"), key=lambda p: p.name):
+            if not ID_PATTERN.fullmatch(path.stem):
+                continue
+            item = from_record(_read_json(path), self.root)
+            if item is None or item.id != path.stem or (item.status == "completed" and not item.files) or \
+                    not all(p.is_file() for p in item.files.values()):  # fmt: skip
+                _unlink([path, *(self.root / f"{path.stem}.{suffix}" for suffix in VARIANTS.values())])
+                continue
+            if item.status not in ("completed", "failed"):  # its request died with the earlier server
+                _unlink(item.files.values())
+                item.files, item.status, item.error = {}, "failed", dict(INTERRUPTED)
+                item.completed_at, item.expire_after = int(now), now + self.retention_s
+                item.expires_at = math.ceil(item.expire_after)
+            adopted.append(item)
+        with self._lock:
+            for item in sorted(adopted, key=lambda item: (item.added_ns, item.created_at, item.id)):
+                self._items.setdefault(item.id, item)
+        for item in adopted:
+            self._persist(item.id)
+        self._remove_strays()
+        return [item.id for item in adopted]
+
+    def _remove_strays(self) -> None:
+        """Content files no record names, and partial files a write left when the server died."""
+        with self._lock:
+            named = {path.name for item in self._items.values() for path in item.files.values()}
+        for path in self.root.iterdir():
+            stem, _, suffix = path.name.partition(".")
+            ours = ID_PATTERN.fullmatch(stem) and suffix in VARIANTS.values() and path.name not in named
+            partial = path.name.startswith(".") and path.name.endswith(".partial") and \
+                ID_PATTERN.fullmatch(path.name[1:].partition(".")[0])  # fmt: skip
+            if ours or partial:
+                path.unlink(missing_ok=True)
+
+
+_FIELDS = {f.name for f in fields(StoredVideo)}
+
+
+def from_record(record: object, root: Path) -> StoredVideo | None:
+    """The item a record describes; None for one that is not a record of this store's shape."""
+    if not isinstance(record, dict) or not isinstance(record.get("files", {}), dict):
+        return None
+    values = {name: value for name, value in record.items() if name in _FIELDS}
+    files = record.get("files", {})
+    if not all(variant in VARIANTS and isinstance(name, str) and name == f"{record.get('id')}.{VARIANTS[variant]}"
+               for variant, name in files.items()):  # fmt: skip
+        return None  # a record names only its own content files: nothing else is ever served or deleted
+    values["files"] = {variant: root / name for variant, name in files.items()}
+    try:
+        item = StoredVideo(**values)
+    except TypeError:  # a field missing
+        return None
+    if not (isinstance(item.id, str) and item.object in ("video", "image") and
+            item.status in ("queued", "in_progress", "completed", "failed")):  # fmt: skip
+        return None
+    return item
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):  # deleted meanwhile, torn by a crash, or not JSON
+        return None
+
+
+def _write_atomically(path: Path, data: bytes) -> Path:
+    partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
 
 
 def _unlink(paths) -> None:
