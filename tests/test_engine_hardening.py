@@ -136,3 +136,30 @@ def test_something_that_is_not_a_request_is_refused_by_type(tiny_engine):
     with pytest.raises(TypeError, match="fvgraph.Request objects, got dict"):
         tiny_engine.generate([{"prompt": "a fox"}])
     assert not tiny_engine.has_work()
+
+
+@pytest.mark.parametrize(("callback", "call"), [
+    ("on_step", lambda engine, state: engine.tick()),
+    ("on_step", lambda engine, state: engine.generate([Request(**TINY, request_id="inner")])),
+    ("on_step", lambda engine, state: engine.step(state)),
+    ("on_result", lambda engine, state: engine.tick()),
+])  # fmt: skip
+def test_a_tick_from_inside_a_callback_is_refused_and_the_bystander_is_unharmed(tiny_engine, callback, call):
+    [alone] = tiny_engine.generate([Request(**{**TINY, "num_inference_steps": 4}, request_id="bystander")])
+    refusals = []
+
+    def drive_from_inside(state, *rest):
+        try:
+            call(tiny_engine, state)
+        except RuntimeError as err:
+            refusals.append(str(err))
+
+    tiny_engine.submit(Request(**{**TINY, "num_inference_steps": 4}, request_id="bystander"))
+    [own] = tiny_engine.generate([Request(**TINY, request_id="caller")], **{callback: drive_from_inside})
+    results = {r.request_id: r for r in [own, *tiny_engine.tick()]}
+    while tiny_engine.has_work():
+        results.update((r.request_id, r) for r in tiny_engine.tick())
+    assert refusals and all("from inside a callback" in text for text in refusals)
+    assert results["caller"].ok and results["bystander"].ok
+    assert torch.equal(results["bystander"].latents, alone.latents)
+    assert not tiny_engine.has_work()

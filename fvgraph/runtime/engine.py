@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -68,6 +69,7 @@ class Engine:
         self._warming: set | None = None
         self._warm_progress: Callable[[int], None] | None = None
         self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
+        self._running_steps = False  # a tick or step is under way: its callbacks may not drive the engine
 
     @property
     def facts(self) -> ModelFacts:
@@ -160,7 +162,7 @@ class Engine:
         plan = self.loop.next(state)
         if isinstance(plan, Done):
             return False
-        with torch.compiler.set_stance(self._stance()):
+        with torch.compiler.set_stance(self._stance()), self._not_reentrant("step"):
             failures = self._run_group([(state, plan)], on_step)
         if failures:
             raise failures[0][1]
@@ -288,7 +290,7 @@ class Engine:
                 while pending:
                     if not self._scheduler.has_work():
                         raise RuntimeError(f"requests {sorted(pending)} neither ran nor ended")  # a bug, never a hang
-                    self._tick(on_step, on_result)
+                    self._tick(on_step, on_result, "generate")
                     for result in self._take_results(pending):
                         results[result.request_id] = result
                         pending.discard(result.request_id)
@@ -297,7 +299,27 @@ class Engine:
             raise
         return [rejected.get(i) or results[r.request_id] for i, r in enumerate(requests)]
 
-    def _tick(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
+    @contextmanager
+    def _not_reentrant(self, what: str):
+        """A callback runs between one request's step and the next member's: a tick, generate or step
+        started there would run and advance the same requests again (and hand results to the wrong
+        caller). Callbacks may submit and cancel; they must return before the engine runs on."""
+        if self._running_steps:
+            raise RuntimeError(
+                f"Engine.{what}() was called from inside a callback (on_step / on_result) of a running tick: "
+                "the engine is not re-entrant; submit or cancel from the callback and drive the engine after it returns"
+            )
+        self._running_steps = True
+        try:
+            yield
+        finally:
+            self._running_steps = False
+
+    def _tick(self, on_step: StepCallback | None, on_result: ResultCallback | None, what: str = "tick") -> None:
+        with self._not_reentrant(what):
+            self._tick_once(on_step, on_result)
+
+    def _tick_once(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
         tick = self._scheduler.tick()
         for state in tick.cancelled:
             self._slots.release(state)
