@@ -163,3 +163,29 @@ def test_a_tick_from_inside_a_callback_is_refused_and_the_bystander_is_unharmed(
     assert results["caller"].ok and results["bystander"].ok
     assert torch.equal(results["bystander"].latents, alone.latents)
     assert not tiny_engine.has_work()
+
+
+@pytest.mark.parametrize("broken", [{"one"}, {"one", "two"}])  # one member of a group, or all of it
+def test_a_step_whose_outputs_do_not_fold_back_fails_its_requests_and_the_tick_carries_on(tiny_engine, monkeypatch, broken):
+    single = dict(TINY, guidance_scale=1.0, num_inference_steps=3)
+    [alone] = tiny_engine.generate([Request(**single, request_id="fine")])
+    advance = tiny_engine.loop.advance
+
+    def advance_or_fail(state, result):
+        if "latents" in result and state.request_id in broken:
+            raise KeyError("latents")  # what a step whose output names are wrong runs into
+        return advance(state, result)
+
+    monkeypatch.setattr(tiny_engine.loop, "advance", advance_or_fail)
+    for request_id in ("one", "two"):
+        tiny_engine.submit(Request(**{**TINY, "guidance_scale": 5.0}, request_id=request_id))
+    tiny_engine.submit(Request(**single, request_id="fine"))
+    results = {}
+    while tiny_engine.has_work():
+        results.update((r.request_id, r) for r in tiny_engine.tick())  # never raises
+    for request_id in ("one", "two"):
+        if request_id in broken:
+            assert results[request_id].status == "failed" and "latents" in results[request_id].error
+        else:
+            assert results[request_id].ok
+    assert results["fine"].ok and torch.equal(results["fine"].latents, alone.latents)

@@ -252,6 +252,8 @@ class StepCompiler:
         problem = self.cache.check(entry, signature.factors())
         if problem is None and entry.meta.get("param_names") != list(step_parameters(step)):
             problem = "the step's parameters differ from the ones it was compiled with"
+        if problem is None and entry.meta.get("input_names") != list(plan.inputs):
+            problem = f"its input names {entry.meta.get('input_names')} are not the step's {list(plan.inputs)}"
         if problem is None:
             try:
                 step_fn, prologue_fn = self._load_entry(entry, base_args)

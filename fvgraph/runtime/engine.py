@@ -390,11 +390,16 @@ class Engine:
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
         elapsed = time.perf_counter() - began - compiled_for_it
         kind = self.loop.step_kinds[plans[0].kind]
-        if kind.host_outputs:
-            copy_to_host(results, kind.host_outputs)
+        try:
+            if kind.host_outputs:
+                copy_to_host(results, kind.host_outputs)
+            finite_rows = all_finite(results)
+        except Exception as err:  # outputs not as the kind declares them: the group fails, the tick goes on
+            log.exception("%s step: its outputs could not be read back", plans[0].kind)
+            return [(state, err) for state, _ in group]
         phase = kind.phase
         failures = []
-        for (state, plan), result, finite in zip(group, results, all_finite(results)):
+        for (state, plan), result, finite in zip(group, results, finite_rows):
             if not finite:  # garbage must not come back as ok: the request fails here, naming the step
                 bad = sorted(k for k, t in result.items()
                              if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all())
@@ -406,7 +411,13 @@ class Engine:
             state.timings[phase] = state.timings.get(phase, 0.0) + elapsed
             if on_result is not None:
                 on_result(state, plan, result)
-            self.loop.advance(state, result)
+            try:
+                self.loop.advance(state, result)
+            except Exception as err:  # this request's outputs do not fold back: it fails, the others carry on
+                log.exception("request %s failed folding back %s step %d", state.request_id, plan.kind, plan.step_index)
+                failures.append((state, RuntimeError(
+                    f"{plan.kind} step {plan.step_index}: its outputs do not fold back into the request: {err!r}")))
+                continue
             if on_step is not None:
                 on_step(state, plan.kind)
         return failures
