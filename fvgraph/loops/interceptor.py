@@ -227,7 +227,7 @@ def parse_cache_settings(value: Any) -> CacheSettings | None:
         if extra:
             raise ValueError(f"cache.{extra[0]}: method 'none' (caching off) takes no settings")
         return NoCache()
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:  # a list or an object is no name either
         raise ValueError(f"cache.method={method!r} is not a known method; known methods: {', '.join(METHODS)} "
                          f"('{NO_CACHE}' turns caching off)")  # fmt: skip
     try:
