@@ -249,3 +249,24 @@ def test_an_entry_whose_inputs_differ_from_the_step_is_rebuilt(cache_copy):
     again = engine(cache_copy)
     with again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0):
         assert again.generate([Request(**REQUEST)])[0].ok
+
+
+def test_symbolic_links_in_the_cache_are_never_followed(cache_copy, tmp_path):
+    [fingerprint_dir] = [p for p in cache_copy.iterdir() if p.is_dir()]
+    elsewhere = tmp_path / "elsewhere"  # someone else's files, shaped like a fingerprint directory
+    (elsewhere / "entry").mkdir(parents=True)
+    (elsewhere / "entry" / "precious.bin").write_bytes(b"not the cache's")
+    (elsewhere / ".lock").write_text("")
+    (cache_copy / "fedcba9876543210fedc").symlink_to(elsewhere, target_is_directory=True)
+    (fingerprint_dir / "linked-entry").symlink_to(elsewhere / "entry", target_is_directory=True)
+
+    problems = "\n".join(verify(cache_copy))
+    assert "fedcba9876543210fedc is a symbolic link" in problems and "not followed" in problems
+    assert "linked-entry" in problems and "precious.bin" not in problems
+    runner = CliRunner(env={"COLUMNS": "200"})
+    listing = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache_copy)])
+    assert listing.exit_code == 0 and "skipped fedcba9876543210fedc" in listing.output, listing.output
+    done = runner.invoke(app, ["cache", "clear", "--yes", "--cache-dir", str(cache_copy)])
+    assert done.exit_code == 0 and "skipped fedcba9876543210fedc is a symbolic link" in " ".join(done.output.split()), done.output
+    assert (elsewhere / "entry" / "precious.bin").read_bytes() == b"not the cache's" and (elsewhere / ".lock").exists()
+    assert not fingerprint_dir.exists() and (cache_copy / "fedcba9876543210fedc").is_symlink()

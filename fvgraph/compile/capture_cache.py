@@ -284,9 +284,22 @@ class CaptureCache:
 
 def _is_fingerprint_dir(path: Path) -> bool:
     """A fingerprint id for a name, a manifest, a lock or a staging directory marks one, even one whose
-    warmup never published or whose manifest was deleted."""
-    return path.is_dir() and (FINGERPRINT_NAME.fullmatch(path.name) is not None or (path / MANIFEST).exists()
+    warmup never published or whose manifest was deleted. A symbolic link is never one (see cache_links)."""
+    return not path.is_symlink() and path.is_dir() and (FINGERPRINT_NAME.fullmatch(path.name) is not None or (path / MANIFEST).exists()
                               or (path / ".lock").exists() or any(p.name.startswith(STAGING) for p in path.iterdir()))  # fmt: skip
+
+
+def cache_links(root: str | Path) -> list[Path]:
+    """Symbolic links under `root` named like a fingerprint directory or pointing at a directory. The
+    cache commands never follow them: what a link points to is not this cache's to list or remove."""
+    root = Path(root)
+    return [p for p in sorted(root.iterdir() if root.is_dir() else ())
+            if p.is_symlink() and (FINGERPRINT_NAME.fullmatch(p.name) is not None or p.is_dir())]  # fmt: skip
+
+
+def link_problem(link: Path) -> str:
+    return (f"{link.name} is a symbolic link (to {os.readlink(link)}), not followed: the cache holds no links; "
+            "remove the link, or point --cache-dir at what it links to")  # fmt: skip
 
 
 def cache_dirs(root: str | Path) -> list[CaptureCache]:
@@ -303,7 +316,7 @@ def leftovers(cache: CaptureCache) -> list[Path]:
 def verify(root: str | Path, load: bool = True) -> list[str]:
     """Every problem found under `root`, one line each; empty when the whole cache is sound. Each
     entry's artifacts are hashed and, with `load`, loaded as a serving process would load them."""
-    problems = []
+    problems = [link_problem(link) for link in cache_links(root)]
     for cache in cache_dirs(root):
         problems += [f"{cache.dir.name}: {problem}" for problem in cache.problems]
         if cache.fingerprint and fingerprint_id(cache.fingerprint) != cache.dir.name:
@@ -332,7 +345,8 @@ def _load_problem(cache: CaptureCache, entry: CacheEntry) -> str | None:
 
 
 def clear(root: str | Path) -> int:
-    """Remove every fingerprint directory under `root` (files such as a README stay). Returns the count."""
+    """Remove every fingerprint directory under `root` (files such as a README stay, and symbolic links
+    with what they point to: see cache_links). Returns the count."""
     removed = 0
     for path in Path(root).iterdir() if Path(root).is_dir() else ():
         if _is_fingerprint_dir(path):
