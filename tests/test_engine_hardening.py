@@ -189,3 +189,23 @@ def test_a_step_whose_outputs_do_not_fold_back_fails_its_requests_and_the_tick_c
         else:
             assert results[request_id].ok
     assert results["fine"].ok and torch.equal(results["fine"].latents, alone.latents)
+
+
+@pytest.mark.parametrize("at_step", [0, 1])  # its first denoise step, or one after it ran a step
+def test_a_loop_that_cannot_plan_a_step_fails_its_request_and_the_tick_carries_on(tiny_engine, monkeypatch, at_step):
+    [alone] = tiny_engine.generate([Request(**TINY, request_id="fine")])
+    plan_next = tiny_engine.loop.next
+
+    def next_or_fail(state):
+        if state.request_id == "broken" and state.phase == "denoise" and state.step_index == at_step:
+            raise ValueError("a schedule the loop cannot step")
+        return plan_next(state)
+
+    monkeypatch.setattr(tiny_engine.loop, "next", next_or_fail)
+    tiny_engine.submit(Request(**TINY, request_id="broken"))
+    tiny_engine.submit(Request(**TINY, request_id="fine"))
+    results = {}
+    while tiny_engine.has_work():
+        results.update((r.request_id, r) for r in tiny_engine.tick())  # never raises
+    assert results["broken"].status == "failed" and "cannot step" in results["broken"].error
+    assert results["fine"].ok and torch.equal(results["fine"].latents, alone.latents)

@@ -321,6 +321,11 @@ class Engine:
 
     def _tick_once(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
         tick = self._scheduler.tick()
+        for state, err in tick.failed:
+            log.error("request %s failed planning its next step: %r", state.request_id, err)
+            self._slots.release(state)
+            self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
+                              error=f"planning its next step: {err!r}"))  # fmt: skip
         for state in tick.cancelled:
             self._slots.release(state)
             self._done(Result(state.request_id, "cancelled", seed=state.seed, timings=dict(state.timings)))
