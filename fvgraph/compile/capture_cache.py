@@ -285,8 +285,10 @@ class CaptureCache:
 def _is_fingerprint_dir(path: Path) -> bool:
     """A fingerprint id for a name, a manifest, a lock or a staging directory marks one, even one whose
     warmup never published or whose manifest was deleted. A symbolic link is never one (see cache_links)."""
-    return not path.is_symlink() and path.is_dir() and (FINGERPRINT_NAME.fullmatch(path.name) is not None or (path / MANIFEST).exists()
-                              or (path / ".lock").exists() or any(p.name.startswith(STAGING) for p in path.iterdir()))  # fmt: skip
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return (FINGERPRINT_NAME.fullmatch(path.name) is not None or (path / MANIFEST).exists()
+            or (path / ".lock").exists() or any(p.name.startswith(STAGING) for p in path.iterdir()))  # fmt: skip
 
 
 def cache_links(root: str | Path) -> list[Path]:

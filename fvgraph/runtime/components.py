@@ -152,16 +152,18 @@ def read_model_index(folder: Path, card: ModelCard, skip: frozenset[str]) -> set
     try:
         index = json.loads(index_path.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
-        raise CheckpointError(f"{index_path} is not readable JSON ({type(err).__name__}: {err}): "
-                              "a diffusers folder's model_index.json maps component names to [library, class]") from err  # fmt: skip
+        raise CheckpointError(
+            f"{index_path} is not readable JSON ({type(err).__name__}: {err}): "
+            "a diffusers folder's model_index.json maps component names to [library, class]"
+        ) from err
     if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
         raise CheckpointError(f"{index_path} must be a JSON object with a string '_class_name' (the pipeline class), "
                               f"got {str(index)[:120]!r}")  # fmt: skip
     listed = set()
     for key, value in index.items():
-        is_entry = isinstance(value, list) and len(value) == 2
+        is_entry = isinstance(value, list) and len(value) == 2 and all(p is None or isinstance(p, str) for p in value)
         if key in card.components or key == "scheduler":
-            if not is_entry or not all(part is None or isinstance(part, str) for part in value):
+            if not is_entry:
                 raise CheckpointError(f"{index_path}: component {key!r} must be [library, class] (or [null, null] "
                                       f"when absent), got {str(value)[:120]!r}")  # fmt: skip
         if not is_entry or value == [None, None] or key.startswith("_"):
@@ -181,7 +183,8 @@ def read_model_index(folder: Path, card: ModelCard, skip: frozenset[str]) -> set
         listed.add(key)
     for name, spec in card.components.items():
         if name not in listed and name not in skip and not spec.optional:
-            raise CheckpointError(f"{index_path} does not list component {name!r}, which card {card.card_id!r} needs")
+            raise CheckpointError(f"{index_path} does not list component {name!r} (or lists it as [null, null]), "
+                                  f"which card {card.card_id!r} needs")  # fmt: skip
     return listed
 
 

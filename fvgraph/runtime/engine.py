@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
