@@ -1,5 +1,10 @@
 """Memory reservations from a request's shapes, and admission by them: FIFO, never past the budget."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from fvgraph.serving.admission import Admission, QueueFull
@@ -27,7 +32,7 @@ def test_the_estimate_follows_the_shapes_and_the_model_config(tiny_engine):
     assert cfg["activations"] == 2 * plain["activations"]
     assert model.padding == 1.6  # buckets 1, 2, 4, 8: five requests run at 8
     bigger = model.estimate(_resolved(tiny_engine, "big", num_frames=9, height=64, width=64)).parts
-    assert all(bigger[k] > cfg[k] for k in ("loop_state", "activations", "decoded_frames"))
+    assert all(bigger[k] > cfg[k] for k in ("loop_state", "activations", "decoded_frames", "vae_decode"))
 
 
 def test_admission_is_fifo_within_the_budget_and_refuses_what_never_fits(tiny_engine):
@@ -52,3 +57,24 @@ def test_admission_is_fifo_within_the_budget_and_refuses_what_never_fits(tiny_en
     assert admission.withdraw("big") is False  # admitted already: it is the engine's to cancel
     admission.release("big")
     assert admission.reserved_bytes == 0 and admission.queue_depth == 0 and admission.running == 0
+
+
+def test_a_request_larger_than_the_budget_on_this_device_is_refused_not_admitted(tiny_engine):
+    """33x256x256 with CFG grows a CPU process by about 430 MiB at its peak (the VAE decode): a
+    250 MiB budget must refuse it outright, not admit two side by side."""
+    admission = Admission(MemoryModel(tiny_engine), budget_bytes=250 << 20, max_queue=4, max_running=4)
+    with pytest.raises(RequestRejected, match="memory_budget: .*vae_decode"):
+        admission.offer(_resolved(tiny_engine, "big", num_frames=33, height=256, width=256, guidance_scale=5.0))
+    assert admission.admit() == [] and admission.reserved_bytes == 0
+
+
+@pytest.mark.parametrize("shape", ["5x32x32", "9x128x128", "5x256x256"])
+def test_the_estimate_covers_the_measured_peak_of_a_request_on_cpu(shape):
+    """One fresh process per shape: memory one decode freed stays with the allocator, so a second
+    request in the same process would grow it less."""
+    worker = Path(__file__).parent / "request_peak_worker.py"
+    done = subprocess.run([sys.executable, str(worker), shape, "5.0"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    assert measured["ok"], measured["error"]
+    assert measured["growth"] <= measured["estimate"] <= 3 * measured["growth"], measured

@@ -97,7 +97,7 @@ def test_admission_holds_requests_until_memory_frees_and_refuses_what_never_fits
         await served.start()
         try:
             with pytest.raises(RequestRejected, match="memory_budget: .* more than the whole budget"):
-                served.submit(_request("huge", num_frames=9, height=64, width=64))
+                served.submit(_request("huge", num_frames=33, height=256, width=256))
             tasks = [asyncio.ensure_future(served.generate(_request(f"r{i}", seed=i))) for i in range(4)]
             await asyncio.sleep(0)
             with pytest.raises(QueueFull, match="queue is full"):

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.compile.capture_cache import CaptureCache, clear, file_sha256, verify
+from fvgraph.compile.capture_cache import CaptureCache, clear, file_sha256, meta_digest, verify
 from fvgraph.cli import app
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
@@ -217,3 +217,56 @@ def test_warmup_refuses_a_shape_the_card_does_not_allow_before_loading(tmp_path,
     args = ["warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", "-O", "1", "--shape", "5x512x512"]
     done = CliRunner(env={"COLUMNS": "200"}).invoke(app, args)
     assert done.exit_code == 2 and "height: 512 exceeds" in done.output, done.output
+
+
+@pytest.mark.parametrize(("field", "edit"), [
+    ("output_names", lambda names: [name.replace("latents", "x") for name in names]),
+    ("input_names", lambda names: list(reversed(names))),
+    ("hoisted_like", lambda like: like[:-1]),
+])  # fmt: skip
+def test_an_entry_whose_metadata_was_edited_is_reported_and_rebuilt(cache_copy, field, edit):
+    path, manifest = manifest_of(cache_copy)
+    [(key, record)] = manifest["entries"].items()
+    assert record["meta"][field], f"the warm entry has no {field} to edit"
+    record["meta"][field] = edit(record["meta"][field])
+    path.write_text(json.dumps(manifest))
+    [problem] = verify(cache_copy, load=False)
+    assert key in problem and "metadata" in problem
+
+    again = engine(cache_copy)
+    with again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0, cache_stores=1):
+        assert again.generate([Request(**REQUEST)])[0].ok
+    assert verify(cache_copy) == []
+
+
+def test_an_entry_whose_inputs_differ_from_the_step_is_rebuilt(cache_copy):
+    """Metadata hashed right but not fitting the step (a manifest rewritten as a whole) is not used either."""
+    path, manifest = manifest_of(cache_copy)
+    [(key, record)] = manifest["entries"].items()
+    record["meta"]["input_names"] = ["not_an_input", *record["meta"]["input_names"][1:]]
+    record["meta_sha256"] = meta_digest(record["meta"])
+    path.write_text(json.dumps(manifest))
+    again = engine(cache_copy)
+    with again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0):
+        assert again.generate([Request(**REQUEST)])[0].ok
+
+
+def test_symbolic_links_in_the_cache_are_never_followed(cache_copy, tmp_path):
+    [fingerprint_dir] = [p for p in cache_copy.iterdir() if p.is_dir()]
+    elsewhere = tmp_path / "elsewhere"  # someone else's files, shaped like a fingerprint directory
+    (elsewhere / "entry").mkdir(parents=True)
+    (elsewhere / "entry" / "precious.bin").write_bytes(b"not the cache's")
+    (elsewhere / ".lock").write_text("")
+    (cache_copy / "fedcba9876543210fedc").symlink_to(elsewhere, target_is_directory=True)
+    (fingerprint_dir / "linked-entry").symlink_to(elsewhere / "entry", target_is_directory=True)
+
+    problems = "\n".join(verify(cache_copy))
+    assert "fedcba9876543210fedc is a symbolic link" in problems and "not followed" in problems
+    assert "linked-entry" in problems and "precious.bin" not in problems
+    runner = CliRunner(env={"COLUMNS": "200"})
+    listing = runner.invoke(app, ["cache", "ls", "--cache-dir", str(cache_copy)])
+    assert listing.exit_code == 0 and "skipped fedcba9876543210fedc" in listing.output, listing.output
+    done = runner.invoke(app, ["cache", "clear", "--yes", "--cache-dir", str(cache_copy)])
+    assert done.exit_code == 0 and "skipped fedcba9876543210fedc is a symbolic link" in " ".join(done.output.split()), done.output
+    assert (elsewhere / "entry" / "precious.bin").read_bytes() == b"not the cache's" and (elsewhere / ".lock").exists()
+    assert not fingerprint_dir.exists() and (cache_copy / "fedcba9876543210fedc").is_symlink()

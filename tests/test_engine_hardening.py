@@ -136,3 +136,76 @@ def test_something_that_is_not_a_request_is_refused_by_type(tiny_engine):
     with pytest.raises(TypeError, match="fvgraph.Request objects, got dict"):
         tiny_engine.generate([{"prompt": "a fox"}])
     assert not tiny_engine.has_work()
+
+
+@pytest.mark.parametrize(("callback", "call"), [
+    ("on_step", lambda engine, state: engine.tick()),
+    ("on_step", lambda engine, state: engine.generate([Request(**TINY, request_id="inner")])),
+    ("on_step", lambda engine, state: engine.step(state)),
+    ("on_result", lambda engine, state: engine.tick()),
+])  # fmt: skip
+def test_a_tick_from_inside_a_callback_is_refused_and_the_bystander_is_unharmed(tiny_engine, callback, call):
+    [alone] = tiny_engine.generate([Request(**{**TINY, "num_inference_steps": 4}, request_id="bystander")])
+    refusals = []
+
+    def drive_from_inside(state, *rest):
+        try:
+            call(tiny_engine, state)
+        except RuntimeError as err:
+            refusals.append(str(err))
+
+    tiny_engine.submit(Request(**{**TINY, "num_inference_steps": 4}, request_id="bystander"))
+    [own] = tiny_engine.generate([Request(**TINY, request_id="caller")], **{callback: drive_from_inside})
+    results = {r.request_id: r for r in [own, *tiny_engine.tick()]}
+    while tiny_engine.has_work():
+        results.update((r.request_id, r) for r in tiny_engine.tick())
+    assert refusals and all("from inside a callback" in text for text in refusals)
+    assert results["caller"].ok and results["bystander"].ok
+    assert torch.equal(results["bystander"].latents, alone.latents)
+    assert not tiny_engine.has_work()
+
+
+@pytest.mark.parametrize("broken", [{"one"}, {"one", "two"}])  # one member of a group, or all of it
+def test_a_step_whose_outputs_do_not_fold_back_fails_its_requests_and_the_tick_carries_on(tiny_engine, monkeypatch, broken):
+    single = dict(TINY, guidance_scale=1.0, num_inference_steps=3)
+    [alone] = tiny_engine.generate([Request(**single, request_id="fine")])
+    advance = tiny_engine.loop.advance
+
+    def advance_or_fail(state, result):
+        if "latents" in result and state.request_id in broken:
+            raise KeyError("latents")  # what a step whose output names are wrong runs into
+        return advance(state, result)
+
+    monkeypatch.setattr(tiny_engine.loop, "advance", advance_or_fail)
+    for request_id in ("one", "two"):
+        tiny_engine.submit(Request(**{**TINY, "guidance_scale": 5.0}, request_id=request_id))
+    tiny_engine.submit(Request(**single, request_id="fine"))
+    results = {}
+    while tiny_engine.has_work():
+        results.update((r.request_id, r) for r in tiny_engine.tick())  # never raises
+    for request_id in ("one", "two"):
+        if request_id in broken:
+            assert results[request_id].status == "failed" and "latents" in results[request_id].error
+        else:
+            assert results[request_id].ok
+    assert results["fine"].ok and torch.equal(results["fine"].latents, alone.latents)
+
+
+@pytest.mark.parametrize("at_step", [0, 1])  # its first denoise step, or one after it ran a step
+def test_a_loop_that_cannot_plan_a_step_fails_its_request_and_the_tick_carries_on(tiny_engine, monkeypatch, at_step):
+    [alone] = tiny_engine.generate([Request(**TINY, request_id="fine")])
+    plan_next = tiny_engine.loop.next
+
+    def next_or_fail(state):
+        if state.request_id == "broken" and state.phase == "denoise" and state.step_index == at_step:
+            raise ValueError("a schedule the loop cannot step")
+        return plan_next(state)
+
+    monkeypatch.setattr(tiny_engine.loop, "next", next_or_fail)
+    tiny_engine.submit(Request(**TINY, request_id="broken"))
+    tiny_engine.submit(Request(**TINY, request_id="fine"))
+    results = {}
+    while tiny_engine.has_work():
+        results.update((r.request_id, r) for r in tiny_engine.tick())  # never raises
+    assert results["broken"].status == "failed" and "cannot step" in results["broken"].error
+    assert results["fine"].ok and torch.equal(results["fine"].latents, alone.latents)

@@ -123,7 +123,7 @@ def test_cli_parallel_flags(tmp_path):
     says so; a bad degree is refused naming the flag, before anything loads."""
     out = tmp_path / "x.gif"
     bad = CliRunner().invoke(app, ["generate", "--cfg-parallel", "3", "--device", "cpu", "-o", str(out)])
-    assert bad.exit_code == 2 and "--cfg-parallel must be 1 or 2" in bad.output
+    assert bad.exit_code == 2 and "--cfg-parallel=3 must be 1 or 2" in bad.output
     ok = CliRunner().invoke(app, ["generate", "--cfg-parallel", "2", "--ulysses", "1", "--steps", "2", "--frames", "5",
                                   "-O0", "--device", "cpu", "-o", str(out)])  # fmt: skip
     assert ok.exit_code == 0, ok.output

@@ -186,3 +186,43 @@ def test_a_reader_that_closes_stdout_does_not_lose_the_remaining_requests(tmp_pa
     assert serving.returncode == 0, err.decode()[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["first.safetensors", "second.safetensors", "third.safetensors"]
     assert "3 ok" in err.decode()
+
+
+@pytest.mark.parametrize(("cache", "named"), [
+    (["magcache"], "cache.method=['magcache'] is not a known method"),
+    ({"name": "magcache"}, "cache.method={'name': 'magcache'} is not a known method"),
+])  # fmt: skip
+def test_a_cache_method_that_is_not_a_name_is_rejected_naming_the_field(tiny_engine, tmp_path, cache, named):
+    answers = []
+    lines = [json.dumps({"prompt": "x", "num_inference_steps": 1, "cache": {"method": cache}}),
+             json.dumps({"prompt": "x", "num_inference_steps": 1, "request_id": "fine", "height": 16, "width": 16,
+                         "num_frames": 1, "output_type": "latent"})]  # fmt: skip
+    JsonlServer(tiny_engine, tmp_path, answers.append).serve(lines)
+    bad, fine = sorted(answers, key=lambda a: a["line"])
+    assert bad["status"] == "rejected" and named in bad["error"] and "could not be read" not in bad["error"], bad
+    assert fine["status"] == "ok", fine
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--port", "0", "--memory-budget", "inf"], "--memory-budget='inf' must be a finite size"),
+    (["--port", "0", "--memory-budget", "1e400GiB"], "--memory-budget='1e400GiB' must be a finite size"),
+    (["--port", "0", "--memory-budget", "nan"], "--memory-budget='nan' must be positive"),
+    (["--port", "0", "--max-body-bytes", "0"], "--max-body-bytes=0 must be at least 1"),
+    (["--cfg-parallel", "0"], "--cfg-parallel=0 must be 1 or 2"),
+    (["--ulysses", "0"], "--ulysses=0 must be at least 1"),
+    (["--ulysses", "-2", "--cfg-parallel", "2"], "--ulysses=-2 must be at least 1"),
+])  # fmt: skip
+def test_serve_refuses_bad_limits_and_degrees_naming_the_option(tmp_path, monkeypatch, args, message):
+    (tmp_path / "r.jsonl").write_text("")
+    monkeypatch.setattr("fvgraph.engine.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["serve", "-O0", "-o", str(tmp_path), *args,
+                                                            "--requests", str(tmp_path / "r.jsonl")])  # fmt: skip
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [(["--cfg-parallel", "0"], "--cfg-parallel=0 must be 1 or 2"),
+                                               (["--ulysses", "0"], "--ulysses=0 must be at least 1")])
+def test_generate_refuses_parallel_degrees_below_one(tmp_path, monkeypatch, args, message):
+    monkeypatch.setattr("fvgraph.engine.engine.Engine.from_card", lambda *a, **k: pytest.fail("the engine was built"))
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["generate", "--steps", "1", "-o", str(tmp_path / "v.gif"), *args])
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

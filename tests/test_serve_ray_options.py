@@ -16,6 +16,8 @@ runner = CliRunner()
     (["--autoscaling", "[1, 2]"], "--autoscaling='[1, 2]' must be a JSON object"),
     (["--autoscaling", "{max"], "must be a JSON object (Ray Serve's autoscaling_config)"),
     (["--memory-budget", "lots"], "--memory-budget='lots' must be a size"),
+    (["--memory-budget", "inf"], "--memory-budget='inf' must be a finite size"),
+    (["--max-body-bytes", "0"], "--max-body-bytes=0 must be at least 1"),
     (["--warmup-shape", "9x64"], "--warmup-shape='9x64' must be FRAMESxHEIGHTxWIDTH"),
     (["-O", "7"], "opt_level=7 must be 0, 1, 2 or 3"),
     (["--ray-cpus", "0"], "--ray-cpus=0 must be at least 1"),

@@ -16,7 +16,7 @@ def cache_ls(
     as_json: bool = typer.Option(False, "--json", help="Print the manifests as JSON."),
 ) -> None:
     """List every fingerprint directory and its entries."""
-    from fvgraph.compile.capture_cache import cache_dirs, leftovers
+    from fvgraph.compile.capture_cache import cache_dirs, cache_links, leftovers, link_problem
     from fvgraph.compile.capture_cache_files import size_of
 
     caches = cache_dirs(cache_dir)
@@ -25,6 +25,8 @@ def cache_ls(
                                 "orphans": [str(p.relative_to(c.dir)) for p in leftovers(c)]} for c in caches}  # fmt: skip
         typer.echo(json.dumps(listing, indent=1))
         return
+    for link in cache_links(cache_dir):
+        console.print(f"[yellow]skipped {link_problem(link)}[/yellow]")
     if not caches:
         console.print(f"{cache_dir}: empty")
     for cache in caches:
@@ -75,8 +77,10 @@ def cache_clear(
     yes: bool = typer.Option(False, "--yes", help="Do not ask."),
 ) -> None:
     """Remove every fingerprint directory under the cache root."""
-    from fvgraph.compile.capture_cache import clear
+    from fvgraph.compile.capture_cache import cache_links, clear, link_problem
 
     if not yes and not typer.confirm(f"remove every compiled step under {cache_dir}?"):
         raise typer.Exit(1)
+    for link in cache_links(cache_dir):
+        console.print(f"[yellow]skipped {link_problem(link)}[/yellow]")
     console.print(f"removed {clear(cache_dir)} fingerprint directories from {cache_dir}")

@@ -76,10 +76,15 @@ def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cud
 
     parallel = None
     if cfg_parallel is not None or ulysses is not None:  # either flag starts worker processes, even at degree 1
+        if cfg_parallel is not None and cfg_parallel not in (1, 2):
+            raise ValueError(f"--cfg-parallel={cfg_parallel} must be 1 or 2 (2 runs cond and uncond on two processes)")
+        if ulysses is not None and ulysses < 1:
+            raise ValueError(f"--ulysses={ulysses} must be at least 1 (the processes splitting each denoiser call)")
         try:
-            parallel = ParallelConfig(cfg=cfg_parallel or 1, ulysses=ulysses or 1)
+            parallel = ParallelConfig(cfg=1 if cfg_parallel is None else cfg_parallel,
+                                      ulysses=1 if ulysses is None else ulysses)  # fmt: skip
         except ValueError as err:
-            raise ValueError(f"--cfg-parallel must be 1 or 2 and --ulysses at least 1: {err}") from None
+            raise ValueError(f"--cfg-parallel / --ulysses: {err}") from None
 
     chosen = chosen_card_from_options(card_with_cache(card, cache), dtype, flow_shift, boundary_ratio)
     engine = Engine.from_card(
@@ -119,3 +124,19 @@ def parse_level(text: str, option: str) -> int:
         return int(text)
     except ValueError:
         raise ValueError(f"{option}={text!r} must be an opt level (0-3) or 'none'") from None
+
+
+def parse_size(text: str, option: str) -> int:
+    """A memory size such as 60GiB, 512MiB or 2e9 (bytes): finite and positive; ValueError naming the option."""
+    from fvgraph.serving.http_server import parse_bytes
+
+    try:
+        return parse_bytes(text, option)
+    except OverflowError:  # inf, or a number past float range
+        raise ValueError(f"{option}={text!r} must be a finite size such as 60GiB, 512MiB or 2000000000") from None
+
+
+def at_least_one(value: int, option: str, what: str) -> None:
+    """ValueError naming the option unless `value` >= 1."""
+    if value < 1:
+        raise ValueError(f"{option}={value} must be at least 1 ({what})")

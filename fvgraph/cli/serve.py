@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 
 from fvgraph.cli.caching import CACHE_HELP
-from fvgraph.cli.options import BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, parse_shape, serving_engine, writable_dir
+from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, at_least_one, parse_shape, parse_size,
+                                  serving_engine, writable_dir)
 
 
 def serve(
@@ -38,7 +39,7 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="HTTP: the address to bind (0.0.0.0 to serve other machines)."),
     api_key: Optional[str] = typer.Option(None, envvar="FVGRAPH_API_KEY", help="HTTP: every /v1 and /metrics call must send 'Authorization: Bearer KEY'."),
     max_queue: int = typer.Option(256, help="HTTP: accepted requests not started yet; more get 429 with Retry-After."),
-    memory_budget: Optional[str] = typer.Option(None, help="HTTP: memory requests may reserve, e.g. 60GiB (default: 80% of free GPU memory, half of RAM on CPU)."),
+    memory_budget: Optional[str] = typer.Option(None, help="HTTP: memory requests may reserve, e.g. 60GiB (default: 80% of free GPU memory, half of RAM on CPU); each request is charged an estimate of what it holds (docs/serving.md)."),
     retention_s: float = typer.Option(3600.0, help="HTTP: finished videos and their files are deleted this long after they end."),
     drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
     max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
@@ -59,6 +60,9 @@ def serve(
             raise ValueError(f"video_format={video_format!r} must be 'gif' or 'mp4'")
         check_video_output(f"video.{video_format}", fps)  # before any work: a bad option must not cost the run
         writable_dir(output_dir, "--output-dir")
+        if memory_budget is not None:
+            parse_size(memory_budget, "--memory-budget")
+        at_least_one(max_body_bytes, "--max-body-bytes", "bytes of the largest request body accepted")
         # Bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input.
         if port is None:
             source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115

@@ -45,7 +45,7 @@ def serve_ray(
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
     api_key: Optional[str] = typer.Option(None, envvar="FVGRAPH_API_KEY", help="Every /v1 and /metrics call must send 'Authorization: Bearer KEY'."),
     max_queue: int = typer.Option(256, help="Per replica: accepted requests not started yet; more get 429."),
-    memory_budget: Optional[str] = typer.Option(None, help="Per replica: memory requests may reserve, e.g. 60GiB."),
+    memory_budget: Optional[str] = typer.Option(None, help="Per replica: memory requests may reserve, e.g. 60GiB; each request is charged an estimate of what it holds."),
     retention_s: float = typer.Option(3600.0, help="Finished videos and their files are deleted this long after they end."),
     drain_timeout: float = typer.Option(30.0, help="On shutdown, seconds running requests get before they are cancelled."),
     max_body_bytes: int = typer.Option(16 << 20, help="Larger request bodies get 413."),
@@ -53,7 +53,7 @@ def serve_ray(
 ) -> None:
     """Serve the OpenAI videos and images API (as `fvgraph serve --port`) from N engine replicas on
     Ray Serve, routed and scaled by Ray Serve (docs/parallel.md, "Ray Serve replicas")."""
-    from fvgraph.cli.options import compile_config, parse_shape, writable_dir
+    from fvgraph.cli.options import at_least_one, compile_config, parse_shape, parse_size, writable_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     err = Console(stderr=True)
@@ -66,6 +66,7 @@ def serve_ray(
             raise ValueError(f"--ray-cpus={ray_cpus} must be at least 1")
         if replicas is not None and replicas < 1:
             raise ValueError(f"--replicas={replicas} must be at least 1")
+        at_least_one(max_body_bytes, "--max-body-bytes", "bytes of the largest request body accepted")
         scaling = _autoscaling(autoscaling) if autoscaling is not None else None
         writable_dir(storage_dir, "--storage-dir")
         spec = ReplicaSpec(
@@ -75,7 +76,7 @@ def serve_ray(
                            "cuda_graphs": not no_cudagraph, "max_running": max_running},
             settings=_http_settings(card, api_key, max_body_bytes, retention_s, drain_timeout,
                                     [parse_shape(text, "--warmup-shape") for text in warmup_shape], cache_dir is not None),
-            memory_budget=None if memory_budget is None else _bytes(memory_budget),
+            memory_budget=None if memory_budget is None else parse_size(memory_budget, "--memory-budget"),
         )  # fmt: skip
         actor = {"num_cpus": replica_cpus, **({"num_gpus": replica_gpus} if replica_gpus else {})}
         app = build_app(spec, num_replicas=replicas if scaling is None else None, autoscaling_config=scaling,
@@ -131,12 +132,6 @@ def _http_settings(card_name: str, api_key, max_body_bytes, retention_s, drain_t
         shapes = [(card.shapes.default_frames, card.shapes.default_height, card.shapes.default_width)]
     return HttpSettings(api_key=api_key, max_body_bytes=max_body_bytes, retention_s=retention_s,
                         drain_timeout_s=drain_timeout_s, warmup=warmup_requests(card, shapes))  # fmt: skip
-
-
-def _bytes(text: str) -> int:
-    from fvgraph.serving.http_server import parse_bytes
-
-    return parse_bytes(text, "--memory-budget")
 
 
 def _absolute(path: Optional[Path]) -> Optional[str]:

@@ -9,7 +9,8 @@ backend, opt level); a process reads only the directory of its own fingerprint. 
 keyed by StepSignature key, and each records every factor of its signature, its artifacts' sizes and
 sha256, and what rebuilding a CompiledStep needs. An entry is used only when its factors equal the
 asking signature's and every artifact's size and hash check out; anything else (stale, foreign,
-truncated, corrupted) is logged with the reason and rebuilt, never loaded.
+truncated, corrupted) is logged with the reason and rebuilt, never loaded. The metadata a load uses
+(parameter, input and output names, hoisted value shapes) is hashed like the artifacts.
 
 Writers take the directory's file lock to publish; artifact files are named by their content hash
 and renamed into place, and the manifest is replaced atomically, so readers need no lock. Two
@@ -81,6 +82,13 @@ class CacheEntry:
         return list(self.record["artifacts"])
 
 
+def meta_digest(meta: dict) -> str:
+    """sha256 of what loading an entry reads from its meta: all of it but the measured `*_seconds`
+    (annotated after publishing, and read only by `cache ls`)."""
+    loaded = {key: value for key, value in meta.items() if not key.endswith("_seconds")}
+    return hashlib.sha256(json.dumps(loaded, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
 class CaptureCache:
     def __init__(self, root: str | Path, fingerprint: dict):
         self.root = Path(root)
@@ -125,6 +133,10 @@ class CaptureCache:
             theirs, ours = record["factors"] or {}, _normalized(factors)
             differing = [f"{k}: {theirs.get(k)} != {v}" for k, v in ours.items() if theirs.get(k) != v]
             return "foreign entry, its signature differs in " + "; ".join(differing or ["(unreadable factors)"])
+        if record.get("meta_sha256") != meta_digest(record["meta"]):
+            if "meta_sha256" not in record:
+                return "its metadata (meta) has no meta_sha256 to check it against (an entry of an older build)"
+            return "its metadata (meta) does not match its meta_sha256 in the manifest (edited or corrupted)"
         for name, artifact in record["artifacts"].items():
             path = (self.dir / artifact["file"]).resolve()
             if self.dir.resolve() not in path.parents:
@@ -203,7 +215,8 @@ class CaptureCache:
                 relative = f"{key}/{digest[:16]}-{name}{staged.suffix}"
                 os.replace(staged, self.dir / relative)
                 artifacts[name] = {"file": relative, "sha256": digest, "bytes": (self.dir / relative).stat().st_size}
-            record = {"factors": _normalized(factors), "artifacts": artifacts, "meta": meta, "created": time.time()}
+            record = {"factors": _normalized(factors), "artifacts": artifacts, "meta": meta,
+                      "meta_sha256": meta_digest(meta), "created": time.time()}  # fmt: skip
             manifest["entries"][key] = record
             self._write_manifest(manifest)
             self._remove_unreferenced(key, manifest)
@@ -271,9 +284,24 @@ class CaptureCache:
 
 def _is_fingerprint_dir(path: Path) -> bool:
     """A fingerprint id for a name, a manifest, a lock or a staging directory marks one, even one whose
-    warmup never published or whose manifest was deleted."""
-    return path.is_dir() and (FINGERPRINT_NAME.fullmatch(path.name) is not None or (path / MANIFEST).exists()
-                              or (path / ".lock").exists() or any(p.name.startswith(STAGING) for p in path.iterdir()))  # fmt: skip
+    warmup never published or whose manifest was deleted. A symbolic link is never one (see cache_links)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return (FINGERPRINT_NAME.fullmatch(path.name) is not None or (path / MANIFEST).exists()
+            or (path / ".lock").exists() or any(p.name.startswith(STAGING) for p in path.iterdir()))  # fmt: skip
+
+
+def cache_links(root: str | Path) -> list[Path]:
+    """Symbolic links under `root` named like a fingerprint directory or pointing at a directory. The
+    cache commands never follow them: what a link points to is not this cache's to list or remove."""
+    root = Path(root)
+    return [p for p in sorted(root.iterdir() if root.is_dir() else ())
+            if p.is_symlink() and (FINGERPRINT_NAME.fullmatch(p.name) is not None or p.is_dir())]  # fmt: skip
+
+
+def link_problem(link: Path) -> str:
+    return (f"{link.name} is a symbolic link (to {os.readlink(link)}), not followed: the cache holds no links; "
+            "remove the link, or point --cache-dir at what it links to")  # fmt: skip
 
 
 def cache_dirs(root: str | Path) -> list[CaptureCache]:
@@ -290,7 +318,7 @@ def leftovers(cache: CaptureCache) -> list[Path]:
 def verify(root: str | Path, load: bool = True) -> list[str]:
     """Every problem found under `root`, one line each; empty when the whole cache is sound. Each
     entry's artifacts are hashed and, with `load`, loaded as a serving process would load them."""
-    problems = []
+    problems = [link_problem(link) for link in cache_links(root)]
     for cache in cache_dirs(root):
         problems += [f"{cache.dir.name}: {problem}" for problem in cache.problems]
         if cache.fingerprint and fingerprint_id(cache.fingerprint) != cache.dir.name:
@@ -319,7 +347,8 @@ def _load_problem(cache: CaptureCache, entry: CacheEntry) -> str | None:
 
 
 def clear(root: str | Path) -> int:
-    """Remove every fingerprint directory under `root` (files such as a README stay). Returns the count."""
+    """Remove every fingerprint directory under `root` (files such as a README stay, and symbolic links
+    with what they point to: see cache_links). Returns the count."""
     removed = 0
     for path in Path(root).iterdir() if Path(root).is_dir() else ():
         if _is_fingerprint_dir(path):

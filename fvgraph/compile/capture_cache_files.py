@@ -4,7 +4,8 @@ The rules a manifest must follow to be read at all (a manifest that is valid JSO
 is treated like an unreadable one: ignored, reported, rebuilt by the next writer), and the files no
 manifest entry accounts for: staging directories and temporary manifests of a process that is gone
 (a warmup killed mid-compile), artifacts a replaced entry left behind, entry directories with no
-entry. Liveness is judged by process id, so it holds for writers on this host.
+entry, symbolic links (never followed). Liveness is judged by process id, so it holds for writers on
+this host.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def orphans(directory: Path, entries: dict[str, dict]) -> list[Path]:
     found = []
     referenced = {artifact["file"] for record in entries.values() for artifact in record["artifacts"].values()}
     for path in sorted(directory.iterdir()) if directory.is_dir() else ():
-        if path.name.startswith(STAGING) or (path.name.startswith(f".{MANIFEST}.") and path.name.endswith(".tmp")):
+        if path.is_symlink():  # never followed: the link itself is what is left over
+            found.append(path)
+        elif path.name.startswith(STAGING) or (path.name.startswith(f".{MANIFEST}.") and path.name.endswith(".tmp")):
             if _writer_gone(path.name):
                 found.append(path)
         elif path.is_dir() and not path.name.startswith("."):
@@ -78,6 +81,6 @@ def orphans(directory: Path, entries: dict[str, dict]) -> list[Path]:
 
 
 def size_of(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
+    if path.is_symlink() or path.is_file():
+        return path.lstat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

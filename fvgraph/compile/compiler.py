@@ -268,6 +268,8 @@ class StepCompiler:
         problem = self.cache.check(entry, signature.factors())
         if problem is None and entry.meta.get("param_names") != list(step_parameters(step)):
             problem = "the step's parameters differ from the ones it was compiled with"
+        if problem is None and entry.meta.get("input_names") != list(plan.inputs):
+            problem = f"its input names {entry.meta.get('input_names')} are not the step's {list(plan.inputs)}"
         if problem is None and self._aoti_in_child and entry.key not in self._loaded_in_child:
             paths = [self.cache.path(entry, name) for name in entry.artifact_names]
             problem = load_in_child(paths, self.config.backend, self.device)  # the first load of a hit, in a child

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -70,6 +71,7 @@ class Engine:
         self._warming: set | None = None
         self._warm_progress: Callable[[int], None] | None = None
         self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
+        self._running_steps = False  # a tick or step is under way: its callbacks may not drive the engine
 
     @property
     def facts(self) -> ModelFacts:
@@ -162,7 +164,7 @@ class Engine:
         plan = self.loop.next(state)
         if isinstance(plan, Done):
             return False
-        with torch.compiler.set_stance(self._stance()):
+        with torch.compiler.set_stance(self._stance()), self._not_reentrant("step"):
             failures = self._run_group([(state, plan)], on_step)
         if failures:
             raise failures[0][1]
@@ -290,7 +292,7 @@ class Engine:
                 while pending:
                     if not self._scheduler.has_work():
                         raise RuntimeError(f"requests {sorted(pending)} neither ran nor ended")  # a bug, never a hang
-                    self._tick(on_step, on_result)
+                    self._tick(on_step, on_result, "generate")
                     for result in self._take_results(pending):
                         results[result.request_id] = result
                         pending.discard(result.request_id)
@@ -299,8 +301,33 @@ class Engine:
             raise
         return [rejected.get(i) or results[r.request_id] for i, r in enumerate(requests)]
 
-    def _tick(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
+    @contextmanager
+    def _not_reentrant(self, what: str):
+        """A callback runs between one request's step and the next member's: a tick, generate or step
+        started there would run and advance the same requests again (and hand results to the wrong
+        caller). Callbacks may submit and cancel; they must return before the engine runs on."""
+        if self._running_steps:
+            raise RuntimeError(
+                f"Engine.{what}() was called from inside a callback (on_step / on_result) of a running tick: "
+                "the engine is not re-entrant; submit or cancel from the callback and drive the engine after it returns"
+            )
+        self._running_steps = True
+        try:
+            yield
+        finally:
+            self._running_steps = False
+
+    def _tick(self, on_step: StepCallback | None, on_result: ResultCallback | None, what: str = "tick") -> None:
+        with self._not_reentrant(what):
+            self._tick_once(on_step, on_result)
+
+    def _tick_once(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
         tick = self._scheduler.tick()
+        for state, err in tick.failed:
+            log.error("request %s failed planning its next step: %r", state.request_id, err)
+            self._slots.release(state)
+            self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
+                              error=f"planning its next step: {err!r}"))  # fmt: skip
         for state in tick.cancelled:
             self._slots.release(state)
             self._done(Result(state.request_id, "cancelled", seed=state.seed, timings=dict(state.timings)))
@@ -367,11 +394,16 @@ class Engine:
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
         elapsed = time.perf_counter() - began - compiled_for_it
         kind = self.loop.step_kinds[plans[0].kind]
-        if kind.host_outputs:
-            copy_to_host(results, kind.host_outputs)
+        try:
+            if kind.host_outputs:
+                copy_to_host(results, kind.host_outputs)
+            finite_rows = all_finite(results)
+        except Exception as err:  # outputs not as the kind declares them: the group fails, the tick goes on
+            log.exception("%s step: its outputs could not be read back", plans[0].kind)
+            return [(state, err) for state, _ in group]
         phase = kind.phase
         failures = []
-        for (state, plan), result, finite in zip(group, results, all_finite(results)):
+        for (state, plan), result, finite in zip(group, results, finite_rows):
             if not finite:  # garbage must not come back as ok: the request fails here, naming the step
                 bad = sorted(k for k, t in result.items()
                              if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all())
@@ -383,7 +415,13 @@ class Engine:
             state.timings[phase] = state.timings.get(phase, 0.0) + elapsed
             if on_result is not None:
                 on_result(state, plan, result)
-            self.loop.advance(state, result)
+            try:
+                self.loop.advance(state, result)
+            except Exception as err:  # this request's outputs do not fold back: it fails, the others carry on
+                log.exception("request %s failed folding back %s step %d", state.request_id, plan.kind, plan.step_index)
+                failures.append((state, RuntimeError(
+                    f"{plan.kind} step {plan.step_index}: its outputs do not fold back into the request: {err!r}")))
+                continue
             if on_step is not None:
                 on_step(state, plan.kind)
         return failures

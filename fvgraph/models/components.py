@@ -105,16 +105,87 @@ def _load_from_folder(name: str, spec: ComponentSpec, folder: Path, dtype: torch
     path = folder / spec.subfolder
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {folder}: component {name!r} expects folder {path}, which does not exist")
-    if spec.kind == "tokenizer":
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(path)
     cls = spec.resolve_class()
-    if spec.kind == "image_processor":
-        return cls.from_pretrained(path)
-    if cls.__module__.startswith("transformers"):
-        return cls.from_pretrained(path, dtype=dtype)
-    return cls.from_pretrained(path, torch_dtype=dtype)
+    try:
+        if spec.kind == "tokenizer":
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(path)
+        if spec.kind == "image_processor":
+            return cls.from_pretrained(path)
+        dtype_arg = {"dtype": dtype} if cls.__module__.startswith("transformers") else {"torch_dtype": dtype}
+        module, info = cls.from_pretrained(path, output_loading_info=True, **dtype_arg)
+    except Exception as err:  # a config or weights file the class cannot take: name the component
+        raise CheckpointError(
+            f"checkpoint {folder}: component {name!r} ({path}) does not load into {cls.__name__}: "
+            f"{type(err).__name__}: {str(err)[:500]}"
+        ) from err
+    _check_loading_info(name, path, info)
+    return module
+
+
+def _check_loading_info(name: str, path: Path, info: dict) -> None:
+    """from_pretrained fills in weights its config has but the files lack (random or meta tensors) and
+    drops stored weights its config has no place for: either means config.json and weights disagree."""
+    problems = []
+    for key, what in (("missing_keys", "weights config.json declares but the files lack"),
+                      ("unexpected_keys", "stored weights config.json has no place for"),
+                      ("mismatched_keys", "weights whose stored shape differs from config.json's"),
+                      ("error_msgs", "load errors")):  # fmt: skip
+        found = sorted(map(str, info.get(key) or ()))
+        if found:
+            problems.append(f"{len(found)} {what} (e.g. {', '.join(found[:3])})")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint component {name!r} ({path}): its config.json and its weights disagree: "
+            f"{'; '.join(problems)}; restore the config.json the weights were saved with"
+        )
+
+
+def read_model_index(folder: Path, card: ModelCard, skip: frozenset[str]) -> set[str]:
+    """Check model_index.json against the card; returns the names of the card's components it lists.
+
+    Every component the folder lists must be one the card loads (else it would be silently dropped:
+    a second expert on a one-expert card), and every component the card needs must be listed with
+    the card's class (diffusers itself loads only what the index lists)."""
+    index_path = folder / "model_index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(
+            f"{index_path} is not readable JSON ({type(err).__name__}: {err}): "
+            "a diffusers folder's model_index.json maps component names to [library, class]"
+        ) from err
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise CheckpointError(f"{index_path} must be a JSON object with a string '_class_name' (the pipeline class), "
+                              f"got {str(index)[:120]!r}")  # fmt: skip
+    listed = set()
+    for key, value in index.items():
+        is_entry = isinstance(value, list) and len(value) == 2 and all(p is None or isinstance(p, str) for p in value)
+        if key in card.components or key == "scheduler":
+            if not is_entry:
+                raise CheckpointError(f"{index_path}: component {key!r} must be [library, class] (or [null, null] "
+                                      f"when absent), got {str(value)[:120]!r}")  # fmt: skip
+        if not is_entry or value == [None, None] or key.startswith("_"):
+            continue  # a pipeline setting (boundary_ratio, expand_timesteps) or an absent component
+        if key == "scheduler":
+            continue  # the card's recipe sets the sampler
+        if key not in card.components:
+            raise CheckpointError(
+                f"{index_path} lists component {key!r} ({value[0]}.{value[1]}), which card {card.card_id!r} does not "
+                f"load (it loads {', '.join(card.components)}): use a card made for this folder"
+            )
+        spec = card.components[key]
+        expected = spec.cls.rpartition(".")[2]
+        if spec.kind not in ("tokenizer", "image_processor") and value[1] != expected:
+            raise CheckpointError(f"{index_path}: component {key!r} is {value[1]!r}, card {card.card_id!r} loads "
+                                  f"{expected!r}: use a card made for this folder")  # fmt: skip
+        listed.add(key)
+    for name, spec in card.components.items():
+        if name not in listed and name not in skip and not spec.optional:
+            raise CheckpointError(f"{index_path} does not list component {name!r} (or lists it as [null, null]), "
+                                  f"which card {card.card_id!r} needs")  # fmt: skip
+    return listed
 
 
 def _own_storage(module: nn.Module) -> None:
@@ -130,7 +201,7 @@ def _own_storage(module: nn.Module) -> None:
 def load_components(card: ModelCard, checkpoint: str | Path | None, device: torch.device,
                     skip: frozenset[str] = frozenset()) -> Components:  # fmt: skip
     """Build (card seed) or load (checkpoint folder) every component but those in `skip`, cast and
-    placed on `device`. An optional component (a second expert) absent from the folder is None."""
+    placed on `device`. An optional component absent from the folder's model_index.json is None."""
     folder = None
     if checkpoint is not None:
         folder = Path(checkpoint)
@@ -140,10 +211,11 @@ def load_components(card: ModelCard, checkpoint: str | Path | None, device: torc
         raise CheckpointError(
             f"card {card.card_id!r} has no embedded weights: pass checkpoint=<local diffusers folder>"
         )
+    listed = read_model_index(folder, card, skip) if folder is not None else set(card.components)
     built = {}
     with torch.device("cpu"):
         for name, spec in card.components.items():
-            if name in skip or (folder is not None and spec.optional and not (folder / spec.subfolder).is_dir()):
+            if name in skip or name not in listed:  # not listed: an optional component the folder lacks
                 continue
             if folder is None:
                 module = _build_seeded(name, spec, card.seed or 0, card)

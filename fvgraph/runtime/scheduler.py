@@ -34,6 +34,7 @@ class Tick:
     finished: list[LoopState] = field(default_factory=list)
     cancelled: list[LoopState] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)
+    failed: list[tuple[LoopState, Exception]] = field(default_factory=list)  # their loop could not plan a step
 
 
 class Scheduler:
@@ -92,7 +93,18 @@ class Scheduler:
             tick.cancelled += running_cancelled
         while self.waiting and len(self.running) < self.max_running:
             self.running.append(self.waiting.popleft())
-        plans = [self.loop.next(state) for state in self.running]
+        plans = []
+        for state in self.running:
+            try:
+                plans.append(self.loop.next(state))
+            except Exception as err:  # one request's loop cannot go on: it fails alone, the tick goes on
+                tick.failed.append((state, err))
+                plans.append(None)
+        if tick.failed:
+            kept = [(state, plan) for state, plan in zip(self.running, plans) if plan is not None]
+            self.remove([state for state, _ in tick.failed])
+            plan_of = {id(state): plan for state, plan in kept}
+            plans = [plan_of[id(state)] for state in self.running]
         tick.finished = [state for state, plan in zip(self.running, plans) if isinstance(plan, Done)]
         if tick.finished:  # their rows are refilled by the last running requests
             plan_of = {id(state): plan for state, plan in zip(self.running, plans)}

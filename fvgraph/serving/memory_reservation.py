@@ -7,12 +7,17 @@ A request that is running holds, besides the weights and compiled graphs every r
                     hoisted text K/V of every block (Wan 1.3B with CFG: about 190 MB)
     activations     its rows of one denoise forward (both branches), times the worst padding of the
                     batch buckets (with 1, 2, 4, 8 five requests run at 8: a factor of 1.6)
-    decoded_frames  the decoded video in float32 and as uint8 frames, plus the VAE decoder's working
-                    set for one chunk of frames at full resolution
+    decoded_frames  the decoded video: the float32 copies alive while it is assembled and rescaled,
+                    and the uint8 frames
+    vae_decode      the VAE decoder's working set for one chunk of frames at full resolution, on the
+                    engine's device (on a CPU, convolutions unfold their input: see below)
 
-The activation and VAE figures are estimates (a fixed number of feature maps of the widest layer,
-named below), not measurements: they are what `--memory-budget` is charged with, so a request that
-could never fit is refused at once, and requests that do not fit now wait until others end.
+Every part is an estimate from shapes and named factors, not a measurement: it is what
+`--memory-budget` is charged with, so a request that could never fit is refused at once, and requests
+that do not fit now wait until others end. The parts are summed although the denoise activations and
+the VAE decode never peak together, so the sum errs high. On a CPU, tests/test_admission.py holds the
+estimate of a tiny-wan request to at least its measured peak resident-memory growth and at most 3x it
+(measured there: 5x32x32, 9x128x128 and 5x256x256 with CFG). The CUDA factors are not measured yet.
 """
 
 from __future__ import annotations
@@ -30,6 +35,17 @@ DIT_LIVE_INNER_MAPS = 6
 # Feature maps of the decoder's top-resolution width alive at once while it decodes one chunk
 # (residual blocks keep input, two convolutions and the causal cache of the previous chunk).
 VAE_LIVE_MAPS = 8
+# On a CPU, bytes per top-width channel and output position of a chunk: a 3x3x3 convolution there
+# unfolds its input into 27 columns per position (im2col), beside the padded input, the causal caches
+# of every full-resolution convolution and the upsampler's maps; plus a fixed part (convolution
+# scratch space, the allocator's arenas) that dominates small decodes. Measured peak RSS growth of
+# whole tiny-wan requests (fresh process each, CFG): 20 MB at 5x32x32, 54 at 5x64x64, 138-166 at
+# 9x128x128, 342-460 at 256x256 (5 to 33 frames); these factors come out 1.2x to 2.1x of it.
+VAE_CPU_BYTES_PER_CHANNEL = 300
+VAE_CPU_FIXED_BYTES = 32 << 20
+# Float32 copies of the whole decoded video alive at once: the decoder's growing concatenation (old
+# and new), the clamp, the rescale to [0, 1], and the host copy the frames are made from.
+VIDEO_FLOAT_COPIES = 4
 # On a GPU the budget is this share of the memory free after the weights loaded; the rest is left to
 # the graph pools, the allocator's fragmentation and the CUDA context.
 CUDA_BUDGET_SHARE = 0.8
@@ -66,6 +82,9 @@ class MemoryModel:
         self.text_len, self.text_dim = card.shapes.text_len, engine.facts.text_dim
         self.carry = len(loop.sampler.initial_carry(torch.zeros(1)))
         self.vae_top = vae.base_dim * vae.dim_mult[0]
+        cpu = loop.components.device.type == "cpu"
+        self.vae_bytes_per_channel = VAE_CPU_BYTES_PER_CHANNEL if cpu else VAE_LIVE_MAPS * 4
+        self.vae_fixed = VAE_CPU_FIXED_BYTES if cpu else 0
         buckets = engine.buckets.batch_sizes
         self.padding = max(engine.buckets.batch_for(n) / n for n in range(1, buckets[-1] + 1))
 
@@ -85,7 +104,8 @@ class MemoryModel:
             "loop_state": (1 + self.carry) * latent + embeds,
             "batch_lane": (1 + self.carry) * latent + embeds + text_kv,
             "activations": int(forward * self.padding),
-            "decoded_frames": frames * height * width * 3 * (4 + 1) + VAE_LIVE_MAPS * self.vae_top * chunk * height * width * 4,
+            "decoded_frames": frames * height * width * 3 * (4 * VIDEO_FLOAT_COPIES + 1),
+            "vae_decode": self.vae_fixed + self.vae_bytes_per_channel * self.vae_top * chunk * height * width,
         }
         return Reservation(request.request_id, parts)
 
