@@ -31,10 +31,9 @@ from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.contract.counters import Counters
 from fvgraph.engine.builder import build_engine_parts
+from fvgraph.engine.fold_back import fold_back
 from fvgraph.engine.parts import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
-from fvgraph.runtime.finite_check import all_finite
-from fvgraph.runtime.host_outputs import copy_to_host
 from fvgraph.runtime.tf32_switch import math_mode
 from fvgraph.contract.loop import Loop, LoopState
 from fvgraph.contract.plan import Done, WorkPlan
@@ -393,36 +392,5 @@ class Engine:
             return [(state, err)]
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
         elapsed = time.perf_counter() - began - compiled_for_it
-        kind = self.loop.step_kinds[plans[0].kind]
-        try:
-            if kind.host_outputs:
-                copy_to_host(results, kind.host_outputs)
-            finite_rows = all_finite(results)
-        except Exception as err:  # outputs not as the kind declares them: the group fails, the tick goes on
-            log.exception("%s step: its outputs could not be read back", plans[0].kind)
-            return [(state, err) for state, _ in group]
-        phase = kind.phase
-        failures = []
-        for (state, plan), result, finite in zip(group, results, finite_rows):
-            if not finite:  # garbage must not come back as ok: the request fails here, naming the step
-                bad = sorted(k for k, t in result.items()
-                             if isinstance(t, torch.Tensor) and t.is_floating_point() and not torch.isfinite(t).all())
-                failures.append((state, FloatingPointError(
-                    f"{plan.kind} step {plan.step_index}: outputs {bad} are not finite (NaN or Inf)")))  # fmt: skip
-                continue
-            if compiled_for_it:
-                state.timings["compile"] = state.timings.get("compile", 0.0) + compiled_for_it
-            state.timings[phase] = state.timings.get(phase, 0.0) + elapsed
-            if on_result is not None:
-                on_result(state, plan, result)
-            try:
-                self.loop.advance(state, result)
-            except Exception as err:  # this request's outputs do not fold back: it fails, the others carry on
-                log.exception("request %s failed folding back %s step %d", state.request_id, plan.kind, plan.step_index)
-                failures.append((state, RuntimeError(
-                    f"{plan.kind} step {plan.step_index}: its outputs do not fold back into the request: {err!r}")))
-                continue
-            if on_step is not None:
-                on_step(state, plan.kind)
-        return failures
+        return fold_back(self.loop, group, results, elapsed, compiled_for_it, on_step, on_result)
 
