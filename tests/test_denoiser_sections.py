@@ -95,3 +95,38 @@ def test_a_saved_caching_state_is_read_field_by_field(tiny_engine, tmp_path):
     state.save(tmp_path / "state.pt")
     with pytest.raises(ValueError, match=r"caching.memo: must hold exactly \['err', 'ratio', 'skipped'\] for method 'magcache'"):
         tiny_engine.resume(T2VState.load(tmp_path / "state.pt"))
+
+
+def _saved_and_broken(tiny_engine, tmp_path, cache: dict, breaks) -> T2VState:
+    state = _cached_state(tiny_engine, cache)
+    breaks(state)
+    state.save(tmp_path / "state.pt")
+    return T2VState.load(tmp_path / "state.pt")
+
+
+@pytest.mark.parametrize("method, breaks, message", [
+    ("magcache", lambda s: setattr(s.caching, "kept", [k[:, :1] for k in s.caching.kept]),
+     r"caching.kept\[0\]: must be torch.float32 of shape \[1, 4, 32\], got torch.float32 of shape \[1, 1, 32\]"),
+    ("magcache", lambda s: setattr(s.caching, "kept", [k.double() for k in s.caching.kept]), r"caching.kept\[0\]: must be torch.float32"),
+    ("taylorseer", lambda s: setattr(s.caching, "kept", [k[:1, :1, :1, :1, :1] for k in s.caching.kept]),
+     r"caching.kept\[0\]: must be torch.bfloat16 of shape \[1, 16, 1, 4, 4\]"),
+    ("fbcache", lambda s: setattr(s.caching, "first", [f[:, :1] for f in s.caching.first]), r"caching.first\[0\]: must be"),
+    ("magcache", lambda s: s.caching.counts.update(reused=-1), r"caching.counts: must hold the ints >= 0"),
+    ("magcache", lambda s: s.caching.counts.update(extra=2), r"caching.counts: must hold the ints >= 0"),
+    ("magcache", lambda s: s.caching.memo.update(ratio="one"), r"caching.memo: ratio='one' must be a finite number"),
+])  # fmt: skip
+def test_a_resumed_caching_state_is_checked_against_what_the_steps_produce(tiny_engine, tmp_path, method, breaks, message):
+    """Kept tensors cut to a broadcastable shape or widened would run and give wrong latents (or fail
+    inside the step); counts and accumulators echo into Result.cache and the decisions."""
+    with pytest.raises(ValueError, match=message):
+        tiny_engine.resume(_saved_and_broken(tiny_engine, tmp_path, CACHES[method], breaks))
+
+
+@pytest.mark.parametrize("name, breaks", [
+    ("timesteps", lambda s: setattr(s, "timesteps", s.timesteps.flip(0))),
+    ("coeffs", lambda s: setattr(s, "coeffs", s.coeffs * 1.001)),
+    ("prompt_embeds", lambda s: setattr(s, "prompt_embeds", s.prompt_embeds.half())),
+])  # fmt: skip
+def test_a_resumed_schedule_is_the_samplers_and_embeddings_are_in_the_denoisers_dtype(tiny_engine, tmp_path, name, breaks):
+    with pytest.raises(ValueError, match=rf"state of request .*: {name}: "):
+        tiny_engine.resume(_saved_and_broken(tiny_engine, tmp_path, CACHES["magcache"], breaks))

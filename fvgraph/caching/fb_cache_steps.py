@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fvgraph.caching.sections_step import SectionsStep
-from fvgraph.caching.state import Fail, StepCachingState, check_tensor
+from fvgraph.caching.state import Fail, StepCachingState, TensorLayouts, check_tensor
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
 from fvgraph.contract.markers import mark_request_constant
@@ -176,15 +176,15 @@ class FirstBlockState(StepCachingState):
         self.head, self.compute = [], []
         return True
 
-    def check(self, fail: Fail, cfg: bool, phase: str) -> None:
-        super().check(fail, cfg, phase)
+    def check(self, fail: Fail, cfg: bool, phase: str, layouts: TensorLayouts) -> None:
+        super().check(fail, cfg, phase, layouts)
         branches = 2 if cfg else 1
         for name in ("first", "head"):
             values = getattr(self, name)
             if len(values) not in (0, branches):
                 fail(f"caching.{name}", f"must hold 0 or {branches} tensors (one per CFG branch), got {len(values)}")
             for i, t in enumerate(values):
-                check_tensor(fail, f"caching.{name}[{i}]", t, 3)
+                check_tensor(fail, f"caching.{name}[{i}]", t, layouts.tokens, layouts.token_dtype)
         if len(self.compute) != len(self.head):
             fail("caching.compute", f"must hold one decision per tensor of caching.head ({len(self.head)}), got {len(self.compute)}")
         if self.head and (phase != "denoise" or any(not c and not self.kept for c in self.compute)):

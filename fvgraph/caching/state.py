@@ -27,6 +27,15 @@ from fvgraph.contract.plan import StepResult
 Fail = Callable[[str, str], NoReturn]  # (field, rule): raises, naming the request
 
 
+@dataclass(frozen=True)
+class TensorLayouts:
+    """What the request's tensors look like on this engine, for the resume-time check of what is kept."""
+
+    tokens: tuple[int, ...]  # [1, S, D]: the denoiser's tokens for the request's latents
+    token_dtype: torch.dtype
+    latents: tuple[int, ...]  # [1, C, F, h, w]
+
+
 def zero_counts() -> dict[str, int]:
     """Denoiser calls computed and reused (one per CFG branch and step); FLOPs run and uncached."""
     return {"computed": 0, "reused": 0, "flops": 0, "flops_uncached": 0}
@@ -83,27 +92,36 @@ class StepCachingState(abc.ABC):
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
         return {**fields, "settings": self.settings.model_dump(mode="json")}
 
-    def check(self, fail: Fail, cfg: bool, phase: str) -> None:
+    def check(self, fail: Fail, cfg: bool, phase: str, layouts: TensorLayouts) -> None:
         """Resume-time check of the values; `fail(field, rule)` raises naming the request."""
         expected = set(self.settings.memo_keys)
         if not isinstance(self.memo, dict) or set(self.memo) != expected:
             fail("caching.memo", f"must hold exactly {sorted(expected)} for method {self.settings.method!r}, got {sorted(self.memo)}")
+        for key, value in self.memo.items():
+            if isinstance(value, bool) or not isinstance(value, int | float) or value != value or abs(value) == float("inf"):
+                fail("caching.memo", f"{key}={value!r} must be a finite number")
+        if set(self.counts) != set(zero_counts()) or any(isinstance(v, bool) or not isinstance(v, int) or v < 0
+                                                         for v in self.counts.values()):  # fmt: skip
+            fail("caching.counts", f"must hold the ints >= 0 {sorted(zero_counts())}, got {self.counts!r}")
         branches = 2 if cfg else 1
-        per_branch, dims = self.kept_layout(fail)
+        per_branch, shape, dtype = self.kept_layout(fail, layouts)
         if len(self.kept) not in (0, branches * per_branch):
             fail("caching.kept", f"must hold 0 or {branches * per_branch} tensors ({per_branch} per CFG branch), got {len(self.kept)}")
         for i, kept in enumerate(self.kept):
-            check_tensor(fail, f"caching.kept[{i}]", kept, dims)
+            check_tensor(fail, f"caching.kept[{i}]", kept, shape, dtype)
 
-    def kept_layout(self, fail: Fail) -> tuple[int, int]:
-        """(tensors per CFG branch, dims of each) that `kept` holds once a step computed."""
-        return 1, 3
+    def kept_layout(self, fail: Fail, layouts: TensorLayouts) -> tuple[int, tuple[int, ...], torch.dtype]:
+        """(tensors per CFG branch, shape and dtype of each) that `kept` holds once a step computed:
+        one residual of the blocks' tokens per branch unless the method keeps something else."""
+        return 1, layouts.tokens, layouts.token_dtype
 
 
-def check_tensor(fail: Fail, name: str, t: Any, dims: int) -> None:
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-        fail(name, f"must be a floating-point tensor, got {type(t).__name__ if not isinstance(t, torch.Tensor) else t.dtype}")
-    if t.dim() != dims:
-        fail(name, f"must have {dims} dims, got shape {list(t.shape)}")
+def check_tensor(fail: Fail, name: str, t: Any, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Exactly the shape and dtype the step produces: a tensor cut to a broadcastable shape would run
+    and give wrong latents, a wider dtype would fail inside the step."""
+    if not isinstance(t, torch.Tensor):
+        fail(name, f"must be a tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        fail(name, f"must be {dtype} of shape {list(shape)}, got {t.dtype} of shape {list(t.shape)}")
     if not torch.isfinite(t).all():
         fail(name, "holds NaN or Inf values")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from fvgraph.caching.sections_step import SectionsForward, SectionsStep
-from fvgraph.caching.state import Fail, StepCachingState
+from fvgraph.caching.state import Fail, StepCachingState, TensorLayouts
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
 from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
@@ -122,10 +122,11 @@ class TaylorState(StepCachingState):
         self.counted(branches if compute else 0, 0 if compute else branches)
         return True
 
-    def kept_layout(self, fail: Fail) -> tuple[int, int]:
+    def kept_layout(self, fail: Fail, layouts: TensorLayouts) -> tuple[int, tuple[int, ...], torch.dtype]:
         last, orders, top = self.memo["last"], self.memo["orders"], self.settings.max_order + 1
         if isinstance(last, bool) or not isinstance(last, int) or last < -1:
             fail("caching.memo", f"last={last!r} must be the int step of the last refresh, or -1 before the first")
         if isinstance(orders, bool) or not isinstance(orders, int) or not 0 <= orders <= top:
             fail("caching.memo", f"orders={orders!r} must be an int in [0, max_order + 1 = {top}]")
-        return orders, 5  # per branch: its factors, shaped like the latents
+        # per branch: its factors, shaped like the latents, in the dtype the settings keep them in
+        return orders, layouts.latents, getattr(torch, self.settings.taylor_factors_dtype)

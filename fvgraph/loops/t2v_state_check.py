@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from fvgraph.caching.settings import NoCache
-from fvgraph.caching.state import StepCachingState
+from fvgraph.caching.state import StepCachingState, TensorLayouts
 from fvgraph.contract.loop import Loop, LoopState
 from fvgraph.loops.samplers import num_coeffs
 
@@ -71,16 +71,20 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
     coeffs = c.tensor("coeffs", dims=2)
     if tuple(coeffs.shape) != (steps, num_coeffs(loop.sampler)):
         c.fail("coeffs", f"must be [{steps}, {num_coeffs(loop.sampler)}] (one sampler row per timestep), got {list(coeffs.shape)}")
+    plan = loop.sampler.plan(steps)  # what init planned: the schedule is the sampler's, never the state's own
+    for name, value, planned in (("timesteps", timesteps, plan.timesteps), ("coeffs", coeffs, plan.coeffs)):
+        if value.dtype != planned.dtype or not torch.equal(value.cpu(), planned):
+            c.fail(name, f"is not the card's sampler schedule for {steps} steps (reordered or edited)")
     _check_progress(c, state, steps, loop.pre_denoise_phases)
     latents = c.tensor("latents", dims=5)
     if latents.shape[0] != 1 or latents.shape[1] != loop.latent_channels:
         c.fail("latents", f"must be [1, {loop.latent_channels}, frames, h, w], got {list(latents.shape)}")
     _check_carry(c, state, loop)
-    _check_text(c, state, card.shapes.text_len, loop.facts.text_dim)
-    _check_caching(c, state)
+    _check_text(c, state, card.shapes.text_len, loop.facts.text_dim, loop.embed_dtype)
+    _check_caching(c, state, loop)
 
 
-def _check_caching(c: _Checker, state: LoopState) -> None:
+def _check_caching(c: _Checker, state: LoopState, loop: Loop) -> None:
     """Complete settings of an active method, and the method's own check of what it keeps."""
     caching = state.caching
     if caching is None:
@@ -91,7 +95,9 @@ def _check_caching(c: _Checker, state: LoopState) -> None:
     if isinstance(settings, NoCache) or settings.missing_calibration():  # init stores only complete, active settings
         c.fail("caching.settings", f"must be complete settings of a caching method, got method {settings.method!r} "
                                    f"missing {list(settings.missing_calibration())}")  # fmt: skip
-    caching.check(c.fail, state.cfg, state.phase)
+    latents = tuple(state.latents.shape)
+    layouts = TensorLayouts(loop.sections.token_shape(state.latents), loop.sections.token_dtype, latents)
+    caching.check(c.fail, state.cfg, state.phase, layouts)
 
 
 def _check_progress(c: _Checker, state: LoopState, steps: int, pre_denoise: tuple[str, ...]) -> None:
@@ -119,7 +125,7 @@ def _check_carry(c: _Checker, state: LoopState, loop: Loop) -> None:
         c.tensor(f"carry[{i}]", shape=tuple(want.shape), value=have)
 
 
-def _check_text(c: _Checker, state: LoopState, text_len: int, text_dim: int) -> None:
+def _check_text(c: _Checker, state: LoopState, text_len: int, text_dim: int, dtype: torch.dtype) -> None:
     needed = ["prompt_embeds"] + (["negative_prompt_embeds"] if state.cfg else [])
     if state.phase == "encode":
         if not isinstance(state.encode_slots, list) or not set(state.encode_slots) <= set(EMBED_SLOTS):
@@ -130,4 +136,6 @@ def _check_text(c: _Checker, state: LoopState, text_len: int, text_dim: int) -> 
             c.fail("input_ids", f"must be [{len(state.encode_slots)}, {text_len}], got {list(ids.shape)}")
         needed = [name for name in needed if name not in state.encode_slots]
     for name in needed:
-        c.tensor(name, shape=(1, text_len, text_dim))
+        embeds = c.tensor(name, shape=(1, text_len, text_dim))
+        if embeds.dtype != dtype:  # the dtype the denoiser takes them in (the loop casts them so)
+            c.fail(name, f"must be {dtype}, got {embeds.dtype}")
