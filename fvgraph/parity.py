@@ -173,17 +173,17 @@ def diff(a: torch.Tensor, b: torch.Tensor, atol: float, rtol: float) -> dict:
     }  # fmt: skip
 
 
-def _engine(card, setting: Setting, checkpoint, device) -> Engine:
+def _engine(card, setting: Setting, checkpoint, device, adapters: dict | None) -> Engine:
     config = CompileConfig(backend=setting.backend, passes=PassConfig(disabled=setting.disabled_passes))
     return Engine.from_card(card, checkpoint=checkpoint, opt_level=setting.opt_level, device=device,
-                            compile_config=config, taps=True)  # fmt: skip
+                            compile_config=config, taps=True, **(adapters or {}))  # fmt: skip
 
 
 def compare(card, requests: Sequence[Request], a: Setting, b: Setting, checkpoint=None, device=None,
-            prepare_b: Callable[[Engine], None] | None = None) -> ParityReport:  # fmt: skip
+            prepare_b: Callable[[Engine], None] | None = None, adapters: dict | None = None) -> ParityReport:  # fmt: skip
     """Run `requests` at settings `a` (the reference) and `b`; `prepare_b` may alter engine B (tests
-    use it to inject an error)."""
-    engine_a, engine_b = _engine(card, a, checkpoint, device), _engine(card, b, checkpoint, device)
+    use it to inject an error). `adapters`: Engine.from_card's loras / merge_loras / lora_slots, on both."""
+    engine_a, engine_b = _engine(card, a, checkpoint, device, adapters), _engine(card, b, checkpoint, device, adapters)
     if prepare_b is not None:
         prepare_b(engine_b)
     # An FP8 side (opt level 3) is held to the card's fp8 tolerance, not the model's own precision's.

@@ -100,6 +100,11 @@ class Request(BaseModel):
         'or the text "magcache:threshold=0.1"; an unknown method or field is rejected naming it. None (or left '
         'out): the card\'s `default_cache`; "none": no caching even where the card names a default.',
     )
+    loras: dict[str, float] | None = Field(
+        default=None,
+        description="LoRA adapters loaded on the engine, name -> scale (docs/adapters.md), several at once; an "
+        "unknown name is rejected naming it.",
+    )
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], min_length=1, max_length=MAX_REQUEST_ID_LENGTH,
                             description="Printable, at most 128 characters.")
 
@@ -132,6 +137,15 @@ class Request(BaseModel):
     def _finite_guidance(cls, value: float | None, info) -> float | None:
         if value is not None and not np.isfinite(value):
             raise ValueError(f"{info.field_name} must be a finite number")
+        return value
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _lora_scales(cls, value):
+        if isinstance(value, dict):
+            for name, scale in value.items():
+                if isinstance(scale, bool) or not isinstance(scale, int | float) or not np.isfinite(scale) or abs(scale) > 100:
+                    raise ValueError(f"loras[{name!r}]={scale!r} must be a finite number in [-100, 100]")
         return value
 
     @field_validator("image")

@@ -33,6 +33,7 @@ CHANGES = {
     "runtime": RuntimeFactors(torch="2.11.0", triton=None, cuda=None, gpu=None),
     "attention": "CUDNN_ATTENTION,FLASH_ATTENTION",
     "parallel": "cfg2xulysses1:rank1",
+    "adapters": "lora-slots:4x64/2:0123456789ab",
 }
 
 

@@ -12,7 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fvgraph.cli.caching import CACHE_HELP, cache_line
-from fvgraph.cli.options import BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, console, serving_engine, writable_dir
+from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION, MAX_LORA_RANK_OPTION,
+                                 MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, console, serving_engine,
+                                 writable_dir)  # fmt: skip
 
 
 def generate(
@@ -41,6 +43,11 @@ def generate(
     dtype: Optional[str] = DTYPE_OPTION,
     flow_shift: Optional[float] = FLOW_SHIFT_OPTION,
     boundary_ratio: Optional[float] = BOUNDARY_RATIO_OPTION,
+    lora: list[str] = LORA_OPTION,
+    lora_scale: list[str] = typer.Option([], "--lora-scale", help="NAME=SCALE: the requests' scale of --lora NAME (default 1.0 for each)."),
+    merge_lora: list[str] = MERGE_LORA_OPTION,
+    max_loras: Optional[int] = MAX_LORAS_OPTION,
+    max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
     output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
@@ -54,14 +61,18 @@ def generate(
     try:
         check_video_output(output, fps)  # before any work: a bad option must not cost the run
         writable_dir(output.parent, "--output")
+        adapters = adapter_options(lora, merge_lora, max_loras, max_lora_rank)
+        chosen = request_loras(adapters, lora_scale)
         engine = serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, compile_steps, cache=cache,
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
-                                 dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio)  # fmt: skip
+                                 dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
+                                 adapters=adapters)  # fmt: skip
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
                 guidance_scale=guidance_scale, height=height, width=width, num_frames=num_frames, seed=seed + i,
+                loras=chosen,
             )
             for i, text in enumerate(prompt)
         ]  # fmt: skip
@@ -123,3 +134,18 @@ def generate(
         console.print(f"wrote {path}")
     if failed:
         raise typer.Exit(1)
+
+
+def request_loras(adapters: dict, lora_scale: list[str]) -> dict[str, float] | None:
+    """What generate's requests choose: every --lora at 1.0 (a merged one at its merged scale), or --lora-scale's."""
+    loaded, merged = adapters["loras"] or {}, adapters["merge_loras"] or {}
+    chosen = {name: merged.get(name, 1.0) for name in loaded}
+    for item in lora_scale:
+        name, _, text = item.partition("=")
+        if name not in loaded:
+            raise ValueError(f"--lora-scale {item!r}: {name!r} is not a --lora adapter")
+        try:
+            chosen[name] = float(text)
+        except ValueError:
+            raise ValueError(f"--lora-scale {item!r} must be NAME=SCALE") from None
+    return chosen or None

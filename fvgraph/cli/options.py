@@ -18,6 +18,46 @@ FLOW_SHIFT_OPTION = typer.Option(None, "--flow-shift", help="The sampler's flow_
 BOUNDARY_RATIO_OPTION = typer.Option(None, "--boundary-ratio", help="Two-expert cards: where the low-noise expert takes over (default: the card's).")
 
 
+# LoRA adapters (docs/adapters.md), shared by generate, serve, warmup and parity.
+LORA_OPTION = typer.Option([], "--lora", help="NAME=PATH: load a local LoRA file as adapter NAME (repeatable); requests choose it by name.")
+MERGE_LORA_OPTION = typer.Option([], "--merge-lora", help="NAME=SCALE: fuse --lora NAME into the weights at SCALE instead of a slot (repeatable).")
+MAX_LORAS_OPTION = typer.Option(None, "--max-loras", help="Adapter slots (default 4 when an adapter needs one).")
+MAX_LORA_RANK_OPTION = typer.Option(None, "--max-lora-rank", help="Every slot's rank (default 64); a higher-rank adapter is refused.")
+
+
+def adapter_options(lora: list[str], merge_lora: list[str], max_loras: Optional[int], max_lora_rank: Optional[int]) -> dict:
+    """Engine.from_card's loras / merge_loras / lora_slots from the flags; ValueError naming the flag."""
+    from fvgraph.adapters.slots import LoraSlots
+
+    loras = {name: Path(path) for name, path in _pairs(lora, "--lora", "NAME=PATH").items()}
+    merge = {}
+    for name, text in _pairs(merge_lora, "--merge-lora", "NAME=SCALE").items():
+        try:
+            merge[name] = float(text)
+        except ValueError:
+            raise ValueError(f"--merge-lora {name}={text!r}: the scale must be a number") from None
+    slots = None
+    if max_loras is not None or max_lora_rank is not None:
+        try:
+            slots = LoraSlots(**{k: v for k, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)) if v is not None},
+                              max_loras_per_request=min(2, max_loras or 2))  # fmt: skip
+        except ValueError as err:
+            raise ValueError(f"--max-loras / --max-lora-rank: {err}") from None
+    return {"loras": loras or None, "merge_loras": merge or None, "lora_slots": slots}
+
+
+def _pairs(items: list[str], option: str, form: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"{option}={item!r} must be {form}")
+        if name in pairs:
+            raise ValueError(f"{option}: adapter {name!r} given twice")
+        pairs[name] = value
+    return pairs
+
+
 def chosen_card_from_options(card, dtype: Optional[str], flow_shift: Optional[float], boundary_ratio: Optional[float]):
     """The card with --dtype, --flow-shift and --boundary-ratio applied; ValueError naming the flag."""
     from fvgraph.card_choices import with_dtype, with_recipe
@@ -69,8 +109,8 @@ def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cud
                     fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
                     cache: Optional[str] = None, cfg_parallel: Optional[int] = None,
                     ulysses: Optional[int] = None, dtype: Optional[str] = None, flow_shift: Optional[float] = None,
-                    boundary_ratio: Optional[float] = None):  # fmt: skip
-    """The engine `generate` and `serve` run, from their shared options."""
+                    boundary_ratio: Optional[float] = None, adapters: dict | None = None):  # fmt: skip
+    """The engine `generate` and `serve` run, from their shared options (`adapters`: adapter_options())."""
     from fvgraph.parallel.config import ParallelConfig
     from fvgraph.engine.engine import Engine
 
@@ -90,7 +130,7 @@ def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cud
     engine = Engine.from_card(
         chosen, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
         compile_config=compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
-        cache_dir=cache_dir, max_running=max_running, parallel=parallel,
+        cache_dir=cache_dir, max_running=max_running, parallel=parallel, **(adapters or {}),
     )  # fmt: skip
     if fail_on_recompile:
         engine.freeze()

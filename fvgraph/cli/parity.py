@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from fvgraph.cli.caching import cache_quality
-from fvgraph.cli.options import console, parse_level, writable_dir
+from fvgraph.cli.options import LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, adapter_options, console, parse_level, writable_dir
 
 
 def parity(
@@ -26,11 +26,15 @@ def parity(
     report: Optional[Path] = typer.Option(None, help="Write the JSON-lines report here."),
     cache: Optional[str] = typer.Option(None, "--cache", help="Step caching on both sides (METHOD[:k=v,...]); with "
                                         "--against none, the distance of the cached run from the uncached one."),
+    lora: list[str] = LORA_OPTION,
+    max_loras: Optional[int] = MAX_LORAS_OPTION,
+    max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
 ) -> None:
     """Diff two settings tap by tap (every block, both CFG branches, predictions, latents) per step.
     Exits 1 when a tap exceeds the card's tolerance, naming the first divergence. With `--cache ...
     --against none`: report how far the cached run lands from the uncached one (relative L2 of the
-    latents per step, PSNR of the frames); reported, not asserted."""
+    latents per step, PSNR of the frames); reported, not asserted. With `--lora`, both sides load the
+    adapters and every request runs them at scale 1."""
     from fvgraph.parity import Setting, compare
     from fvgraph.request import Request
 
@@ -42,9 +46,12 @@ def parity(
         reference = None if against == "none" else parse_level(against, "--against")
         for level in (opt_level, reference if reference is not None else opt_level):
             level_config(level)
+        adapters = adapter_options(lora, [], max_loras, max_lora_rank)
+        if adapters["loras"] and cache is not None:
+            raise ValueError("--lora with --cache: step caching does not run with adapter slots yet")
         requests = [
             Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames,
-                    cache=cache)  # fmt: skip
+                    cache=cache, loras=dict.fromkeys(adapters["loras"], 1.0) if adapters["loras"] else None)  # fmt: skip
             for i, text in enumerate(prompt)
         ]
         if report is not None:
@@ -53,7 +60,8 @@ def parity(
             cache_quality(card, checkpoint, opt_level, compile_backend, disable_pass, device, requests, cache, report)
             return
         b = Setting(opt_level, compile_backend, tuple(disable_pass))
-        result = compare(card, requests, Setting(reference, compile_backend), b, checkpoint=checkpoint, device=device)
+        result = compare(card, requests, Setting(reference, compile_backend), b, checkpoint=checkpoint, device=device,
+                         adapters=adapters)  # fmt: skip
     except Exception as err:
         console.print(f"[red]error:[/red] {err}")
         raise typer.Exit(2) from None

@@ -10,8 +10,9 @@ import typer
 from rich.console import Console
 
 from fvgraph.cli.caching import CACHE_HELP
-from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, at_least_one, parse_shape, parse_size,
-                                  serving_engine, writable_dir)
+from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION, MAX_LORA_RANK_OPTION,
+                                 MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, at_least_one, parse_shape,
+                                 parse_size, serving_engine, writable_dir)  # fmt: skip
 
 
 def serve(
@@ -33,6 +34,10 @@ def serve(
     dtype: Optional[str] = DTYPE_OPTION,
     flow_shift: Optional[float] = FLOW_SHIFT_OPTION,
     boundary_ratio: Optional[float] = BOUNDARY_RATIO_OPTION,
+    lora: list[str] = LORA_OPTION,
+    merge_lora: list[str] = MERGE_LORA_OPTION,
+    max_loras: Optional[int] = MAX_LORAS_OPTION,
+    max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
     video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 is written with PyAV)."),
     fps: int = typer.Option(8),
     port: Optional[int] = typer.Option(None, help="Serve the OpenAI-style HTTP API on this port (0: any free one) instead of JSON lines."),
@@ -69,7 +74,8 @@ def serve(
         engine = serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache,
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
-                                 dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio)  # fmt: skip
+                                 dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
+                                 adapters=adapter_options(lora, merge_lora, max_loras, max_lora_rank))  # fmt: skip
         if port is not None:
             from fvgraph.serving.http_server import HttpServer
 

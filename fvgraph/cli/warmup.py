@@ -10,7 +10,8 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fvgraph.cli.options import DEFAULT_CACHE_DIR, card_with_cache, compile_config, console, parse_shape, writable_dir
+from fvgraph.cli.options import (DEFAULT_CACHE_DIR, LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION,
+                                 adapter_options, card_with_cache, compile_config, console, parse_shape, writable_dir)  # fmt: skip
 
 
 def warmup(
@@ -29,9 +30,15 @@ def warmup(
                                                       "the schedule reaches its reuse steps)."),
     cache: Optional[str] = typer.Option(None, "--cache", help="Warm with step caching (METHOD[:k=v,...]): its keep and reuse "
                                         "kinds are compiled at every bucket too; serve with the same --cache."),
+    lora: list[str] = LORA_OPTION,
+    merge_lora: list[str] = MERGE_LORA_OPTION,
+    max_loras: Optional[int] = MAX_LORAS_OPTION,
+    max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
 ) -> None:
     """Compile the compiled step kinds of every shape and batch bucket into the capture cache, so later
-    processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling."""
+    processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling.
+    Adapter slots (--lora, --max-loras) change every denoise step's signature, merged adapters the
+    weights version: warm with the flags the server runs with."""
     from fvgraph.runtime.buckets import BucketSpec
     from fvgraph.request import Request
     from fvgraph.engine.engine import Engine
@@ -56,6 +63,7 @@ def warmup(
         engine = Engine.from_card(
             model, checkpoint=checkpoint, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
             compile_config=compile_config(compile_backend, disable_pass),
+            **adapter_options(lora, merge_lora, max_loras, max_lora_rank),
         )  # fmt: skip
         requests = [engine.loop.warmup_request(f, h, w, g, steps) for f, h, w in shapes for g in scales]
     except Exception as err:  # bad card, shape or bucket list: say why and stop

@@ -113,7 +113,7 @@ class StepCompiler:
     def __init__(self, config: CompileConfig, card_id: str, weights_version: str, loop_id: str, precision: str,
                  device: torch.device, counters: Counters, cache_dir: str | Path | None = None,
                  opt_level: int = 1, step_kinds: dict[str, StepKind] | None = None,
-                 parallel: str = "single"):  # fmt: skip
+                 parallel: str = "single", adapters: str = "none"):  # fmt: skip
         self.config = config
         self.step_kinds = step_kinds or {}  # the loop's declarations: component, compiled by default
         self.pass_manager = PassManager(config.passes)
@@ -121,7 +121,7 @@ class StepCompiler:
         self.device = device
         self.frozen = False
         self._base = dict(card_id=card_id, weights_version=weights_version, loop=loop_id, precision=precision,
-                          parallel=parallel)  # fmt: skip
+                          parallel=parallel, adapters=adapters)  # fmt: skip
         self._runtime = RuntimeFactors.current(device)
         self._compiled: dict[StepSignature, CompiledStep] = {}
         self._rejected: dict[str, tuple[dict, str]] = {}  # cache entries found unusable: key -> (record, why)

@@ -57,6 +57,7 @@ class StepSignature:
     runtime: RuntimeFactors
     attention: str = "default"  # SDPA backends the step was compiled with, in priority order
     parallel: str = "single"  # the parallel plan and this rank's place in it (ParallelConfig.plan)
+    adapters: str = "none"  # LoRA slot count, rank, per-request count and adapted linears (never which adapters)
 
     def factors(self) -> dict:
         return dataclasses.asdict(self)

@@ -30,6 +30,9 @@ from fvgraph.card_choices import chosen_card
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.contract.counters import Counters
+from fvgraph.adapters.setup import AdapterSetup
+from fvgraph.adapters.slots import LoraSlots
+from fvgraph.engine.adapter_admin import AdapterAdmin
 from fvgraph.engine.builder import build_engine_parts
 from fvgraph.engine.fold_back import fold_back
 from fvgraph.engine.parts import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches
@@ -51,7 +54,7 @@ StepCallback = Callable[[LoopState, str], None]
 ResultCallback = Callable[[LoopState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
 
 
-class Engine:
+class Engine(AdapterAdmin):
     def __init__(self, card: ModelCard, loop: Loop, executor: EagerExecutor | CompiledExecutor,
                  opt_level: int, counters: Counters, buckets: BucketSpec, max_running: int):  # fmt: skip
         self.card = card
@@ -65,6 +68,7 @@ class Engine:
         self.opt_level = opt_level
         self.counters = counters
         self.projection_cache: ExactProjectionCache | None = None  # set by from_card when eager
+        self.adapters = None  # the LoRA adapters (fvgraph/engine/adapter_admin.py), set by from_card
         self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/runtime/tf32_switch.py)
         # While warmup() serves its requests: the signatures prepared at every batch bucket, and its progress callback.
         self._warming: set | None = None
@@ -102,6 +106,9 @@ class Engine:
         parallel: ParallelConfig | None = None,
         dtype: str | torch.dtype | None = None,
         recipe: dict | None = None,
+        loras: dict[str, str | Path] | None = None,
+        merge_loras: dict[str, float] | None = None,
+        lora_slots: LoraSlots | None = None,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -126,16 +133,20 @@ class Engine:
         `dtype` ("fp32", "bf16", "fp16" or a torch dtype) runs the denoiser and text encoder in it
         instead of the card's precision; `recipe` sets flow_shift, boundary_ratio and the defaults
         named in fvgraph/card_choices.py over the card's (and a checkpoint's) own.
+        `loras` (name -> local LoRA file) loads adapters that requests choose with `Request.loras`;
+        those named in `merge_loras` are fused into the weights at that scale instead; `lora_slots`
+        sizes the slots (docs/adapters.md).
         """
         card = chosen_card(get_card(card) if isinstance(card, str) else card, dtype, recipe)
         switches = EngineSwitches(
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
             debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir, parallel=parallel,
+            adapters=AdapterSetup(dict(loras or {}), dict(merge_loras or {}), lora_slots) if loras or lora_slots else None,
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)  # with its worker ranks when parallel
         engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)
-        engine.projection_cache = parts.projection_cache
+        engine.projection_cache, engine.adapters = parts.projection_cache, parts.adapters
         return engine
 
     @property

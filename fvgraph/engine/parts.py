@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from fvgraph.adapters.registry import AdapterRegistry
+from fvgraph.adapters.setup import AdapterSetup, apply_adapters
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
@@ -61,6 +63,7 @@ class EngineSwitches:
     text_encoder: bool = True  # False: neither text encoder nor tokenizer loads; requests carry embeddings
     calibration_dir: str | Path | None = None  # calibrated cache settings (default: beside the capture cache)
     parallel: ParallelConfig | None = None  # worker processes splitting the denoise steps (docs/parallel.md)
+    adapters: AdapterSetup | None = None  # LoRA adapters merged or in slots (docs/adapters.md)
 
 
 @dataclass
@@ -72,6 +75,7 @@ class EngineParts:
     counters: Counters
     projection_cache: ExactProjectionCache | None
     parallel: RankSetup | None = None  # this rank's share of a parallel engine
+    adapters: AdapterRegistry | None = None  # the engine's LoRA adapters
 
 
 def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int, device: str | torch.device | None,
@@ -85,7 +89,14 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     components = load_components(card, checkpoint, device, skip)
     if checkpoint is not None and rank == 0:  # the folder's own recipe, where it differs from the run's
         warn_recipe_differences(card, checkpoint)
+    adapters = None
+    if switches.adapters is not None:  # before the loop and its steps: slots are buffers of the steps
+        if switches.parallel is not None:
+            raise ValueError("LoRA adapters do not run on a parallel engine yet: build it without `parallel`")
+        adapters = apply_adapters(components, card.pipeline_class, switches.adapters)
     loop = build_loop(card, components)
+    if adapters is not None:
+        loop.adapters = adapters
     if isinstance(loop, StepCaching):  # a loop with step caching finds calibrated settings here
         loop.calibration = CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir))
     counters = Counters()
@@ -103,6 +114,7 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
             config, card.card_id, weights_version, loop.loop_id, card.recipe.precision, device, counters,
             cache_dir=switches.cache_dir, opt_level=effective.level, step_kinds=loop.step_kinds,
             parallel="single" if parallel is None else parallel.plan,
+            adapters="none" if adapters is None or adapters.store is None else adapters.store.factor(),
         )  # fmt: skip
         graphs = effective.cuda_graphs and switches.cuda_graphs and device.type == "cuda"
         runner = GraphRunner(compiler, counters, cuda_graphs=graphs, debug=switches.debug)
@@ -117,7 +129,7 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
         except (TypeError, ValueError) as err:  # a denoiser the adapter does not cover runs without it
             log.info("eager projection cache off for %s: %s", card.card_id, err)
             projection_cache = None
-    return EngineParts(card, loop, executor, effective, counters, projection_cache, parallel)
+    return EngineParts(card, loop, executor, effective, counters, projection_cache, parallel, adapters)
 
 
 def compile_config_for(config: CompileConfig, level: OptLevel, taps: bool) -> CompileConfig:

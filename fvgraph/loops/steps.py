@@ -57,6 +57,8 @@ class DenoiseStep(nn.Module):
         image_embeds: torch.Tensor | None = None,  # [B, N, D'] image tokens the denoiser attends to beside the text
         first_frame: torch.Tensor | None = None,  # [B, C, 1, H, W] latents that replace the noise where frame_mask is 0
         frame_mask: torch.Tensor | None = None,  # [B, 1, F, H, W] 1 where the latents are denoised, 0 where given
+        lora_index: torch.Tensor | None = None,  # [B, K] int64 each row's adapter slots (fvgraph/adapters/slots.py)
+        lora_scale: torch.Tensor | None = None,  # [B, K] float32 their scales (0 where unused)
         **carry: torch.Tensor,  # sampler history: carry_0 .. carry_{n-1}, each like latents
     ) -> dict[str, torch.Tensor]:
         taps = {}
@@ -66,19 +68,21 @@ class DenoiseStep(nn.Module):
             model_input, timestep = masked_frames(latents, timestep, mark_request_constant(first_frame),
                                                   mark_request_constant(frame_mask), self.transformer.config.patch_size)  # fmt: skip
         model_input = model_input.to(prompt_embeds.dtype)
-        image = {} if image_embeds is None else {"encoder_hidden_states_image": mark_request_constant(image_embeds)}
+        side = {} if image_embeds is None else {"encoder_hidden_states_image": mark_request_constant(image_embeds)}
+        if lora_index is not None:  # arguments of each branch's call: fused and hoisted like the text
+            side.update(lora_index=mark_request_constant(lora_index), lora_scale=mark_request_constant(lora_scale))
         if self.cfg and self.cfg_split is not None:  # one branch here, the other on the CFG peer rank
             noise, noise_uncond = self.cfg_split.both_branches(
-                lambda branch, embeds: self._denoise(branch, model_input, timestep, mark_request_constant(embeds), **image),
+                lambda branch, embeds: self._denoise(branch, model_input, timestep, mark_request_constant(embeds), **side),
                 prompt_embeds, negative_prompt_embeds,
             )  # fmt: skip
         else:
-            noise = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds), **image)
+            noise = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds), **side)
         taps["tap.noise.cond"] = noise
         # 2. the unconditional branch and the guidance combine
         if self.cfg:
             if self.cfg_split is None:
-                noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds), **image)
+                noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds), **side)
             noise = guided(noise, noise_uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = noise_uncond, noise
         # 3. the sampler update, with this request's coefficients and history

@@ -15,6 +15,9 @@ import torch
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from torch import nn
 
+from fvgraph.adapters.lora_file import AdapterError
+from fvgraph.adapters.registry import AdapterChoice, AdapterRegistry
+from fvgraph.adapters.slots import ROW_INPUTS
 from fvgraph.card import ModelCard
 from fvgraph.caching.calibration_store import CalibrationStore
 from fvgraph.caching.methods import caching_step_kinds, caching_steps, load_state
@@ -40,13 +43,14 @@ CONDITIONING = ("condition", "image_embeds", "first_frame", "frame_mask")
 
 
 def denoise_kind(name: str, cfg: bool, component: str = "transformer") -> StepKind:
-    """A whole denoise step: latents, timestep and sampler row per step; text (and guidance) constant;
-    the sampler's history carried."""
+    """A whole denoise step: latents, timestep and sampler row per step; text (and guidance) constant,
+    and on an engine with adapter slots each row's slots and scales (fvgraph/adapters/slots.py); the
+    sampler's history carried."""
     texts = ("prompt_embeds", "negative_prompt_embeds", "guidance_scale") if cfg else ("prompt_embeds",)
     carry = dict.fromkeys(carry_names(MAX_CARRY), Role.CARRIED)
     return StepKind(name, component=component, phase="denoise", compiled=True, per_inference_step=True,
                     inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP,
-                            **dict.fromkeys((*texts, *CONDITIONING), Role.CONSTANT), **carry},
+                            **dict.fromkeys((*texts, *CONDITIONING, *ROW_INPUTS), Role.CONSTANT), **carry},
                     outputs={"latents": Role.RESULT, **carry})  # fmt: skip
 
 
@@ -100,6 +104,8 @@ class T2VState(SerializableState):
     weights_version: str = ""  # the weights it was started with: resuming on others would mix two models
     # Step caching (fvgraph/caching/): the method's settings, accumulators and kept tensors, or None.
     caching: StepCachingState | None = field(default=None, metadata={"load": load_state})
+    # LoRA adapters (fvgraph/adapters/): the request's names, scales and each adapter's digest, or None.
+    adapters: AdapterChoice | None = field(default=None, metadata={"load": AdapterChoice.load})
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
     derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
 
@@ -133,6 +139,7 @@ class TextToVideoLoop(StepCaching):
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
         self.calibration = CalibrationStore()  # where calibrated cache settings are found (the engine sets its root)
         self._flops: StepFlops | None = None  # built at the first cached request
+        self.adapters: AdapterRegistry | None = None  # the engine's LoRA adapters (the builder sets it)
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
         """One step module per step kind; they share the components' modules (no weight copies).
@@ -159,7 +166,25 @@ class TextToVideoLoop(StepCaching):
             raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
         if resolved.image is not None and not self.takes_image:
             raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
-        return self._check_caching(resolved)
+        resolved = self._check_caching(resolved)
+        self._adapter_choice(resolved)
+        return resolved
+
+    def _adapter_choice(self, request: Request) -> AdapterChoice | None:
+        """The request's `loras` checked against the engine's adapters (RequestRejected naming `loras`)."""
+        if not request.loras:
+            return None
+        if self.adapters is None:
+            raise RequestRejected("loras", f"this engine serves no LoRA adapters (asked for {sorted(request.loras)}): "
+                                           "load them with --lora NAME=PATH or Engine.from_card(loras=...)")  # fmt: skip
+        try:
+            choice = self.adapters.choose(request.loras)
+        except AdapterError as err:
+            raise RequestRejected("loras", str(err)) from None
+        if choice is not None and request.caching is not None:
+            raise RequestRejected("loras", f"step caching ({request.caching.method}) does not run with adapter slots yet: "
+                                           "send the request without `cache`, or serve the adapter merged")  # fmt: skip
+        return choice
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
         """A request that runs every step kind of this loop at this shape (what `fvgraph warmup` serves)."""
@@ -194,6 +219,7 @@ class TextToVideoLoop(StepCaching):
             prompt_embeds=self._padded(request.prompt_embeds),
             negative_prompt_embeds=self._padded(request.negative_prompt_embeds) if request.do_cfg else None,
             weights_version=self.components.weights_version,
+            adapters=self._adapter_choice(request),
             **self._conditioning(request, latents),
         )
         self._start_caching(state, request)
@@ -281,11 +307,23 @@ class TextToVideoLoop(StepCaching):
             constants["negative_prompt_embeds"] = state.negative_prompt_embeds
             constants["guidance_scale"] = torch.tensor([state.guidance_scale], dtype=torch.float32, device=device)
         constants.update(self._conditioning_inputs(state))
+        constants.update(self._adapter_rows(state))
         _, _, frames, h, w = state.latents.shape
         pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
         kind = DENOISE_CFG if state.cfg else DENOISE
         timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
         return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names(len(state.carry)), signature=None)
+
+    def _adapter_rows(self, state: T2VState) -> dict[str, torch.Tensor]:
+        """The request's adapter rows on an engine with slots: every plain denoise step takes them (zero
+        scales for a request without adapters), so requests with any adapters share one graph. A cached
+        request runs without adapters (check_request) and its steps take no rows."""
+        if self.adapters is None or self.adapters.store is None or state.caching is not None:
+            return {}
+        try:
+            return self.adapters.rows(state.adapters, self.components.device)
+        except AdapterError as err:  # unloaded or replaced since the request started (Engine.step by hand)
+            raise RequestRejected("loras", f"request {state.request_id}: {err}") from None
 
     def _conditioning_inputs(self, state: T2VState) -> dict[str, torch.Tensor]:
         """Extra request-constant denoise inputs a subclass loop adds (none for text-to-video)."""
@@ -339,6 +377,7 @@ class TextToVideoLoop(StepCaching):
         # A state from disk is untrusted input: another card, sampler or weights, or any field this
         # loop could not have produced, is refused naming the field and the rule (t2v_state_check).
         check_t2v_state(state, self)
+        self._check_saved_adapters(state)
         device = self.components.device
         for name in self.device_fields:
             value = getattr(state, name)
@@ -349,6 +388,20 @@ class TextToVideoLoop(StepCaching):
             state.caching.to(device)
         state.derived = None  # derived on the other engine's device; rebuilt here on demand
         return state
+
+
+    def _check_saved_adapters(self, state: T2VState) -> None:
+        """A state started with adapters resumes only where the same adapters (by digest) are loaded."""
+        if state.adapters is None:
+            return
+        if self.adapters is None or self.adapters.store is None:
+            raise ValueError(f"adapters: request {state.request_id} runs with loras {sorted(state.adapters.scales)}; "
+                             "this engine has no adapter slots")  # fmt: skip
+        for name, digest in state.adapters.digests.items():
+            try:
+                self.adapters.current_slot(name, digest)
+            except AdapterError as err:
+                raise ValueError(f"adapters: request {state.request_id}: {err}") from None
 
 
 def check_text_encoder(request: Request, components: Components) -> None:

@@ -148,7 +148,9 @@ class GraphRunner:
         return entry
 
     def _padded_like(self, t: torch.Tensor, bucket: int) -> torch.Tensor:
-        return torch.empty((bucket, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        # Zeros, not empty: the compiler runs the step once on these buffers before any row is written,
+        # and an integer input (an adapter slot index) must be a valid index then.
+        return torch.zeros((bucket, *t.shape[1:]), dtype=t.dtype, device=t.device)
 
     def _capture(self, entry: BucketGraph, key: tuple) -> None:
         """Capture into the shared pool; a failure means no graph for this key, logged once, and a fresh

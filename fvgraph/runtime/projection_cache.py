@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import weakref
 from collections import OrderedDict
-from typing import Callable, NamedTuple
+from typing import Callable, Hashable, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -119,12 +119,14 @@ class ExactProjectionCache:
         self._bytes_held = 0
 
     def project(
-        self, name: str, projection: nn.Module, conditioning: Tensor, compute: Callable[[], Tensor]
+        self, name: str, projection: nn.Module, conditioning: Tensor, compute: Callable[[], Tensor],
+        variant: Callable[[], Hashable] | None = None,
     ) -> Tensor:
         """Return ``compute()``'s output for ``projection`` applied to ``conditioning``.
 
-        ``compute`` must depend only on ``conditioning``, the weights/buffers of ``projection`` and
-        fixed preprocessing, and must return a freshly allocated tensor."""
+        ``compute`` must depend only on ``conditioning``, the weights/buffers of ``projection``,
+        fixed preprocessing and what ``variant()`` names (the adapters chosen for this call, whose
+        content it identifies), and must return a freshly allocated tensor."""
         if torch.compiler.is_compiling():
             self._note_traced_bypass()  # a cached tensor would be baked into the graph
             return compute()
@@ -135,7 +137,7 @@ class ExactProjectionCache:
         tensors = _tensors_of(projection)
         weights = _weights_signature(tensors)
         cond_key = self._key_for(conditioning)
-        key = (name, cond_key, _numerics_signature(conditioning, tensors))
+        key = (name, cond_key, _numerics_signature(conditioning, tensors), None if variant is None else variant())
         entry = self._entries.get(key)
         if entry is not None and not _same_weights(entry, weights, tensors):
             self._drop(key)  # stale: the weights moved or were updated in place
@@ -151,6 +153,15 @@ class ExactProjectionCache:
         else:
             self._count_bypass(TOO_LARGE)
         return output
+
+    def drop_variants(self, depends: Callable[[Hashable], bool]) -> int:
+        """Drop the entries whose variant `depends` on something going away (an unloaded adapter);
+        returns how many. Entries of other variants stay."""
+        stale = [key for key in self._entries if key[3] is not None and depends(key[3])]
+        for key in stale:
+            self._drop(key)
+        self._stats.invalidations += len(stale)
+        return len(stale)
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from diffusers import WanTransformer3DModel
 from torch import Tensor, nn
 
+from fvgraph.adapters.slots import slot_store
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 
 TEXT_EMBEDDER = "condition_embedder.text_embedder"
@@ -50,16 +51,17 @@ class _CachedForward:
     Holds the module weakly so the module -> forward -> module cycle cannot delay freeing the model;
     `previous` is an instance-level forward that was already installed (by another tool), if any."""
 
-    def __init__(self, cache: ExactProjectionCache, name: str, module: nn.Module) -> None:
+    def __init__(self, cache: ExactProjectionCache, name: str, module: nn.Module, variant=None) -> None:
         self.cache = cache
         self.name = name
+        self.variant = variant  # the adapters this call runs with (SlotStore.cache_variant), or None
         self.previous = module.__dict__.get("forward")
         self._module = weakref.ref(module)
         self._class_forward = type(module).forward
 
     def __call__(self, conditioning: Tensor) -> Tensor:
         module = self._module()
-        return self.cache.project(self.name, module, conditioning, lambda: self.original(module, conditioning))
+        return self.cache.project(self.name, module, conditioning, lambda: self.original(module, conditioning), self.variant)
 
     def original(self, module: nn.Module, conditioning: Tensor) -> Tensor:
         if self.previous is not None:
@@ -70,10 +72,13 @@ class _CachedForward:
 def apply_projection_cache(transformer: WanTransformer3DModel, cache: ExactProjectionCache) -> None:
     """Route `transformer`'s text embedding and every cross-attention K/V projection through `cache`.
 
-    Use one cache per transformer. Call `cache.clear()` after loading weights or adapters into it."""
+    Use one cache per transformer. Call `cache.clear()` after loading weights into it; adapter slots
+    (fvgraph/adapters/slots.py) installed before this call key each entry by the adapters of its rows."""
     _check_supported(transformer)
+    store = slot_store(transformer)  # with adapter slots, each entry is also keyed by the rows' adapters
+    variant = None if store is None else store.cache_variant
     for name, module in request_constant_projections(transformer):
-        module.forward = _CachedForward(cache, name, module)
+        module.forward = _CachedForward(cache, name, module, variant)
 
 
 def remove_projection_cache(transformer: nn.Module) -> None:

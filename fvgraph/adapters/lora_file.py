@@ -1,0 +1,145 @@
+"""A LoRA file read as diffusers reads it: per target linear, its low-rank factors and its scaling.
+
+    lora = read_lora(path, pipeline_class="WanPipeline", transformer=components.transformer)
+    lora.modules["blocks.0.attn1.to_q"]  # LoraModule(down [r, in], up [out, r], up_bias [out] | None, scaling)
+
+Key formats are converted by diffusers' own `<Pipeline>.lora_state_dict` (diffusers/peft keys, and
+for Wan the musubi/kohya `lora_unet_*` and original `diffusion_model.*` layouts, including LightX2V's);
+the scaling of each module is the one peft gives it when diffusers loads the file: diffusers builds
+the `LoraConfig` (the file's `lora_adapter_metadata`, or ranks and alphas read from the keys) and
+peft resolves each module's rank and alpha from its patterns, `alpha / r` (`alpha / sqrt(r)` with
+rsLoRA). Nothing here rewrites a conversion.
+
+Every key is checked against the denoiser: a module it does not have, a module that is not a
+Linear, or factors of the wrong shape are refused naming the key. Keys for other components (a
+text encoder's LoRA) and DoRA magnitudes are refused too: the slots hold the denoiser's linears only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import diffusers
+import torch
+from torch import nn
+
+DENOISER_PREFIX = "transformer."
+
+
+class AdapterError(ValueError):
+    """An adapter file or an adapter operation that cannot be honoured; the message names the key or field."""
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapted linear: `y = W x + b + scaling * (up @ down) x (+ scaling * up_bias)`."""
+
+    down: torch.Tensor  # [r, in]  (peft's lora_A)
+    up: torch.Tensor  # [out, r]  (peft's lora_B)
+    up_bias: torch.Tensor | None  # [out]  (lora_B's bias: diffusers' conversion of `diff_b` keys)
+    scaling: float
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0])
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """A whole adapter for one denoiser."""
+
+    path: str
+    modules: dict[str, LoraModule]  # by module name in the denoiser, e.g. "blocks.0.attn2.to_k"
+    digest: str  # sha256 over module names, factors and scalings: what caches key on
+
+    @property
+    def rank(self) -> int:
+        return max(m.rank for m in self.modules.values())
+
+
+def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> LoraWeights:
+    """Read and check a local LoRA file (`.safetensors`, any key format diffusers converts for this family)."""
+    path = Path(path)
+    if not path.is_file():
+        raise AdapterError(f"lora path {str(path)!r} is not a file: pass a local .safetensors file")
+    pipeline = getattr(diffusers, pipeline_class)
+    try:
+        state_dict, metadata = pipeline.lora_state_dict(str(path), return_lora_metadata=True)
+    except Exception as err:  # unreadable, not safetensors, or a layout no converter knows
+        raise AdapterError(f"lora {str(path)!r}: diffusers' {pipeline_class}.lora_state_dict cannot read it: {err}") from None
+    others = sorted(k for k in state_dict if not k.startswith(DENOISER_PREFIX))
+    if others:
+        raise AdapterError(f"lora key {others[0]!r} ({len(others)} such keys) is not the denoiser's: adapters apply "
+                           "to the transformer only (a text encoder's LoRA is not supported)")  # fmt: skip
+    state_dict = {k.removeprefix(DENOISER_PREFIX): v for k, v in state_dict.items()}
+    bad = sorted(k for k in state_dict if ".lora_A." not in k and ".lora_B." not in k)
+    if bad:
+        raise AdapterError(f"lora key {bad[0]!r} is neither a lora_A nor a lora_B factor (DoRA and full-weight "
+                           "deltas are not supported by adapter slots)")  # fmt: skip
+    metadata = {k.removeprefix(DENOISER_PREFIX): v for k, v in (metadata or {}).items()} or None
+    config = _lora_config(state_dict, metadata, transformer)
+    if config.use_dora:
+        raise AdapterError(f"lora {str(path)!r} is a DoRA adapter, which adapter slots do not support")
+    modules = {}
+    for name in sorted({k.split(".lora_")[0] for k in state_dict}):
+        modules[name] = _checked_module(name, state_dict, transformer, config)
+    return LoraWeights(str(path), modules, _digest(modules))
+
+
+def _lora_config(state_dict: dict, metadata: dict | None, transformer: nn.Module):
+    """The LoraConfig diffusers builds for this state dict when it loads it (diffusers/loaders/peft.py)."""
+    from diffusers.utils.peft_utils import _create_lora_config
+
+    rank = {f"^{k}": v.shape[1] for k, v in state_dict.items() if "lora_B" in k and v.ndim > 1}
+    if not rank:
+        raise AdapterError("lora: the file has no lora_B factor of two dimensions (no rank to read)")
+    return _create_lora_config(state_dict, None, metadata, rank, model_state_dict=transformer.state_dict())
+
+
+def _scaling(config, name: str) -> float:
+    """The scaling peft gives module `name` under `config` (LoraModel._create_and_replace, LoraLayer.update_layer)."""
+    from peft.utils.other import get_pattern_key
+
+    r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), name), config.r)
+    alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), name), config.lora_alpha)
+    return alpha / math.sqrt(r) if config.use_rslora else alpha / r
+
+
+def _checked_module(name: str, state_dict: dict, transformer: nn.Module, config) -> LoraModule:
+    key_a, key_b = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
+    if key_a not in state_dict or key_b not in state_dict:
+        raise AdapterError(f"lora key {DENOISER_PREFIX}{name}: needs both {key_a!r} and {key_b!r}")
+    try:
+        module = transformer.get_submodule(name)
+    except AttributeError:
+        raise AdapterError(f"lora key {DENOISER_PREFIX}{key_a} names module {name!r}, which this denoiser "
+                           f"({type(transformer).__name__}) does not have") from None  # fmt: skip
+    if type(module) is not nn.Linear:
+        raise AdapterError(f"lora key {DENOISER_PREFIX}{key_a}: module {name!r} is a {type(module).__name__}; "
+                           "adapter slots adapt nn.Linear layers only")  # fmt: skip
+    down, up = state_dict[key_a], state_dict[key_b]
+    out_features, in_features = module.weight.shape
+    if down.ndim != 2 or up.ndim != 2 or down.shape[1] != in_features or up.shape[0] != out_features or up.shape[1] != down.shape[0]:
+        raise AdapterError(f"lora key {DENOISER_PREFIX}{key_a}: factors {list(down.shape)} and {list(up.shape)} do not "
+                           f"fit {name} ({in_features} -> {out_features}): expected [r, {in_features}] and [{out_features}, r]")  # fmt: skip
+    bias = state_dict.get(f"{name}.lora_B.bias")
+    if bias is not None and list(bias.shape) != [out_features]:
+        raise AdapterError(f"lora key {DENOISER_PREFIX}{name}.lora_B.bias has shape {list(bias.shape)}, expected [{out_features}]")
+    for key, t in ((key_a, down), (key_b, up), (f"{name}.lora_B.bias", bias)):
+        if t is not None and not torch.isfinite(t).all():
+            raise AdapterError(f"lora key {DENOISER_PREFIX}{key} holds NaN or Inf values")
+    return LoraModule(down.detach().float(), up.detach().float(), None if bias is None else bias.detach().float(),
+                      float(_scaling(config, name)))  # fmt: skip
+
+
+def _digest(modules: dict[str, LoraModule]) -> str:
+    h = hashlib.sha256()
+    for name, m in modules.items():
+        h.update(f"{name}:{m.scaling!r}".encode())
+        for t in (m.down, m.up, m.up_bias):
+            if t is not None:
+                h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

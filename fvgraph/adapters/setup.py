@@ -1,0 +1,56 @@
+"""What an engine is built with for adapters, applied to its loaded components (before any step is built).
+
+    setup = AdapterSetup(loras={"style": "style.safetensors", "fast": "distill.safetensors"},
+                         merge={"fast": 1.0}, slots=LoraSlots(max_loras=4))
+    registry = apply_adapters(components, card, setup)
+
+Adapters named in `merge` are fused into the weights at their scale (the weights version changes);
+the others are loaded into slots, which are installed when any adapter needs one or `slots` is set.
+Merging comes first, so FP8 copies (-O3) and every signature see the merged weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fvgraph.adapters.lora_file import AdapterError
+from fvgraph.adapters.merge import merge_lora
+from fvgraph.adapters.registry import AdapterRegistry, check_name
+from fvgraph.adapters.slots import LoraSlots, install_slots
+
+
+@dataclass(frozen=True)
+class AdapterSetup:
+    loras: dict[str, str | Path] = field(default_factory=dict)  # name -> local LoRA file
+    merge: dict[str, float] = field(default_factory=dict)  # names of `loras` fused into the weights, at these scales
+    slots: LoraSlots | None = None  # None: default slots when an unmerged adapter needs them
+
+    def __post_init__(self) -> None:
+        for name in (*self.loras, *self.merge):
+            check_name(name)
+        unknown = sorted(set(self.merge) - set(self.loras))
+        if unknown:
+            raise AdapterError(f"merge_loras names {unknown}, which loras does not load: pass each as NAME=PATH too")
+
+    @property
+    def wants_slots(self) -> bool:
+        return self.slots is not None or any(name not in self.merge for name in self.loras)
+
+
+def apply_adapters(components, pipeline_class: str, setup: AdapterSetup) -> AdapterRegistry:
+    """Merge, install slots, load; returns the engine's registry. Changes `components` in place."""
+    if components.transformer_2 is not None:
+        raise AdapterError("LoRA adapters on a two-expert card (transformer_2) are not supported yet")
+    transformer = components.transformer
+    registry = AdapterRegistry(None, pipeline_class, transformer)
+    for name, scale in setup.merge.items():
+        weights = registry.read(name, setup.loras[name])
+        components.weights_version += merge_lora(transformer, weights, scale)
+        registry.record_merged(name, weights, scale)
+    if setup.wants_slots:
+        registry.store = install_slots(transformer, setup.slots or LoraSlots())
+    for name, path in setup.loras.items():
+        if name not in setup.merge:
+            registry.load(name, path)
+    return registry

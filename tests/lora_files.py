@@ -1,0 +1,70 @@
+"""Random LoRA files for tests, written by diffusers and peft themselves (or in the musubi-tuner key
+layout, which diffusers' Wan loader converts), for a denoiser whose module names they take."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import WanPipeline
+from peft import LoraConfig, get_peft_model_state_dict
+from safetensors.torch import save_file
+
+from fvgraph.cards import get_card
+from fvgraph.models.components import load_components
+
+ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+
+
+def fresh_transformer(card: str = "tiny-wan"):
+    """An untouched copy of the card's seeded denoiser (what diffusers' side of a test loads into)."""
+    return load_components(get_card(card), None, torch.device("cpu")).transformer
+
+
+def peft_lora(folder: Path, seed: int, targets: list[str], rank: int = 4, alpha: float = 8.0, card: str = "tiny-wan",
+              bias: bool = False) -> Path:  # fmt: skip
+    """A random LoRA on `targets` (peft's target_modules) saved by `WanPipeline.save_lora_weights`,
+    with its LoraConfig as the file's metadata (so lora_alpha / r applies on load)."""
+    transformer = fresh_transformer(card)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_bias=bias)
+    torch.manual_seed(seed)
+    transformer.add_adapter(config, adapter_name="x")
+    with torch.no_grad():  # peft's random init leaves lora_B zero-mean but large: keep the change visible, not wild
+        for name, p in transformer.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.2)
+    layers = get_peft_model_state_dict(transformer, adapter_name="x")
+    folder.mkdir(parents=True, exist_ok=True)
+    metadata = config.to_dict()
+    metadata["target_modules"] = sorted(metadata["target_modules"])
+    WanPipeline.save_lora_weights(folder, transformer_lora_layers=layers, weight_name="lora.safetensors",
+                                  transformer_lora_adapter_metadata=metadata)  # fmt: skip
+    return folder / "lora.safetensors"
+
+
+def musubi_lora(path: Path, seed: int, num_blocks: int, dims: dict[str, tuple[int, int]], rank: int = 4,
+                alpha: float = 2.0) -> Path:  # fmt: skip
+    """A random LoRA in musubi-tuner's layout (`lora_unet_blocks_{i}_self_attn_q.lora_down.weight`,
+    `.lora_up.weight`, `.alpha`): every attention projection and both FFN linears of every block.
+    `dims` gives (in, out) per musubi module suffix."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for i in range(num_blocks):
+        for suffix, (fan_in, fan_out) in dims.items():
+            key = f"lora_unet_blocks_{i}_{suffix}"
+            state[f"{key}.lora_down.weight"] = torch.randn(rank, fan_in, generator=g) * 0.2
+            state[f"{key}.lora_up.weight"] = torch.randn(fan_out, rank, generator=g) * 0.2
+            state[f"{key}.alpha"] = torch.tensor(alpha)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def musubi_dims(transformer) -> dict[str, tuple[int, int]]:
+    """musubi's module suffixes of one Wan block, with each linear's (in, out)."""
+    block = transformer.blocks[0]
+    linears = {f"{side}_{o}": getattr(attn, c) if c != "to_out.0" else attn.to_out[0]
+               for side, attn in (("self_attn", block.attn1), ("cross_attn", block.attn2))
+               for o, c in zip("qkvo", ATTENTION)}  # fmt: skip
+    linears.update(ffn_0=block.ffn.net[0].proj, ffn_2=block.ffn.net[2])
+    return {k: (m.in_features, m.out_features) for k, m in linears.items()}
