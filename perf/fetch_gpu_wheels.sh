@@ -2,13 +2,15 @@
 # Fetch, on a machine with a package index, the wheels the reference GPU machine lacks into ./wheels/
 # (git-ignored), for perf/gpu_check.sh to install there. That machine (Python 3.12, torch 2.11, CUDA 13)
 # already has transformers, tokenizers, safetensors, huggingface-hub, accelerate, typer, rich, numpy
-# and pillow; it lacks diffusers and pydantic and what they need beyond that list, and the HTTP
+# and pillow; it lacks diffusers, peft and pydantic and what they need beyond that list, and the HTTP
 # server's stack (fastapi, uvicorn, PyAV, ...) and the openai client its tests use. One version of each,
 # all pure Python or manylinux x86_64, about 47 MB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(
   diffusers==0.42.1 importlib-metadata==8.7.0
+  # LoRA adapters: diffusers' loaders build peft's LoraConfig (bench_lora, the adapter tests)
+  peft==0.21.2
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.7.0 typing-inspection==0.4.5
   # fvgraph serve --port (bench_http): the HTTP stack, metrics and PyAV (its wheel alone is most of the 47 MB)
   fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 anyio==4.16.0 idna==3.20

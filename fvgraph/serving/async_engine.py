@@ -88,6 +88,13 @@ class AsyncEngine:
             self._commands.put(("warmup", list(requests), done))
             await asyncio.wrap_future(done)
 
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """`fn(engine)` on the engine thread, between two ticks (loading or unloading an adapter); its
+        exception is raised here."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, done))
+        return await asyncio.wrap_future(done)
+
     async def drain(self, timeout_s: float) -> None:
         """Take no new requests; let those accepted end for up to `timeout_s`, then cancel the rest
         (reason 'shutdown') and wait for their terminal events."""
@@ -282,6 +289,14 @@ class AsyncEngine:
             try:
                 self.engine.warmup(requests)
                 done.set_result(None)
+            except Exception as err:
+                done.set_exception(err)
+        elif name == "call":
+            _, fn, done = command
+            if not done.set_running_or_notify_cancel():
+                return
+            try:
+                done.set_result(fn(self.engine))
             except Exception as err:
                 done.set_exception(err)
         elif name == "stop":

@@ -8,6 +8,7 @@
     DELETE /v1/videos/{id}                cancel at the next step boundary and delete the content
     POST   /v1/images/generations         one frame through the same engine; b64_json or a URL
     GET    /v1/images/{id}/content        the PNG behind such a URL
+    GET/POST /v1/loras, DELETE /v1/loras/{name}   the LoRA adapters (fvgraph/serving/http_adapters.py)
     GET    /health, /ready, /metrics      liveness, readiness (warm), Prometheus metrics
 
 Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}; `param` names the field
@@ -32,6 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
+from fvgraph.serving.http_adapters import ADAPTER_ROUTES, AdapterApi
 from fvgraph.serving.http_errors import ApiError, error_handlers
 from fvgraph.serving.http_guard import HttpGuard
 from fvgraph.serving.media_encode import encode_image, encode_mp4
@@ -42,6 +44,7 @@ from fvgraph.serving.openai_requests import (
     check_input_reference,
     image_request,
     json_fields,
+    nested_form_fields,
     parse_body,
     video_request,
 )
@@ -167,7 +170,7 @@ class VideoApi:
                 if name in fields:
                     raise RequestRejected(name, "is given twice")
                 fields[name] = await value.read() if isinstance(value, UploadFile) else value
-            return fields
+            return nested_form_fields(fields)
         raise RequestRejected("body", f"Content-Type {kind or '(none)'!r} must be multipart/form-data or application/json")
 
     def _accept(self, parsed: Parsed) -> None:
@@ -332,6 +335,9 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
                        on_reject=api.metrics.reject)  # fmt: skip
     for method, path, name in ROUTES:
         app.add_api_route(path, getattr(api, name), methods=[method])
+    adapters = AdapterApi(served)
+    for method, path, name in ADAPTER_ROUTES:
+        app.add_api_route(path, getattr(adapters, name), methods=[method])
     return app
 
 

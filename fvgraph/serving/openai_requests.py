@@ -50,6 +50,7 @@ class _Body(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=SEED_RANGE)
     timeout: float | None = Field(default=None, gt=0, description="Seconds after which the request is cancelled.")
     cache: Any = Field(default=None, description="Step caching, as Request(cache=...) takes it (and checks it).")
+    loras: Any = Field(default=None, description='LoRA adapters by name and scale, {"style": 0.7} (a form sends its JSON text).')
 
     _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "seed", "timeout", mode="before")(refuse_boolean)
 
@@ -180,9 +181,52 @@ def _request(body: _Body, card: ModelCard, request_id: str, max_prompt_chars: in
     try:
         return Request(prompt=body.prompt, negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
                        guidance_scale=body.guidance_scale, seed=body.seed, cache=body.cache, request_id=request_id,
-                       **shape)  # fmt: skip
+                       loras=_loras(body.loras), **shape)  # fmt: skip
     except ValidationError as err:
         raise _rejected(err) from None
+
+
+_BRACKETED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[[^\[\]]+\])+)")
+
+
+def nested_form_fields(fields: dict) -> dict:
+    """Form keys such as `loras[style]` (how the OpenAI SDK sends a dict in `extra_body`) folded into
+    the nested field: {"loras": {"style": "0.7"}}. A key given both ways is refused naming it."""
+    out: dict = {}
+    for key, value in fields.items():
+        match = _BRACKETED.fullmatch(key)
+        if match is None:
+            if key in out:
+                raise RequestRejected(key, "is given twice (as a field and as bracketed keys)")
+            out[key] = value
+            continue
+        name, path = match.group(1), re.findall(r"\[([^\[\]]+)\]", match.group(2))
+        node = out.setdefault(name, {})
+        for part in path[:-1]:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or path[-1] in node:
+            raise RequestRejected(name, f"form key {key!r} conflicts with another value of {name}")
+        node[path[-1]] = value
+    return out
+
+
+def _loras(value: Any) -> Any:
+    """A form field carries the JSON object as text, or bracketed keys with text scales; Request
+    checks the names and scales."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise RequestRejected("loras", 'must be a JSON object of adapter names and scales, e.g. {"style": 0.7}') from None
+    if isinstance(value, dict):
+        scales = {}
+        for name, scale in value.items():
+            try:
+                scales[name] = float(scale) if isinstance(scale, str) else scale
+            except ValueError:
+                raise RequestRejected("loras", f"loras[{name!r}]={scale!r} must be a number") from None
+        return scales
+    return value
 
 
 def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_chars: int,

@@ -1,0 +1,137 @@
+"""Per denoise step with LoRA adapters, interleaved in one process (fvgraph.perf.method): fvgraph's slot
+path at each adapter rank against the same engine without adapters and against the adapter merged
+into the weights, beside diffusers eager with the adapter loaded by peft (unmerged, as
+`load_lora_weights` leaves it).
+
+    python perf/bench_lora.py                      # wan-cpu-bench on the CPU, -O1, ranks 32 and 128, batch 1
+    python perf/bench_lora.py --gpu --batch 4      # Wan 1.3B config, bf16, 480x832x33
+
+Cases per rank R (the adapter is a random LoRA of rank R on every attention projection and FFN linear,
+written by peft and read through diffusers' loader):
+
+    fvgraph_base              no adapter slots at all (the step without any LoRA machinery)
+    fvgraph_merged_rR         the adapter fused into the weights (what --merge-lora serves)
+    fvgraph_slots_rR_unused   an engine with slots of rank R, the request choosing no adapter
+    fvgraph_slots_rR          the same engine, the request choosing the adapter at scale 1
+    diffusers_peft_rR         diffusers eager with the adapter loaded by peft
+
+Prints one JSON line: per-step ms (min / median / max over the rounds) per case, and per round the
+ratio of each slot case to fvgraph_base and to the merged case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from diffusers import WanPipeline
+from peft import LoraConfig, get_peft_model_state_dict
+
+from fvgraph.adapters.slots import LoraSlots
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.engine.engine import Engine
+from fvgraph.perf.bench_step import GUIDANCE, fvgraph_case
+from fvgraph.perf.diffusers_baselines import diffusers_step_case, untouched_components
+from fvgraph.perf.method import emit, interleaved, paired_ratio, provenance, spread
+from fvgraph.models.components import diffusers_scheduler
+from fvgraph.request import Request
+from fvgraph.runtime.buckets import BucketSpec
+
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+
+
+def random_lora(card: str, device: torch.device, rank: int, folder: Path) -> Path:
+    """A random rank-`rank` LoRA on TARGETS, written by diffusers' save_lora_weights (peft's config as metadata)."""
+    transformer = untouched_components(card, torch.device("cpu")).transformer
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS, init_lora_weights=False)
+    torch.manual_seed(rank)
+    transformer.add_adapter(config, adapter_name="bench")
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.02)
+    WanPipeline.save_lora_weights(folder, transformer_lora_layers=get_peft_model_state_dict(transformer, adapter_name="bench"),
+                                  weight_name=f"r{rank}.safetensors", transformer_lora_adapter_metadata=config.to_dict())  # fmt: skip
+    return folder / f"r{rank}.safetensors"
+
+
+def bench(card: str, device: torch.device, shape: tuple[int, int, int], ranks: tuple[int, ...], level: int, batch: int,
+          repeats: int, warmup: int) -> dict:  # fmt: skip
+    height, width, frames = shape
+    steps = min(warmup + repeats + 2, 50)
+    folder = Path(tempfile.mkdtemp(prefix="fvgraph-bench-lora-"))
+    files = {r: random_lora(card, device, r, folder) for r in ranks}
+    common = dict(device=device, opt_level=level, buckets=BucketSpec(batch_sizes=(batch,)),
+                  compile_config=CompileConfig(backend="inductor"))
+    base = Engine.from_card(card, **common)
+    g = torch.Generator().manual_seed(0)
+    pe, ne = (torch.randn(base.card.shapes.text_len, base.facts.text_dim, generator=g) for _ in range(2))
+    request = Request(prompt_embeds=pe, negative_prompt_embeds=ne, guidance_scale=GUIDANCE, height=height, width=width,
+                      num_frames=frames, seed=0, num_inference_steps=steps, output_type="latent")  # fmt: skip
+    cases = [fvgraph_case("fvgraph_base", base, request, batch)]
+    latents = torch.cat([base.loop.init(request.resolve(base.card, base.facts).model_copy(update={"seed": i})).latents
+                         for i in range(batch)])  # fmt: skip
+    dtype = base.loop.components.transformer.dtype
+    for r in ranks:
+        # one engine per case: a case drains its engine between batches, which would end another's requests
+        merged = Engine.from_card(card, loras={"x": files[r]}, merge_loras={"x": 1.0}, **common)
+        unused, slots = (Engine.from_card(card, loras={"x": files[r]}, lora_slots=LoraSlots(4, r, 2), **common) for _ in range(2))
+        adapted = request.model_copy(update={"loras": {"x": 1.0}})
+        cases += [fvgraph_case(f"fvgraph_merged_r{r}", merged, adapted, batch),
+                  fvgraph_case(f"fvgraph_slots_r{r}_unused", unused, request, batch),
+                  fvgraph_case(f"fvgraph_slots_r{r}", slots, adapted, batch)]
+        c = untouched_components(card, device)
+        pipe = WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
+                           scheduler=diffusers_scheduler(base.card.recipe.sampler))  # fmt: skip
+        pipe.load_lora_weights(str(files[r]), adapter_name="x")
+        cases.append(diffusers_step_case(f"diffusers_peft_r{r}", pipe.transformer, base.card.recipe.sampler, latents,
+                                         pe[None].to(device, dtype), ne[None].to(device, dtype), GUIDANCE, steps))  # fmt: skip
+    samples, warm = interleaved(cases, repeats, warmup, device)
+    ratios = {}
+    for r in ranks:
+        for case in (f"fvgraph_slots_r{r}", f"fvgraph_slots_r{r}_unused", f"fvgraph_merged_r{r}"):
+            ratios[f"{case}_vs_base"] = paired_ratio(samples[case], samples["fvgraph_base"])
+        ratios[f"fvgraph_slots_r{r}_vs_merged"] = paired_ratio(samples[f"fvgraph_slots_r{r}"], samples[f"fvgraph_merged_r{r}"])
+        ratios[f"diffusers_peft_r{r}_vs_fvgraph_slots"] = paired_ratio(samples[f"diffusers_peft_r{r}"], samples[f"fvgraph_slots_r{r}"])
+    return {
+        **provenance("lora", device), "card": card, "opt_level": level, "batch": batch, "ranks": list(ranks),
+        "shape": {"height": height, "width": width, "frames": frames}, "dtype": str(dtype).removeprefix("torch."),
+        "per_step_ms": {name: spread(s, 1e3) for name, s in samples.items()},
+        "time_ratio_per_round": ratios,  # > 1: the first case is slower
+        "warmup_s_including_compile": {k: round(v, 2) for k, v in warm.items()},
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpu", action="store_true", help="Wan 1.3B config in bf16 on CUDA")
+    parser.add_argument("--card", help="default: wan-cpu-bench on the CPU, wan2.1-1.3b-bench with --gpu")
+    parser.add_argument("--shape", help="HxWxF (default: the card's default shape on CPU, 480x832x33 on GPU)")
+    parser.add_argument("--ranks", default="32,128", help="adapter (and slot) ranks, comma separated")
+    parser.add_argument("--opt-level", type=int, default=None, help="default 1 on CPU, 2 on GPU")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 8 CPU, 20 GPU)")
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device")
+    device = torch.device("cuda" if args.gpu else "cpu")
+    card = args.card or ("wan2.1-1.3b-bench" if args.gpu else "wan-cpu-bench")
+    if args.shape:
+        shape = tuple(int(v) for v in args.shape.split("x"))
+    elif args.gpu:
+        shape = (480, 832, 33)
+    else:
+        from fvgraph.cards import get_card
+
+        s = get_card(card).shapes
+        shape = (s.default_height, s.default_width, s.default_frames)
+    level = args.opt_level if args.opt_level is not None else (2 if args.gpu else 1)
+    ranks = tuple(int(v) for v in args.ranks.split(","))
+    emit(bench(card, device, shape, ranks, level, args.batch, args.repeats or (20 if args.gpu else 8), args.warmup))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""LoRA adapters over HTTP (the admin endpoints and a request body's `loras`) and on the CLI (--lora)."""
+
+import numpy as np
+import pytest
+from http_helpers import KEY, QUICK, client, expected_video, httpx, live_server
+from typer.testing import CliRunner
+
+from fvgraph.adapters.slots import LoraSlots
+from fvgraph.cli import app
+from fvgraph.engine.engine import Engine
+from fvgraph.serving.media_encode import decode_mp4
+from lora_files import peft_lora
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks the videos API deprecated
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def lora_paths(tmp_path_factory):
+    d = tmp_path_factory.mktemp("loras")
+    return peft_lora(d / "a", 1, ["to_q", "to_k", "to_v", "to_out.0"]), peft_lora(d / "kv", 3, ["attn2.to_k", "attn2.to_v"])
+
+
+def test_adapters_are_loaded_chosen_and_unloaded_over_http(lora_paths, tmp_path):
+    a, kv = lora_paths
+    engine = Engine.from_card("tiny-wan", device="cpu", loras={"a": a}, lora_slots=LoraSlots(2, 8, 2))
+    with live_server(engine, tmp_path) as (_, url):
+        listed = httpx.get(url + "/v1/loras", headers=AUTH).json()["data"]
+        assert [(x["name"], x["slot"]) for x in listed] == [("a", 0)]
+        assert httpx.get(url + "/v1/loras").status_code == 401  # under the API key
+        loaded = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "kv", "path": str(kv)})
+        assert loaded.status_code == 200 and loaded.json()["slot"] == 1
+        full = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "c", "path": str(kv)})
+        assert full.status_code == 400 and "all max_loras=2 slots" in full.json()["error"]["message"]
+        missing = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "d", "path": str(tmp_path / "none.safetensors")})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "path"
+        extra = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "d", "path": str(kv), "scale": 1})
+        assert extra.status_code == 400 and extra.json()["error"]["param"] == "scale"
+
+        api = client(url)
+        chosen = {"loras": {"a": 0.7, "kv": 1.0}}
+        video = api.videos.create_and_poll(prompt="a fox", size="32x32", seconds="1", poll_interval_ms=20, extra_body={**QUICK, **chosen})
+        assert video.status == "completed", video.error
+        frames = decode_mp4(api.videos.download_content(video.id).read())
+        direct = Engine.from_card("tiny-wan", device="cpu", loras={"a": a, "kv": kv}, lora_slots=LoraSlots(2, 8, 2))
+        expected = expected_video(direct, fps=4, prompt="a fox", height=32, width=32, num_frames=5, num_inference_steps=2,
+                                  seed=1, loras=chosen["loras"])  # fmt: skip
+        assert np.array_equal(frames, expected)
+        base = expected_video(direct, fps=4, prompt="a fox", height=32, width=32, num_frames=5, num_inference_steps=2, seed=1)
+        assert not np.array_equal(frames, base)
+
+        with pytest.raises(Exception) as refused:
+            api.videos.create(prompt="a fox", size="32x32", seconds="1", extra_body={**QUICK, "loras": {"nope": 1.0}})
+        assert refused.value.status_code == 400 and "unknown lora 'nope'" in str(refused.value)
+        assert refused.value.body["param"] == "loras"
+
+        gone = httpx.delete(url + "/v1/loras/kv", headers=AUTH)
+        assert gone.status_code == 200 and gone.json() == {"object": "lora.deleted", "name": "kv", "deleted": True}
+        assert httpx.delete(url + "/v1/loras/kv", headers=AUTH).status_code == 404
+        assert [x["name"] for x in httpx.get(url + "/v1/loras", headers=AUTH).json()["data"]] == ["a"]
+
+
+def test_generate_takes_lora_and_lora_scale(lora_paths, tmp_path):
+    a, _ = lora_paths
+    runner = CliRunner()
+    common = ["generate", "--frames", "5", "--height", "32", "--width", "32", "--steps", "2", "--seed", "1"]
+    plain = runner.invoke(app, [*common, "-o", str(tmp_path / "plain.gif")])
+    adapted = runner.invoke(app, [*common, "--lora", f"a={a}", "--lora-scale", "a=0.7", "-o", str(tmp_path / "a.gif")])
+    assert plain.exit_code == 0 and adapted.exit_code == 0, adapted.output
+    assert (tmp_path / "plain.gif").read_bytes() != (tmp_path / "a.gif").read_bytes()
+    bad = runner.invoke(app, [*common, "--lora", "a", "-o", str(tmp_path / "bad.gif")])
+    assert bad.exit_code == 2 and "--lora='a' must be NAME=PATH" in bad.output
+    unknown = runner.invoke(app, [*common, "--lora", f"a={a}", "--lora-scale", "b=1", "-o", str(tmp_path / "bad.gif")])
+    assert unknown.exit_code == 2 and "'b' is not a --lora adapter" in unknown.output
