@@ -191,3 +191,10 @@ class ModelCard(_Spec):
     def embeds_weights(self) -> bool:
         """True when every component can be built from the card alone (seeded weights)."""
         return all(spec.config is not None for spec in self.components.values())
+
+    def recipe_in_effect(self) -> dict:
+        """The recipe values a run of this card uses where a checkpoint folder may say otherwise
+        (fvgraph/runtime/checkpoint_recipe.py), as a Result's provenance reports them."""
+        shift = self.recipe.sampler.config.get("flow_shift")
+        return {"flow_shift": None if shift is None else float(shift), "boundary_ratio": self.recipe.boundary_ratio,
+                "expand_timesteps": self.recipe.assumes_loop == "ti2v"}  # fmt: skip

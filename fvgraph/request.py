@@ -256,6 +256,9 @@ class Result:
     # With step caching: {"method", "computed", "reused"} in denoiser calls (one per CFG branch and step), and
     # {"flops", "flops_uncached"}: the FLOPs of the denoise steps that ran, and of the uncached step at every step.
     cache: dict | None = None
+    # What produced it: card, weights version (merged adapters included), precision, the recipe values a
+    # checkpoint may disagree with (flow_shift, boundary_ratio, expand_timesteps), and the request's adapters.
+    provenance: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -70,7 +70,9 @@ def _reference(files, adapters: dict[str, float]):
 
 
 def test_adapters_at_their_scales_equal_diffusers_load_lora_weights_and_set_adapters(engine, files):
-    base, one, both = _latents(engine, _request(), _request(loras={"a": 0.7}), _request(loras={"a": 0.7, "b": 0.5}))
+    results = engine.generate([_request(), _request(loras={"a": 0.7}), _request(loras={"a": 0.7, "b": 0.5})])
+    base, one, both = (r.latents for r in results)
+    assert [r.provenance["loras"] for r in results] == [{}, {"a": 0.7}, {"a": 0.7, "b": 0.5}]
     assert_matches_reference(base, _reference(files, {}))
     reference_one = _reference(files, {"a": 0.7})
     assert_matches_reference(one, reference_one)
@@ -84,30 +86,26 @@ def test_a_merged_adapter_equals_diffusers_and_changes_the_weights_version(files
     merged = Engine.from_card("tiny-wan", device="cpu", loras={"a": files["a"]}, merge_loras={"a": 0.7})
     assert merged.adapters.store is None and merged.loras()[0]["merged_scale"] == 0.7
     assert merged.loop.components.weights_version != engine.loop.components.weights_version
-    [latents] = _latents(merged, _request(loras={"a": 0.7}))  # naming it at its merged scale is accepted
-    assert_matches_reference(latents, _reference(files, {"a": 0.7}))
+    [result] = merged.generate([_request(loras={"a": 0.7})])  # naming it at its merged scale is accepted
+    assert_matches_reference(result.latents, _reference(files, {"a": 0.7}))
+    assert result.provenance["merged_loras"] == {"a": 0.7} and result.provenance["loras"] == {}
+    assert result.provenance["weights_version"] == merged.loop.components.weights_version
     [other] = merged.generate([_request(loras={"a": 0.5})])
     assert other.status == "rejected" and "merged into the weights at scale 0.7" in other.error
     with pytest.raises(AdapterError, match="no adapter slots"):
         merged.load_lora("c", files["b"])
 
 
-def test_a_cross_attention_kv_adapter_reaches_the_projection_cache_and_the_hoisted_prologue(files):
-    """The LoRA adapts only attn2.to_k / to_v, whose outputs the eager projection cache keeps and -O1
-    hoists: serving the base weights' K/V to the adapted request would give the base result."""
+def test_a_cross_attention_kv_adapter_reaches_the_projection_cache(files):
+    """The LoRA adapts only attn2.to_k / to_v, whose outputs the eager projection cache keeps: serving the
+    base weights' K/V to the adapted request would give the base result. (The compiled path's hoisted
+    prologue is held to the same adapter in the mixed-batch test below.)"""
     eager = Engine.from_card("tiny-wan", device="cpu", loras={"kv": files["kv"]}, lora_slots=SLOTS)
     uncached = Engine.from_card("tiny-wan", device="cpu", loras={"kv": files["kv"]}, lora_slots=SLOTS, projection_cache_bytes=0)
-    compiled = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=CompileConfig(backend="aot_eager"),
-                                loras={"kv": files["kv"]}, lora_slots=SLOTS, buckets=BucketSpec(batch_sizes=(2,)))  # fmt: skip
     base, adapted = _latents(eager, _request(shape=SMALL), _request(loras={"kv": 1.0}, shape=SMALL))  # same prompt: base K/V cached first
     [expected] = _latents(uncached, _request(loras={"kv": 1.0}, shape=SMALL))
     assert torch.equal(adapted, expected) and (adapted - base).abs().max() > 0.1
-    assert eager.projection_cache.stats.hits > 0
-    compiled_base, compiled_adapted = _latents(compiled, _request(shape=SMALL), _request(loras={"kv": 1.0}, shape=SMALL))
-    assert compiled.counters.prologue_runs >= 1  # the K/V were hoisted, in one prologue over both rows
-    tolerance = compiled.card.parity.tolerance("fp32")
-    torch.testing.assert_close(compiled_adapted, expected, atol=tolerance.atol, rtol=tolerance.rtol)
-    torch.testing.assert_close(compiled_base, base, atol=tolerance.atol, rtol=tolerance.rtol)
+    assert eager.projection_cache.stats.hits > 0 and eager.projection_cache.stats.misses >= 2 * 2 * 2  # K and V, 2 blocks, each variant
 
 
 def test_a_batch_of_mixed_adapters_equals_each_request_alone_and_a_new_adapter_compiles_nothing(files):
@@ -124,13 +122,17 @@ def test_a_batch_of_mixed_adapters_equals_each_request_alone_and_a_new_adapter_c
     tolerance = compiled.card.parity.tolerance("fp32")
     for ours, reference in zip(_latents(compiled, *requests()), alone):
         torch.testing.assert_close(ours, reference, atol=tolerance.atol, rtol=tolerance.rtol)
-    compiles = compiled.counters.compiles
-    compiled.load_lora("kv", files["kv"])  # a third adapter, while serving: slot storage written in place
+    compiles, prologues = compiled.counters.compiles, compiled.counters.prologue_runs
+    # A third adapter, while serving (slot storage written in place), on the cross-attention K/V only:
+    # the K/V the -O1 prologue hoists must be the adapted ones.
+    compiled.load_lora("kv", files["kv"])
     mixed = [_request(seed=1, loras={"kv": 1.0}, shape=SMALL), *requests()[:3]]
     [with_kv, *_] = _latents(compiled, *mixed)
+    assert compiled.counters.prologue_runs > prologues and compiled.counters.compiles == compiles
     eager.load_lora("kv", files["kv"])
-    torch.testing.assert_close(with_kv, _latents(eager, mixed[0])[0], atol=tolerance.atol, rtol=tolerance.rtol)
-    assert compiled.counters.compiles == compiles
+    expected, base = _latents(eager, mixed[0], _request(seed=1, shape=SMALL))
+    torch.testing.assert_close(with_kv, expected, atol=tolerance.atol, rtol=tolerance.rtol)
+    assert (expected - base).abs().max() > 0.1
 
 
 def test_unloading_is_refused_while_a_request_uses_it_and_drops_exactly_its_cache_entries(files):
@@ -207,10 +209,8 @@ def test_bad_adapters_and_choices_are_refused_naming_the_key_or_field(files, eng
 
 
 def test_the_slot_shape_is_a_signature_factor_and_the_adapters_in_them_are_not(files):
-    def signature(engine):
-        state = engine.start(_request(shape=SMALL))
-        engine.step(state)  # text is given: the first step is a denoise step
-        return engine.compiler.signature(engine.loop.next(state))
+    def signature(engine):  # nothing compiles: the text is given, so the first plan is a denoise step's
+        return engine.compiler.signature(engine.loop.next(engine.start(_request(shape=SMALL))))
 
     aot = CompileConfig(backend="aot_eager")
     one = signature(Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=aot, loras={"a": files["a"]}, lora_slots=SLOTS))

@@ -367,7 +367,14 @@ class TextToVideoLoop(StepCaching):
             latents=state.latents.cpu(),
             timings=dict(state.timings),
             cache=None if state.caching is None else state.caching.report(),
+            provenance=self._provenance(state),
         )
+
+    def _provenance(self, state: T2VState) -> dict:
+        merged = {} if self.adapters is None else {a.name: a.scale for a in self.adapters.adapters.values() if a.slot is None}
+        return {"card_id": self.card.card_id, "weights_version": state.weights_version, "precision": self.card.recipe.precision,
+                "recipe": self.card.recipe_in_effect(), "loras": {} if state.adapters is None else dict(state.adapters.scales),
+                "merged_loras": merged}  # fmt: skip
 
     def adopt(self, state: T2VState) -> T2VState:
         """A state saved by another engine of the same card, moved onto this loop's device; it

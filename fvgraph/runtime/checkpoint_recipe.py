@@ -50,12 +50,6 @@ class RecipeValue:
         return f"{self.key}: the run uses {self.used!r}; the checkpoint's {self.source} {said}"
 
 
-def _card_values(card: ModelCard) -> dict[str, Any]:
-    shift = card.recipe.sampler.config.get("flow_shift")
-    return {"flow_shift": None if shift is None else float(shift), "boundary_ratio": card.recipe.boundary_ratio,
-            "expand_timesteps": card.recipe.assumes_loop == "ti2v"}  # fmt: skip
-
-
 def _read(folder: Path, name: str) -> dict:
     path = folder / name
     return json.loads(path.read_text()) if path.is_file() else {}
@@ -65,7 +59,7 @@ def recipe_values(card: ModelCard, checkpoint: str | Path) -> list[RecipeValue]:
     """Each recipe value the run uses beside what the checkpoint folder says of it."""
     folder = Path(checkpoint)
     files = {name: _read(folder, name) for name, _ in _SOURCES.values()}
-    used = _card_values(card)
+    used = card.recipe_in_effect()
     return [RecipeValue(key, used[key], files[name].get(key), name) for key, (name, _) in _SOURCES.items()]
 
 
