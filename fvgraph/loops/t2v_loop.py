@@ -15,8 +15,7 @@ import torch
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from torch import nn
 
-from fvgraph.adapters.lora_file import AdapterError
-from fvgraph.adapters.registry import AdapterChoice, AdapterRegistry
+from fvgraph.adapters.registry import AdapterChoice
 from fvgraph.adapters.slots import ROW_INPUTS
 from fvgraph.card import ModelCard
 from fvgraph.caching.calibration_store import CalibrationStore
@@ -27,6 +26,7 @@ from fvgraph.contract.loop import SerializableState
 from fvgraph.contract.plan import Done, ShapeSignature, StepResult, WorkPlan
 from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.samplers import MAX_CARRY, build_sampler
+from fvgraph.loops.loop_adapters import LoopAdapters
 from fvgraph.loops.step_caching import StepCaching
 from fvgraph.loops.step_flops import StepFlops
 from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
@@ -114,7 +114,7 @@ class T2VState(SerializableState):
         return int(self.timesteps.shape[0])
 
 
-class TextToVideoLoop(StepCaching):
+class TextToVideoLoop(StepCaching, LoopAdapters):
     """init / next / advance / finalize for one card's t2v loop; holds no per-request state."""
 
     loop_id = "t2v"
@@ -139,7 +139,7 @@ class TextToVideoLoop(StepCaching):
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
         self.calibration = CalibrationStore()  # where calibrated cache settings are found (the engine sets its root)
         self._flops: StepFlops | None = None  # built at the first cached request
-        self.adapters: AdapterRegistry | None = None  # the engine's LoRA adapters (the builder sets it)
+        self.adapters = None  # the engine's LoRA adapters, an AdapterRegistry (the builder sets it)
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
         """One step module per step kind; they share the components' modules (no weight copies).
@@ -169,22 +169,6 @@ class TextToVideoLoop(StepCaching):
         resolved = self._check_caching(resolved)
         self._adapter_choice(resolved)
         return resolved
-
-    def _adapter_choice(self, request: Request) -> AdapterChoice | None:
-        """The request's `loras` checked against the engine's adapters (RequestRejected naming `loras`)."""
-        if not request.loras:
-            return None
-        if self.adapters is None:
-            raise RequestRejected("loras", f"this engine serves no LoRA adapters (asked for {sorted(request.loras)}): "
-                                           "load them with --lora NAME=PATH or Engine.from_card(loras=...)")  # fmt: skip
-        try:
-            choice = self.adapters.choose(request.loras)
-        except AdapterError as err:
-            raise RequestRejected("loras", str(err)) from None
-        if choice is not None and request.caching is not None:
-            raise RequestRejected("loras", f"step caching ({request.caching.method}) does not run with adapter slots yet: "
-                                           "send the request without `cache`, or serve the adapter merged")  # fmt: skip
-        return choice
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
         """A request that runs every step kind of this loop at this shape (what `fvgraph warmup` serves)."""
@@ -314,17 +298,6 @@ class TextToVideoLoop(StepCaching):
         timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
         return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names(len(state.carry)), signature=None)
 
-    def _adapter_rows(self, state: T2VState) -> dict[str, torch.Tensor]:
-        """The request's adapter rows on an engine with slots: every plain denoise step takes them (zero
-        scales for a request without adapters), so requests with any adapters share one graph. A cached
-        request runs without adapters (check_request) and its steps take no rows."""
-        if self.adapters is None or self.adapters.store is None or state.caching is not None:
-            return {}
-        try:
-            return self.adapters.rows(state.adapters, self.components.device)
-        except AdapterError as err:  # unloaded or replaced since the request started (Engine.step by hand)
-            raise RequestRejected("loras", f"request {state.request_id}: {err}") from None
-
     def _conditioning_inputs(self, state: T2VState) -> dict[str, torch.Tensor]:
         """Extra request-constant denoise inputs a subclass loop adds (none for text-to-video)."""
         return {}
@@ -396,19 +369,6 @@ class TextToVideoLoop(StepCaching):
         state.derived = None  # derived on the other engine's device; rebuilt here on demand
         return state
 
-
-    def _check_saved_adapters(self, state: T2VState) -> None:
-        """A state started with adapters resumes only where the same adapters (by digest) are loaded."""
-        if state.adapters is None:
-            return
-        if self.adapters is None or self.adapters.store is None:
-            raise ValueError(f"adapters: request {state.request_id} runs with loras {sorted(state.adapters.scales)}; "
-                             "this engine has no adapter slots")  # fmt: skip
-        for name, digest in state.adapters.digests.items():
-            try:
-                self.adapters.current_slot(name, digest)
-            except AdapterError as err:
-                raise ValueError(f"adapters: request {state.request_id}: {err}") from None
 
 
 def check_text_encoder(request: Request, components: Components) -> None:
