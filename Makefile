@@ -16,9 +16,13 @@ demo: setup
 	$(PYTHON) -m fvgraph generate --card tiny-wan --prompt "a red fox running through fresh snow" --output outputs/tiny-wan.gif
 
 # The suite also runs the Ray Serve replicas test (tests/test_ray_serve.py): the ray extra comes first.
+# Two pytest-xdist workers, each taking whole files (--dist loadfile: a file's module-scoped engines
+# are built once and its tests keep their order). Most of the suite's time is single-threaded
+# tracing, so two workers use both cores of a 2-core machine. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup
 	$(PYTHON) -m pip install -q -e ".[test,ray]"
-	$(PYTHON) -m pytest -m "not gpu" -q
+	$(PYTHON) -m pytest -m "not gpu" -q -n $(TEST_WORKERS) --dist loadfile
 
 # The CPU suite under the torch and triton of the reference GPU machine (torch 2.11, triton 3.6), in a
 # venv of its own (about 5 GB: PyPI's torch 2.11 is a CUDA build, which runs on the CPU too). Run it
@@ -28,4 +32,4 @@ test-gpu-torch:
 	test -x $(COMPAT_VENV)/bin/python || $(PYTHON) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q "torch==2.11.0" "triton==3.6.0"
 	$(COMPAT_VENV)/bin/python -m pip install -q -e ".[test]"
-	$(COMPAT_VENV)/bin/python -m pytest -m "not gpu" -q -p no:cacheprovider
+	$(COMPAT_VENV)/bin/python -m pytest -m "not gpu" -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile

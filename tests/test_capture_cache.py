@@ -6,14 +6,17 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from fvgraph.runtime.buckets import BucketSpec
+from fvgraph.cli import app
 from fvgraph.compile.capture_cache import CacheEntry, CaptureCache, verify
 from fvgraph.compile.compiler import CompileConfig, RecompileError
 from fvgraph.engine.engine import Engine
@@ -71,9 +74,26 @@ def test_a_fresh_process_serves_from_the_cache_with_zero_compiles(tmp_path):
     assert verify(tmp_path / "cache") == []
 
 
-def test_a_warm_engine_runs_frozen_and_names_what_the_cache_lacks(tmp_path):
-    engine(tmp_path).warmup([Request(**REQUEST)])
-    warm = engine(tmp_path)
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory) -> tuple[Path, torch.Tensor]:
+    """One aot_eager warmup of REQUEST into a cache of this module, and the latents it produced."""
+    root = tmp_path_factory.mktemp("warmed") / "cache"
+    [result] = engine(root).warmup([Request(**REQUEST)])
+    assert result.ok and verify(root) == [] and len(step_artifacts(root)) == 1
+    return root, result.latents
+
+
+@pytest.fixture
+def warm_cache(warmed, tmp_path) -> tuple[Path, torch.Tensor]:
+    """A copy of the warmed cache of this test's own (tests corrupt and add entries), and the warmup's latents."""
+    root, latents = warmed
+    shutil.copytree(root, tmp_path / "cache")
+    return tmp_path / "cache", latents
+
+
+def test_a_warm_engine_runs_frozen_and_names_what_the_cache_lacks(warm_cache):
+    cache_dir, _ = warm_cache
+    warm = engine(cache_dir)
     warm.freeze()  # fail_on_recompile from the start: cache loads are allowed, compiles are not
     with warm.counters.expect(compiles=0, cache_hits=1, compiled_steps=2):
         assert warm.generate([Request(**REQUEST)])[0].ok
@@ -81,31 +101,31 @@ def test_a_warm_engine_runs_frozen_and_names_what_the_cache_lacks(tmp_path):
     assert other.status == "failed" and "RecompileError" in other.error and "fvgraph warmup" in other.error
 
 
-def test_a_corrupted_artifact_is_detected_rebuilt_and_the_result_is_unchanged(tmp_path, caplog):
-    [reference] = engine(tmp_path).warmup([Request(**REQUEST)])
-    [artifact] = step_artifacts(tmp_path)
+def test_a_corrupted_artifact_is_detected_rebuilt_and_the_result_is_unchanged(warm_cache, caplog):
+    cache_dir, reference_latents = warm_cache
+    [artifact] = step_artifacts(cache_dir)
     data = bytearray(artifact.read_bytes())
     data[len(data) // 2] ^= 0xFF
     artifact.write_bytes(bytes(data))
-    assert any("sha256" in line for line in verify(tmp_path))
+    assert any("sha256" in line for line in verify(cache_dir))
 
-    again = engine(tmp_path)
+    again = engine(cache_dir)
     with caplog.at_level(logging.WARNING, "fvgraph.compile.compiler"), again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0):
         [result] = again.generate([Request(**REQUEST)])
     assert "corrupted" in caplog.text
-    torch.testing.assert_close(result.latents, reference.latents, rtol=0, atol=0)
-    assert verify(tmp_path) == [] and not artifact.exists()  # rebuilt under a new content hash
+    torch.testing.assert_close(result.latents, reference_latents, rtol=0, atol=0)
+    assert verify(cache_dir) == [] and not artifact.exists()  # rebuilt under a new content hash
 
 
-def test_a_changed_runtime_factor_is_not_served_and_says_which(tmp_path, monkeypatch, caplog):
-    engine(tmp_path).warmup([Request(**REQUEST)])
+def test_a_changed_runtime_factor_is_not_served_and_says_which(warm_cache, monkeypatch, caplog):
+    cache_dir, _ = warm_cache
     other_torch = dataclasses.replace(RuntimeFactors.current(torch.device("cpu")), torch="0.0.0-other")
     monkeypatch.setattr(RuntimeFactors, "current", classmethod(lambda cls, device: other_torch))
-    other = engine(tmp_path)
+    other = engine(cache_dir)
     with caplog.at_level(logging.WARNING, "fvgraph.compile.capture_cache"), other.counters.expect(compiles=1, cache_hits=0):
         assert other.generate([Request(**REQUEST)])[0].ok
     assert "torch: " in caplog.text and "0.0.0-other" in caplog.text
-    assert len(list(tmp_path.glob("*/manifest.json"))) == 2  # one directory per process identity
+    assert len(list(cache_dir.glob("*/manifest.json"))) == 2  # one directory per process identity
 
 
 # -- CaptureCache itself: fingerprints, foreign entries, truncation (no compiling) ---------------------
@@ -187,6 +207,22 @@ def fvgraph_cli(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fvgraph", *args], capture_output=True, text=True, timeout=300, env=env)
 
 
+def fvgraph_in_process(*args):
+    """The same command through typer's test runner in this process (no interpreter start-up and
+    imports to pay for commands that only read files): (exit code, output with its whitespace made
+    single spaces, stdout). The console is 200 columns wide, as fvgraph_cli's COLUMNS makes it, and
+    whatever rich still wraps joins back into one line."""
+    from fvgraph.cli.options import console
+
+    width = console._width
+    console.width = 200
+    try:
+        result = CliRunner().invoke(app, list(args))
+    finally:
+        console._width = width
+    return result.exit_code, " ".join(result.output.split()), result.stdout
+
+
 def test_two_warmups_racing_on_one_directory_leave_a_valid_cache(tmp_path):
     cache = tmp_path / "cache"
     racers = [warmup_cli(cache), warmup_cli(cache)]
@@ -204,20 +240,22 @@ def test_two_warmups_racing_on_one_directory_leave_a_valid_cache(tmp_path):
                          "--frames", "5", "--height", "32", "--width", "32", "-o", str(tmp_path / "v.gif"))  # fmt: skip
     assert served.returncode == 0 and "compiles: 0, cache hits: 1" in served.stdout, served.stdout + served.stderr
 
-    listing = fvgraph_cli("cache", "ls", "--cache-dir", str(cache), "--json")
-    [(directory, listed)] = json.loads(listing.stdout).items()
+    # ls, verify and clear only read and remove files: they run in this process
+    code, _, listing = fvgraph_in_process("cache", "ls", "--cache-dir", str(cache), "--json")
+    assert code == 0
+    [(directory, listed)] = json.loads(listing).items()
     [(key, record)] = listed["entries"].items()
     assert listed["fingerprint"]["card_id"] == "tiny-wan" and record["factors"]["step_kind"] == "denoise_cfg"
     assert record["artifacts"]["step"]["bytes"] > 0 and record["meta"]["compile_seconds"] > 0
-    assert fvgraph_cli("cache", "verify", "--cache-dir", str(cache)).returncode == 0
+    assert fvgraph_in_process("cache", "verify", "--cache-dir", str(cache))[0] == 0
 
     [artifact] = step_artifacts(cache)
     artifact.write_bytes(artifact.read_bytes()[:-1])
-    bad = fvgraph_cli("cache", "verify", "--cache-dir", str(cache))
-    assert bad.returncode == 1 and key in bad.stdout and "truncated" in bad.stdout
+    code, output, _ = fvgraph_in_process("cache", "verify", "--cache-dir", str(cache))
+    assert code == 1 and key in output and "truncated" in output
 
     (cache / "README.md").write_text("kept")
-    assert fvgraph_cli("cache", "clear", "--cache-dir", str(cache), "--yes").returncode == 0
+    assert fvgraph_in_process("cache", "clear", "--cache-dir", str(cache), "--yes")[0] == 0
     assert [p.name for p in cache.iterdir()] == ["README.md"]
 
 
@@ -227,8 +265,8 @@ def test_two_warmups_racing_on_one_directory_leave_a_valid_cache(tmp_path):
     (["--buckets", "2,1"], "ascending"),
 ])  # fmt: skip
 def test_warmup_rejects_bad_options_naming_them(tmp_path, args, message):
-    done = fvgraph_cli("warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", *args)
-    assert done.returncode == 2 and message in done.stdout
+    code, output, _ = fvgraph_in_process("warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", *args)
+    assert code == 2 and message in output
 
 
 def test_a_graph_that_cannot_be_stored_is_still_served(tmp_path, monkeypatch, caplog):

@@ -48,8 +48,10 @@ def test_second_run_adds_no_compile(compiled_engine):
 
 
 def test_after_warmup_a_new_signature_is_refused_naming_the_factor():
+    # One batch bucket: the warmup compiles one graph rather than one per default bucket (1, 2, 4, 8);
+    # the refusal does not depend on the buckets (warming every bucket: tests/test_scheduler.py).
     config = CompileConfig(backend="eager", step_kinds=("denoise_cfg",))
-    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config)
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config, buckets=BucketSpec(batch_sizes=(1,)))
     engine.warmup([Request(prompt="warm", seed=0, num_inference_steps=2, num_frames=5)])
     with pytest.raises(RecompileError, match="shape"):
         engine.finish(engine.start(Request(prompt="wide", seed=0, num_inference_steps=2, num_frames=5, width=128)))
