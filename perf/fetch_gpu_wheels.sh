@@ -18,8 +18,11 @@ WHEELS=(
   # the official client the HTTP tests drive the server with (tests/test_http_gpu.py)
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1
 )
+# FVGRAPH_WHEELS_PYTHON: the Python the wheels are for (the GPU machine's 3.12 by default; a CPU rehearsal
+# of perf/gpu_check.sh on another Python fetches for that one).
+PYTHON_VERSION="${FVGRAPH_WHEELS_PYTHON:-3.12}"
 rm -rf wheels && mkdir -p wheels
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYTHON_VERSION" --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d wheels "${WHEELS[@]}"
 ls -1 wheels
