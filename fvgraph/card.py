@@ -19,12 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validat
 from fvgraph.caching.settings import CacheSettings
 
 from fvgraph.caching.methods import parse_cache_settings
+from fvgraph.recipe import Precision, RecipeSpec, SamplerSpec, TeaCacheCoefficients, _Spec
 
-Precision = Literal["fp32", "bf16", "fp16", "fp8"]
-
-
-class _Spec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+__all__ = ["ComponentSpec", "ModelCard", "ParitySpec", "Precision", "QuantizationSpec", "RecipeSpec", "SamplerSpec",
+           "ShapeRules", "TeaCacheCoefficients", "Tolerance"]  # fmt: skip
 
 
 class ComponentSpec(_Spec):
@@ -50,51 +48,6 @@ class ComponentSpec(_Spec):
     def resolve_class(self) -> type:
         module, _, name = self.cls.rpartition(".")
         return getattr(importlib.import_module(module), name)
-
-
-class SamplerSpec(_Spec):
-    """The sampler the recipe assumes; `config` is the diffusers scheduler config it mirrors."""
-
-    name: Literal["unipc", "flow_euler"]
-    config: dict[str, Any] = Field(default_factory=dict)
-
-
-class TeaCacheCoefficients(_Spec):
-    """TeaCache's published polynomial for a model (highest power first, as numpy.poly1d takes it),
-    one per signal: it maps the relative L1 change of that signal to the change of the model output."""
-
-    timestep_embedding: tuple[float, ...] = Field(min_length=1, description="For the timestep embedding (use_ret_steps=False).")
-    timestep_projection: tuple[float, ...] = Field(min_length=1, description="For the timestep projection (use_ret_steps=True).")
-
-
-class RecipeSpec(_Spec):
-    """What produced the weights, and therefore what the weights assume at serve time."""
-
-    method: str = Field(description="'base' for a pretrained model, or the distillation/QAT method.")
-    assumes_loop: str = Field(description="The loop id these weights require.")
-    sampler: SamplerSpec
-    default_steps: int = Field(gt=0)
-    allowed_steps: tuple[int, int] = Field(description="Inclusive (min, max) num_inference_steps.")
-    precision: Precision = "bf16"
-    default_guidance_scale: float = 5.0
-    boundary_ratio: float | None = Field(
-        default=None, gt=0.0, lt=1.0,
-        description="Two-expert models: timesteps >= this x the training timesteps run `transformer` (high "
-        "noise), the rest `transformer_2` (as diffusers' WanPipeline boundary_ratio).",
-    )
-    default_guidance_scale_2: float | None = Field(default=None, description="The low-noise expert's guidance.")
-    teacache_coefficients: TeaCacheCoefficients | None = Field(
-        default=None, description="TeaCache's rescaling polynomials for these weights (docs/step_caching.md)."
-    )
-
-    @model_validator(mode="after")
-    def _default_within_allowed(self) -> RecipeSpec:
-        lo, hi = self.allowed_steps
-        if not 1 <= lo <= hi:
-            raise ValueError(f"allowed_steps={self.allowed_steps} must satisfy 1 <= min <= max")
-        if not lo <= self.default_steps <= hi:
-            raise ValueError(f"default_steps={self.default_steps} is outside allowed_steps={self.allowed_steps}")
-        return self
 
 
 class Tolerance(_Spec):
@@ -183,6 +136,9 @@ class ModelCard(_Spec):
             raise ValueError(
                 f"card {self.card_id!r}: recipe.assumes_loop={self.recipe.assumes_loop!r} is not one of loops={self.loops}"
             )
+        if self.default_cache is not None and not self.recipe.admits_caching(self.default_cache.method):
+            raise ValueError(f"card {self.card_id!r}: default_cache method {self.default_cache.method!r} is not one "
+                             f"recipe {self.recipe.name!r} admits (step_caching={self.recipe.step_caching})")
         if self.recipe.precision not in self.parity.tolerances:
             raise ValueError(f"card {self.card_id!r}: parity declares no tolerance for precision {self.recipe.precision!r}")
         return self

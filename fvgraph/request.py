@@ -186,6 +186,8 @@ class Request(BaseModel):
         """A copy with every default filled from the card, checked against the card's limits and,
         when given, the loaded weights' facts (text width, spatial and temporal multiples)."""
         recipe, shapes = card.recipe, card.shapes
+        if problem := recipe.violation(card.card_id, self):  # steps, guidance and caching the recipe takes
+            raise RequestRejected(*problem)
         values = self.model_dump()
         values["num_inference_steps"] = self.num_inference_steps or recipe.default_steps
         values["guidance_scale"] = (
@@ -200,13 +202,6 @@ class Request(BaseModel):
         values["cache"] = card.default_cache if self.cache is None else self.cache
         if values["cache"] is not None and (problem := values["cache"].check_steps(values["num_inference_steps"])):
             raise RequestRejected(*problem)
-        lo, hi = recipe.allowed_steps
-        if not lo <= values["num_inference_steps"] <= hi:
-            raise RequestRejected(
-                "num_inference_steps",
-                f"{values['num_inference_steps']} is outside [{lo}, {hi}], the range card {card.card_id!r} "
-                f"allows (recipe {recipe.method!r}, sampler {recipe.sampler.name!r})",
-            )
         for name, limit in (("height", shapes.max_height), ("width", shapes.max_width), ("num_frames", shapes.max_frames)):
             if values[name] > limit:
                 raise RequestRejected(name, f"{values[name]} exceeds card {card.card_id!r}'s maximum of {limit}")

@@ -42,14 +42,13 @@ def test_unknown_fields_are_rejected(tiny_card):
         ModelCard.model_validate(_with(tiny_card, flow_shift=5.0))
 
 
-def test_distilled_recipe_rejects_steps_it_was_not_trained_for(tiny_engine, tiny_card):
-    """A 4-step distilled card refuses a 50-step request with a typed error that says why."""
+def test_base_recipe_rejects_steps_outside_its_range(tiny_card):
+    """A request outside the recipe's step range is refused with a typed error naming the recipe
+    (the distilled recipes' contract: tests/test_distilled_recipes.py)."""
     from fvgraph.request import Request, RequestRejected
 
-    recipe = tiny_card.recipe.model_copy(update={"method": "dmd2", "default_steps": 4, "allowed_steps": (4, 4)})
-    distilled = tiny_card.model_copy(update={"card_id": "tiny-wan-4step", "recipe": recipe})
-    with pytest.raises(RequestRejected, match="recipe 'dmd2'"):
-        Request(prompt="x", num_inference_steps=50).resolve(distilled)
+    with pytest.raises(RequestRejected, match=r"outside \[1, 50\].*recipe 'base'"):
+        Request(prompt="x", num_inference_steps=51).resolve(tiny_card)
 
 
 def test_wan_cpu_bench_is_the_wan_architecture_at_a_cpu_benchmark_size():

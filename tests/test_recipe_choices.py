@@ -72,7 +72,8 @@ def test_recipe_runs_the_checkpoints_values_and_matches_diffusers_on_the_folder_
     assert result.ok, result.error
     assert "denoise_cfg" in kinds and "denoise_cfg_2" in kinds  # both experts ran, split at 0.5
     assert_matches_reference(result.latents, reference)
-    assert result.provenance["recipe"] == {"flow_shift": 3.0, "boundary_ratio": 0.5, "expand_timesteps": False}
+    assert result.provenance["recipe"] == {"name": "base", "method": "base", "assumes_precision": "fp32", "flow_shift": 3.0,
+                                           "boundary_ratio": 0.5, "expand_timesteps": False}  # fmt: skip
     assert result.provenance["card_id"] == RELEASED and result.provenance["precision"] == "fp32"
 
 

@@ -38,6 +38,23 @@ class AdapterSetup:
         return self.slots is not None or any(name not in self.merge for name in self.loras)
 
 
+def with_recipe_adapter(card, setup: AdapterSetup | None) -> AdapterSetup | None:
+    """`setup` with the card's distill LoRA (fvgraph/recipe.py RecipeAdapter) fused at the recipe's scale
+    (merge_loras may give another). The file itself is the user's to pass: AdapterError, naming where it
+    is published, when `loras` lacks it."""
+    parents = card.recipe.parents
+    adapter = None if parents is None else parents.adapter
+    if adapter is None or adapter.in_checkpoint:
+        return setup
+    if setup is None or adapter.name not in setup.loras:
+        raise AdapterError(
+            f"card {card.card_id!r} runs recipe {card.recipe.name!r}, a LoRA distill of {parents.base_card!r}: pass the "
+            f"LoRA file ({adapter.source}: {adapter.weight_name}) as loras={{{adapter.name!r}: PATH}} (CLI: --lora "
+            f"{adapter.name}=PATH)"
+        )  # fmt: skip
+    return AdapterSetup(setup.loras, {adapter.name: adapter.scale, **setup.merge}, setup.slots)
+
+
 def apply_adapters(components, pipeline_class: str, setup: AdapterSetup) -> AdapterRegistry:
     """Merge, install slots, load; returns the engine's registry. Changes `components` in place."""
     if components.transformer_2 is not None:

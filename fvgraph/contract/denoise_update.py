@@ -14,9 +14,10 @@ class Sampler(Protocol):
     """The in-graph half of a sampler (fvgraph/loops/samplers.py): a fixed linear combination."""
 
     num_carry: int  # history tensors the update takes and returns ("carry_0" ..)
+    draws_noise: bool  # whether the update takes fresh noise (the step's "fresh_noise" input)
 
     def update(self, sample: torch.Tensor, model_output: torch.Tensor, carry: tuple[torch.Tensor, ...],
-               coeffs: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]: ...  # fmt: skip
+               coeffs: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]: ...  # fmt: skip
 
 
 def carry_names(num_carry: int) -> tuple[str, ...]:
@@ -31,8 +32,15 @@ def guided(noise: torch.Tensor, noise_uncond: torch.Tensor, guidance_scale: torc
 
 
 def sampler_update(sampler: Sampler, latents: torch.Tensor, noise: torch.Tensor, carry: Mapping[str, torch.Tensor],
-                   coeffs: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
-    """The sampler update from the step's noise prediction: "latents" and the new history "carry_i"."""
+                   coeffs: torch.Tensor, fresh_noise: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The sampler update from the step's noise prediction (and, for a re-noising sampler, the fresh
+    noise the loop drew): "latents" and the new history "carry_i"."""
     names = carry_names(sampler.num_carry)
-    new_latents, new_history = sampler.update(latents, noise, tuple(carry[name] for name in names), coeffs)
+    history = tuple(carry[name] for name in names)
+    if sampler.draws_noise:
+        if fresh_noise is None:
+            raise ValueError("this sampler re-noises at every step: the step needs its 'fresh_noise' input")
+        new_latents, new_history = sampler.update(latents, noise, history, coeffs, fresh_noise)
+    else:
+        new_latents, new_history = sampler.update(latents, noise, history, coeffs)
     return {"latents": new_latents, **dict(zip(names, new_history))}

@@ -30,7 +30,7 @@ from fvgraph.card_choices import chosen_card
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.contract.counters import Counters
-from fvgraph.adapters.setup import AdapterSetup
+from fvgraph.adapters.setup import AdapterSetup, with_recipe_adapter
 from fvgraph.adapters.slots import LoraSlots
 from fvgraph.engine.adapter_admin import AdapterAdmin
 from fvgraph.engine.builder import build_engine_parts
@@ -142,7 +142,8 @@ class Engine(AdapterAdmin):
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
             debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir, parallel=parallel,
-            adapters=AdapterSetup(dict(loras or {}), dict(merge_loras or {}), lora_slots) if loras or lora_slots else None,
+            adapters=with_recipe_adapter(card, AdapterSetup(dict(loras or {}), dict(merge_loras or {}), lora_slots)
+                                         if loras or lora_slots else None),
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)  # with its worker ranks when parallel
         engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)

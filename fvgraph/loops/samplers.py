@@ -12,6 +12,10 @@ live in one compiled graph. Here a sampler is split in two:
   steps therefore share one graph, and the per-request history (`carry`) lives in the request's state.
 
 Flow-matching Euler:  x' = x + (sigma_next - sigma) * v.
+Few-step samplers of distilled recipes, on the recipe's own timestep list (fvgraph/recipe.py): Euler as
+above, or the re-noising update of DMD / self-forcing students (LightX2V's WanStepDistillScheduler,
+FastVideo's DMD loop): x0 = x - sigma * v, then x' = (1 - sigma_next) * x0 + sigma_next * noise, with
+fresh noise the loop draws from the request's own generator (an input of the step, like the latents).
 UniPC (bh1/bh2, predict_x0, flow sigmas), as diffusers' UniPCMultistepScheduler: with x0 = x - sigma*v,
 the corrector rebuilds the current sample from the previous one and the x0 history, then the predictor
 steps to the next sigma. Both are linear in (x, x_last, x0, history), so each reduces to a row of weights.
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
-from fvgraph.card import SamplerSpec
+from fvgraph.recipe import TRAIN_TIMESTEPS, SamplerSpec
 
 
 MAX_SOLVER_ORDER = 3  # UniPC's orders 1-3, as diffusers' UniPCMultistepScheduler runs them
@@ -60,6 +64,7 @@ class FlowEulerSampler(_PlannedSampler):
 
     history = 0
     num_carry = 0  # tensors of history a step takes and returns ("carry_i")
+    draws_noise = False  # whether a step takes fresh noise (its "fresh_noise" input)
 
     def __init__(self, config: dict):
         super().__init__()
@@ -78,6 +83,42 @@ class FlowEulerSampler(_PlannedSampler):
     def update(sample, model_output, carry, coeffs):
         dt = _per_row(coeffs[:, 1], sample)
         return sample + dt * model_output.to(sample.dtype), ()
+
+
+class FewStepSampler(_PlannedSampler):
+    """A distilled recipe's fixed timestep list, as (sigma, sigma_next) per step; carries no history.
+
+    sigma = shift * s / (1 + (shift - 1) * s) with s = t / 1000, the model sees sigma * 1000 (LightX2V's
+    schedule; with shift 1 it is FastVideo's scheduler-space list), and the last step lands on sigma 0,
+    where both updates return x0."""
+
+    history = 0
+    num_carry = 0
+
+    def __init__(self, spec: SamplerSpec):
+        super().__init__()
+        self.listed = spec.timestep_list
+        self.shift = float(spec.config["flow_shift"])
+        self.draws_noise = spec.draws_noise
+
+    def _plan(self, num_steps: int) -> SamplerPlan:
+        if num_steps != len(self.listed):
+            raise ValueError(f"this sampler runs its {len(self.listed)} listed timesteps, not {num_steps} steps")
+        s = torch.tensor(self.listed, dtype=torch.float64) / TRAIN_TIMESTEPS
+        sigmas = (self.shift * s / (1 + (self.shift - 1) * s)).to(torch.float32)
+        following = torch.cat([sigmas[1:], sigmas.new_zeros(1)])
+        return SamplerPlan(sigmas * TRAIN_TIMESTEPS, torch.stack([sigmas, following], dim=1))
+
+    def initial_carry(self, sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    def update(self, sample, model_output, carry, coeffs, noise=None):
+        sigma, following = _per_row(coeffs[:, 0], sample), _per_row(coeffs[:, 1], sample)
+        velocity = model_output.to(sample.dtype)
+        if not self.draws_noise:
+            return sample + (following - sigma) * velocity, ()
+        x0 = sample - sigma * velocity
+        return (1 - following) * x0 + following * noise, ()
 
 
 class UniPCSampler(_PlannedSampler):
@@ -104,6 +145,7 @@ class UniPCSampler(_PlannedSampler):
         if not 1 <= cfg.solver_order <= MAX_SOLVER_ORDER:
             raise ValueError(f"sampler 'unipc': solver_order={cfg.solver_order} must be in [1, {MAX_SOLVER_ORDER}]")
         self.order = cfg.solver_order
+        self.draws_noise = False
         self.history = self.order  # diffusers keeps solver_order past x0 predictions
         self.num_carry = 1 + self.history  # the last sample and the x0 history
 
@@ -221,14 +263,16 @@ def _per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return values.to(like.dtype).view(-1, *([1] * (like.dim() - 1)))
 
 
-def build_sampler(spec: SamplerSpec) -> FlowEulerSampler | UniPCSampler:
+def build_sampler(spec: SamplerSpec) -> FlowEulerSampler | FewStepSampler | UniPCSampler:
     if spec.name == "flow_euler":
         return FlowEulerSampler(spec.config)
+    if spec.timestep_list is not None:
+        return FewStepSampler(spec)
     return UniPCSampler(spec.config)
 
 
 def num_coeffs(sampler) -> int:
     """Width of a coefficient row (used to validate saved states)."""
-    return 2 if isinstance(sampler, FlowEulerSampler) else 6 + 2 * sampler.history
+    return 2 if isinstance(sampler, (FlowEulerSampler, FewStepSampler)) else 6 + 2 * sampler.history
 
 

@@ -15,7 +15,7 @@ from fvgraph.contract.denoise_update import guided, sampler_update
 from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
 from fvgraph.models.wan_sections import wan_attention_shape
 from fvgraph.loops.taps import TapPoints
-from fvgraph.loops.samplers import FlowEulerSampler, UniPCSampler
+from fvgraph.loops.samplers import FewStepSampler, FlowEulerSampler, UniPCSampler
 
 
 class TextEncodeStep(nn.Module):
@@ -34,7 +34,7 @@ class TextEncodeStep(nn.Module):
 class DenoiseStep(nn.Module):
     """One whole denoise step: cond branch, uncond branch (when `cfg`), guidance combine, sampler update."""
 
-    def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler | UniPCSampler, cfg: bool,
+    def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler | FewStepSampler | UniPCSampler, cfg: bool,
                  tap_points: TapPoints | None = None):  # fmt: skip
         super().__init__()
         self.transformer = transformer
@@ -59,6 +59,7 @@ class DenoiseStep(nn.Module):
         frame_mask: torch.Tensor | None = None,  # [B, 1, F, H, W] 1 where the latents are denoised, 0 where given
         lora_index: torch.Tensor | None = None,  # [B, K] int64 each row's adapter slots (fvgraph/adapters/slots.py)
         lora_scale: torch.Tensor | None = None,  # [B, K] float32 their scales (0 where unused)
+        fresh_noise: torch.Tensor | None = None,  # [B, C, F, H, W] this step's draw, for a sampler that re-noises
         **carry: torch.Tensor,  # sampler history: carry_0 .. carry_{n-1}, each like latents
     ) -> dict[str, torch.Tensor]:
         taps = {}
@@ -86,7 +87,7 @@ class DenoiseStep(nn.Module):
             noise = guided(noise, noise_uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = noise_uncond, noise
         # 3. the sampler update, with this request's coefficients and history
-        out = sampler_update(self.sampler, latents, noise, carry, coeffs)
+        out = sampler_update(self.sampler, latents, noise, carry, coeffs, fresh_noise)
         if self.tap_points is not None:
             out.update(taps)
             out.update(self.tap_points.drain())  # block outputs (eager; traced graphs get them from the tap pass)

@@ -43,13 +43,13 @@ CONDITIONING = ("condition", "image_embeds", "first_frame", "frame_mask")
 
 
 def denoise_kind(name: str, cfg: bool, component: str = "transformer") -> StepKind:
-    """A whole denoise step: latents, timestep and sampler row per step; text (and guidance) constant,
-    and on an engine with adapter slots each row's slots and scales (fvgraph/adapters/slots.py); the
-    sampler's history carried."""
+    """A whole denoise step: latents, timestep and sampler row per step (and fresh noise for a sampler
+    that re-noises); text (and guidance) constant, and on an engine with adapter slots each row's slots
+    and scales (fvgraph/adapters/slots.py); the sampler's history carried."""
     texts = ("prompt_embeds", "negative_prompt_embeds", "guidance_scale") if cfg else ("prompt_embeds",)
     carry = dict.fromkeys(carry_names(MAX_CARRY), Role.CARRIED)
     return StepKind(name, component=component, phase="denoise", compiled=True, per_inference_step=True,
-                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP,
+                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP, "fresh_noise": Role.STEP,
                             **dict.fromkeys((*texts, *CONDITIONING, *ROW_INPUTS), Role.CONSTANT), **carry},
                     outputs={"latents": Role.RESULT, **carry})  # fmt: skip
 
@@ -94,6 +94,10 @@ class T2VState(SerializableState):
     coeffs: torch.Tensor  # [N, num_coeffs] sampler rows
     latents: torch.Tensor  # [1, C, F, h, w] float32
     carry: list[torch.Tensor]  # sampler history
+    # A sampler that re-noises (fvgraph/loops/samplers.py FewStepSampler): the current step's draw, and
+    # the request's CPU generator state after it, so a saved request draws on where it stopped.
+    fresh_noise: torch.Tensor | None = None  # like latents
+    generator_state: torch.Tensor | None = None  # uint8, torch.Generator.get_state()
     input_ids: torch.Tensor | None = None  # [n_texts, L] texts still to encode: positive first
     attention_mask: torch.Tensor | None = None
     encode_slots: list[str] = field(default_factory=list)  # which embeds each encoded row becomes
@@ -121,7 +125,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
     state_type = T2VState
     step_kinds = STEP_KINDS
     pre_denoise_phases: tuple[str, ...] = ()  # phases a subclass adds before the first denoise step
-    device_fields = ("latents", "prompt_embeds", "negative_prompt_embeds")  # moved by adopt()
+    device_fields = ("latents", "fresh_noise", "prompt_embeds", "negative_prompt_embeds")  # moved by adopt()
     takes_image = False
 
     def __init__(self, card: ModelCard, components: Components):
@@ -186,7 +190,8 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
         """`request` must already be resolved against this card (defaults filled, rules checked)."""
         device = self.components.device
         plan = self.sampler.plan(request.num_inference_steps)
-        latents = self._initial_noise(request).to(device)
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+        latents = self._initial_noise(request, generator).to(device)
         state = self.state_type(
             request_id=request.request_id,
             card_id=self.card.card_id,
@@ -206,6 +211,9 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
             adapters=self._adapter_choice(request),
             **self._conditioning(request, latents),
         )
+        if self.sampler.draws_noise:  # the same generator goes on: the recipes draw it in this order
+            state.generator_state = generator.get_state()
+            self._draw_fresh_noise(state)
         self._start_caching(state, request)
         texts = []
         if state.prompt_embeds is None:
@@ -236,7 +244,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
         """The phase that follows text encoding (a subclass loop may insert its own first)."""
         return "denoise"
 
-    def _initial_noise(self, request: Request) -> torch.Tensor:
+    def _initial_noise(self, request: Request, generator: torch.Generator) -> torch.Tensor:
         """Drawn on a CPU generator, so a seed gives the same noise on any device (as diffusers with a CPU generator)."""
         shape = (
             1,
@@ -245,8 +253,18 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
             request.height // self.spatial_scale,
             request.width // self.spatial_scale,
         )
-        generator = torch.Generator("cpu").manual_seed(request.seed)
         return torch.randn(shape, generator=generator, dtype=torch.float32)
+
+    def _draw_fresh_noise(self, state: T2VState) -> None:
+        """The noise step `state.step_index` re-noises with: the generator's next draw, as LightX2V and
+        FastVideo draw after each step but the last (the last lands on sigma 0 and takes zeros)."""
+        if state.step_index >= state.num_steps - 1:
+            state.fresh_noise = torch.zeros_like(state.latents)
+            return
+        generator = torch.Generator("cpu")
+        generator.set_state(state.generator_state)
+        noise = torch.randn(tuple(state.latents.shape), generator=generator, dtype=torch.float32)
+        state.fresh_noise, state.generator_state = noise.to(state.latents.device), generator.get_state()
 
     def _padded(self, embeds: torch.Tensor | None) -> torch.Tensor | None:
         """[L, D] user embeddings -> [1, text_len, D], zero-padded as Wan's own encoder output is."""
@@ -268,6 +286,8 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
             i = state.step_index
             inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i],
                       **facts.constants, **dict(zip(facts.carry_names, state.carry))}  # fmt: skip
+            if state.fresh_noise is not None:
+                inputs["fresh_noise"] = state.fresh_noise
             if state.caching is not None:
                 state.derived = facts  # its signature stays unset: a cached step's kind and inputs vary
                 return self._cached_plan(state, facts, inputs)
@@ -316,8 +336,10 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
             state.latents = result["latents"]
             state.carry = [result[name] for name in state.derived.carry_names]  # set by next()
             state.step_index += 1
+            if state.fresh_noise is not None and state.step_index < state.num_steps:
+                self._draw_fresh_noise(state)
             if state.step_index == state.num_steps:
-                state.carry = []  # history, kept tensors and derived values are dead weight once the last step ran
+                state.carry, state.fresh_noise = [], None  # history, noise, kept tensors and derived values are dead weight once the last step ran
                 if state.caching is not None:
                     state.caching.end()
                 state.derived = None
@@ -345,8 +367,10 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
 
     def _provenance(self, state: T2VState) -> dict:
         merged = {} if self.adapters is None else {a.name: a.scale for a in self.adapters.adapters.values() if a.slot is None}
-        return {"card_id": self.card.card_id, "weights_version": state.weights_version, "precision": self.card.recipe.precision,
-                "recipe": self.card.recipe_in_effect(), "loras": {} if state.adapters is None else dict(state.adapters.scales),
+        recipe = self.card.recipe
+        return {"card_id": self.card.card_id, "weights_version": state.weights_version, "precision": recipe.precision,
+                "recipe": {"name": recipe.name, "method": recipe.method, "assumes_precision": recipe.assumes_precision or recipe.precision,
+                           **self.card.recipe_in_effect()}, "loras": {} if state.adapters is None else dict(state.adapters.scales),
                 "merged_loras": merged}  # fmt: skip
 
     def adopt(self, state: T2VState) -> T2VState:

@@ -80,6 +80,7 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
     if latents.shape[0] != 1 or latents.shape[1] != loop.latent_channels:
         c.fail("latents", f"must be [1, {loop.latent_channels}, frames, h, w], got {list(latents.shape)}")
     _check_carry(c, state, loop)
+    _check_fresh_noise(c, state, loop)
     _check_text(c, state, card.shapes.text_len, loop.facts.text_dim, loop.embed_dtype)
     _check_caching(c, state, loop)
 
@@ -123,6 +124,22 @@ def _check_carry(c: _Checker, state: LoopState, loop: Loop) -> None:
         c.fail("carry", f"the sampler keeps {len(expected)} history tensors, the state holds {len(state.carry)}")
     for i, (have, want) in enumerate(zip(state.carry, expected)):
         c.tensor(f"carry[{i}]", shape=tuple(want.shape), value=have)
+
+
+def _check_fresh_noise(c: _Checker, state: LoopState, loop: Loop) -> None:
+    """A re-noising sampler's draw (like the latents, while steps remain) and its generator state."""
+    running = loop.sampler.draws_noise and state.phase not in ("decode", "done")
+    for name in ("fresh_noise", "generator_state"):
+        if not running and getattr(state, name) is not None:
+            c.fail(name, f"must be None: the card's sampler {loop.card.recipe.sampler.name!r} draws no noise in phase {state.phase!r}")
+    if not running:
+        return
+    c.tensor("fresh_noise", shape=tuple(state.latents.shape))
+    g = c.tensor("generator_state", dims=1, floating=False)
+    try:
+        torch.Generator("cpu").set_state(g)
+    except (RuntimeError, TypeError) as err:
+        c.fail("generator_state", f"is not a CPU generator state ({err})")
 
 
 def _check_text(c: _Checker, state: LoopState, text_len: int, text_dim: int, dtype: torch.dtype) -> None:

@@ -257,5 +257,7 @@ def _checkpoint_fingerprint(folder: Path) -> str:
 
 def diffusers_scheduler(spec: SamplerSpec) -> FlowMatchEulerDiscreteScheduler | UniPCMultistepScheduler:
     """The diffusers scheduler this sampler mirrors (the reference, and what checkpoints store)."""
+    if spec.timestep_list is not None:  # a distilled recipe's list: the flow-matching scheduler at its shift
+        return FlowMatchEulerDiscreteScheduler(shift=float(spec.config["flow_shift"]))
     cls = FlowMatchEulerDiscreteScheduler if spec.name == "flow_euler" else UniPCMultistepScheduler
     return cls(**spec.config)

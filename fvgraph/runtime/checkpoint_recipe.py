@@ -68,6 +68,9 @@ def warn_recipe_differences(card: ModelCard, checkpoint: str | Path) -> list[Rec
     differing = [value for value in recipe_values(card, checkpoint) if value.differs]
     for value in differing:
         how = _SOURCES[value.key][1]
-        remedy = f"to run the checkpoint's, pass {how}" if how else f"card {card.card_id!r}'s loop decides it"
+        if card.recipe.step_distilled and value.key == "flow_shift":
+            remedy = f"recipe {card.recipe.name!r} fixes its schedule (fvgraph/recipe.py)"
+        else:
+            remedy = f"to run the checkpoint's, pass {how}" if how else f"card {card.card_id!r}'s loop decides it"
         log.warning("checkpoint %s: %s (card %r); %s", checkpoint, value, card.card_id, remedy)
     return differing
