@@ -21,6 +21,7 @@ runner = CliRunner()
     (["--warmup-shape", "9x64"], "--warmup-shape='9x64' must be FRAMESxHEIGHTxWIDTH"),
     (["-O", "7"], "opt_level=7 must be 0, 1, 2 or 3"),
     (["--ray-cpus", "0"], "--ray-cpus=0 must be at least 1"),
+    (["--cache-methods", "tea"], "--cache-methods='tea': cache_methods: 'tea' is not a step-caching method"),
 ])  # fmt: skip
 def test_bad_options_exit_2_naming_the_option(tmp_path, args, message):
     pytest.importorskip("ray", reason="the ray extra is not installed")

@@ -1,5 +1,6 @@
-"""The step-caching methods fvgraph knows, by name; the step kinds they add; the parser of a
-request's `cache` value and the reader of a saved caching state.
+"""The step-caching methods fvgraph knows, by name; the step kinds they add; the check of a
+deployment's enabled methods; the parser of a request's `cache` value and the reader of a saved
+caching state.
 
 Adding a method: one file with its settings (a CacheSettings) and its decision, whose state and step
 kinds are one of the step families below (or a new family file beside them), and one line here
@@ -8,7 +9,7 @@ kinds are one of the step families below (or a new family file beside them), and
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -41,6 +42,23 @@ STEP_FAMILIES = (residual_steps, taylor_steps, fb_cache_steps)
 
 def settings_type(method: str) -> type[CacheSettings]:
     return METHODS[method]
+
+
+def enabled_methods(names: Iterable[str] | None) -> tuple[str, ...]:
+    """The methods a deployment lets requests pick (`Engine.from_card(cache_methods=...)`), in METHODS'
+    order: None is every method; an empty iterable, none (exact execution only). ValueError names
+    `cache_methods`, the unknown name and the known methods."""
+    if names is None:
+        return tuple(METHODS)
+    if isinstance(names, str):  # iterating it would check its letters
+        raise ValueError(f"cache_methods={names!r} must be a list of method names (one of {', '.join(METHODS)}), "
+                         "not a string")  # fmt: skip
+    names = tuple(names)
+    for name in names:
+        if name not in METHODS:
+            raise ValueError(f"cache_methods: {name!r} is not a step-caching method; known methods: {', '.join(METHODS)} "
+                             "(an empty list enables none: exact execution only)")  # fmt: skip
+    return tuple(method for method in METHODS if method in names)
 
 
 def caching_step_kinds(denoise: Mapping[bool, StepKind]) -> dict[str, StepKind]:

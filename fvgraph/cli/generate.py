@@ -12,9 +12,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fvgraph.cli.caching import CACHE_HELP, cache_line
-from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION, MAX_LORA_RANK_OPTION,
-                                 MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, console, serving_engine,
-                                 writable_dir)  # fmt: skip
+from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
+                                 MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, console,
+                                 serving_engine, writable_dir)  # fmt: skip
 
 
 def generate(
@@ -38,6 +38,7 @@ def generate(
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
+    cache_methods: Optional[str] = CACHE_METHODS_OPTION,
     cfg_parallel: Optional[int] = typer.Option(None, "--cfg-parallel", help="2: cond and uncond branches on two processes (docs/parallel.md)."),
     ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree: processes splitting each denoiser call's tokens; divides the head count."),
     dtype: Optional[str] = DTYPE_OPTION,
@@ -67,7 +68,7 @@ def generate(
                                  device, cache_dir, fail_on_recompile, compile_steps, cache=cache,
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
                                  dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
-                                 adapters=adapters)  # fmt: skip
+                                 adapters=adapters, cache_methods=cache_methods)  # fmt: skip
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,

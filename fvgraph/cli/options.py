@@ -17,6 +17,28 @@ DTYPE_OPTION = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16: the denoi
 FLOW_SHIFT_OPTION = typer.Option(None, "--flow-shift", help="The sampler's flow_shift (default: the card's; a checkpoint that says otherwise is warned about).")
 BOUNDARY_RATIO_OPTION = typer.Option(None, "--boundary-ratio", help="Two-expert cards: where the low-noise expert takes over (default: the card's).")
 
+# Step caching at deploy scope (docs/serving.md), shared by generate, serve and serve-ray.
+CACHE_METHODS_OPTION = typer.Option(None, "--cache-methods", help="Step-caching methods requests may pick, comma separated "
+                                    "(e.g. magcache,fbcache); 'none': exact execution only (default: all).")  # fmt: skip
+
+
+def parse_cache_methods(text: Optional[str]) -> Optional[tuple[str, ...]]:
+    """Engine.from_card's cache_methods from --cache-methods: None (all) when not given, () for 'none';
+    ValueError naming the flag."""
+    from fvgraph.caching.methods import enabled_methods
+
+    if text is None:
+        return None
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if names == ("none",):
+        return ()
+    if not names:
+        raise ValueError(f"--cache-methods={text!r} must be method names, comma separated, or 'none'")
+    try:
+        return enabled_methods(names)
+    except ValueError as err:
+        raise ValueError(f"--cache-methods={text!r}: {err}") from None
+
 
 # LoRA adapters (docs/adapters.md), shared by generate, serve, warmup and parity.
 LORA_OPTION = typer.Option([], "--lora", help="NAME=PATH: load a local LoRA file as adapter NAME (repeatable); requests choose it by name.")
@@ -109,10 +131,13 @@ def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cud
                     fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
                     cache: Optional[str] = None, cfg_parallel: Optional[int] = None,
                     ulysses: Optional[int] = None, dtype: Optional[str] = None, flow_shift: Optional[float] = None,
-                    boundary_ratio: Optional[float] = None, adapters: dict | None = None):  # fmt: skip
-    """The engine `generate` and `serve` run, from their shared options (`adapters`: adapter_options())."""
-    from fvgraph.parallel.config import ParallelConfig
+                    boundary_ratio: Optional[float] = None, adapters: dict | None = None,
+                    cache_methods: Optional[str] = None):  # fmt: skip
+    """The engine `generate` and `serve` run, from their shared options (`adapters`: adapter_options(),
+    `cache_methods`: --cache-methods' text)."""
+    from fvgraph.caching.settings import NO_CACHE
     from fvgraph.engine.engine import Engine
+    from fvgraph.parallel.config import ParallelConfig
 
     parallel = None
     if cfg_parallel is not None or ulysses is not None:  # either flag starts worker processes, even at degree 1
@@ -126,11 +151,16 @@ def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cud
         except ValueError as err:
             raise ValueError(f"--cfg-parallel / --ulysses: {err}") from None
 
+    methods = parse_cache_methods(cache_methods)
     chosen = chosen_card_from_options(card_with_cache(card, cache), dtype, flow_shift, boundary_ratio)
+    # --cache outside --cache-methods would be dropped in silence (a card default not enabled is not applied).
+    if cache is not None and methods is not None and chosen.default_cache.method not in (*methods, NO_CACHE):
+        raise ValueError(f"--cache={cache!r}: method {chosen.default_cache.method!r} is not in --cache-methods "
+                         f"({', '.join(methods) or 'none'}); enable it there or leave --cache out")  # fmt: skip
     engine = Engine.from_card(
         chosen, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
         compile_config=compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
-        cache_dir=cache_dir, max_running=max_running, parallel=parallel, **(adapters or {}),
+        cache_dir=cache_dir, max_running=max_running, parallel=parallel, cache_methods=methods, **(adapters or {}),
     )  # fmt: skip
     if fail_on_recompile:
         engine.freeze()

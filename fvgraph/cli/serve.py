@@ -10,9 +10,9 @@ import typer
 from rich.console import Console
 
 from fvgraph.cli.caching import CACHE_HELP
-from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION, MAX_LORA_RANK_OPTION,
-                                 MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, at_least_one, parse_shape,
-                                 parse_size, serving_engine, writable_dir)  # fmt: skip
+from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
+                                 MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, at_least_one,
+                                 parse_shape, parse_size, serving_engine, writable_dir)  # fmt: skip
 
 
 def serve(
@@ -49,6 +49,7 @@ def serve(
     drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
     max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
+    cache_methods: Optional[str] = CACHE_METHODS_OPTION,
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
 ) -> None:
     """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
@@ -75,7 +76,8 @@ def serve(
                                  device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache,
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
                                  dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
-                                 adapters=adapter_options(lora, merge_lora, max_loras, max_lora_rank))  # fmt: skip
+                                 adapters=adapter_options(lora, merge_lora, max_loras, max_lora_rank),
+                                 cache_methods=cache_methods)  # fmt: skip
         if port is not None:
             from fvgraph.serving.http_server import HttpServer
 

@@ -20,6 +20,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from fvgraph.cli.options import CACHE_METHODS_OPTION
+
 
 def serve_ray(
     replicas: Optional[int] = typer.Option(None, help="Engine replicas (default 1); or --autoscaling."),
@@ -49,11 +51,12 @@ def serve_ray(
     retention_s: float = typer.Option(3600.0, help="Finished videos and their files are deleted this long after they end."),
     drain_timeout: float = typer.Option(30.0, help="On shutdown, seconds running requests get before they are cancelled."),
     max_body_bytes: int = typer.Option(16 << 20, help="Larger request bodies get 413."),
+    cache_methods: Optional[str] = CACHE_METHODS_OPTION,
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="FRAMESxHEIGHTxWIDTH each replica compiles before /ready (repeatable; with --cache-dir, default: the card's shape)."),
 ) -> None:
     """Serve the OpenAI videos and images API (as `fvgraph serve --port`) from N engine replicas on
     Ray Serve, routed and scaled by Ray Serve (docs/parallel.md, "Ray Serve replicas")."""
-    from fvgraph.cli.options import at_least_one, compile_config, parse_shape, parse_size, writable_dir
+    from fvgraph.cli.options import at_least_one, compile_config, parse_cache_methods, parse_shape, parse_size, writable_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     err = Console(stderr=True)
@@ -73,7 +76,8 @@ def serve_ray(
             storage_dir=str(storage_dir.resolve()), card=card, checkpoint=_absolute(checkpoint), opt_level=opt_level,
             device=device, cache_dir=_absolute(cache_dir), freeze=fail_on_recompile, max_queue=max_queue,
             engine_kwargs={"compile_config": compile_config(compile_backend, disable_pass), "enforce_eager": enforce_eager,
-                           "cuda_graphs": not no_cudagraph, "max_running": max_running},
+                           "cuda_graphs": not no_cudagraph, "max_running": max_running,
+                           "cache_methods": parse_cache_methods(cache_methods)},
             settings=_http_settings(card, api_key, max_body_bytes, retention_s, drain_timeout,
                                     [parse_shape(text, "--warmup-shape") for text in warmup_shape], cache_dir is not None),
             memory_budget=None if memory_budget is None else parse_size(memory_budget, "--memory-budget"),

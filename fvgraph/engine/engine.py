@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
+from fvgraph.caching.methods import enabled_methods
 from fvgraph.card_choices import chosen_card
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
@@ -103,6 +104,7 @@ class Engine(AdapterAdmin):
         taps: bool = False,
         text_encoder: bool = True,
         calibration_dir: str | Path | None = None,
+        cache_methods: Iterable[str] | None = None,
         parallel: ParallelConfig | None = None,
         dtype: str | torch.dtype | None = None,
         recipe: dict | None = None,
@@ -128,6 +130,9 @@ class Engine(AdapterAdmin):
         tokenizer: requests must then carry prompt embeddings (a text prompt is rejected, saying so).
         `calibration_dir` is where calibrated cache settings are found (docs/step_caching.md; default
         `<cache_dir>/calibration`, else `capture_cache/calibration`).
+        `cache_methods` names the step-caching methods requests may pick (None: every method in
+        fvgraph/caching/methods.py; empty: exact execution only): a request naming another is
+        rejected, and a card `default_cache` outside them is not applied (docs/serving.md).
         `parallel` starts worker processes that split each denoise step with this process
         (CFG-parallel, Ulysses: docs/parallel.md); `close()` stops them.
         `dtype` ("fp32", "bf16", "fp16" or a torch dtype) runs the denoiser and text encoder in it
@@ -141,7 +146,8 @@ class Engine(AdapterAdmin):
         switches = EngineSwitches(
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
-            debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir, parallel=parallel,
+            debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir,
+            cache_methods=enabled_methods(cache_methods), parallel=parallel,
             adapters=with_recipe_adapter(card, AdapterSetup(dict(loras or {}), dict(merge_loras or {}), lora_slots)
                                          if loras or lora_slots else None),
         )  # fmt: skip

@@ -32,6 +32,7 @@ from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.kernels.fp8_weights import apply_fp8_weights
 from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.caching.calibration_store import CalibrationStore, calibration_root
+from fvgraph.caching.methods import METHODS
 from fvgraph.contract.loop import Loop
 from fvgraph.loops.registry import build_loop
 from fvgraph.loops.step_caching import StepCaching
@@ -62,6 +63,7 @@ class EngineSwitches:
     taps: bool = False  # the parity variant: denoise steps also return named intermediates
     text_encoder: bool = True  # False: neither text encoder nor tokenizer loads; requests carry embeddings
     calibration_dir: str | Path | None = None  # calibrated cache settings (default: beside the capture cache)
+    cache_methods: tuple[str, ...] = tuple(METHODS)  # step-caching methods requests may pick (docs/serving.md)
     parallel: ParallelConfig | None = None  # worker processes splitting the denoise steps (docs/parallel.md)
     adapters: AdapterSetup | None = None  # LoRA adapters merged or in slots (docs/adapters.md)
 
@@ -99,6 +101,7 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
         loop.adapters = adapters
     if isinstance(loop, StepCaching):  # a loop with step caching finds calibrated settings here
         loop.calibration = CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir))
+        loop.cache_methods = switches.cache_methods
     counters = Counters()
     steps = loop.build_steps(taps=switches.taps)
     parallel = None

@@ -1,10 +1,11 @@
 """The loop's side of step caching (fvgraph/caching/ decides): a mixin for loops whose denoiser
 has sections (fvgraph/contract/denoiser_sections.py).
 
-It checks a request's `cache` against the card and the calibration store, starts the request's
-caching state (the loop state's one `caching` field) when the request starts, asks that state before
-each denoise launch which kind runs and with which inputs, hands it each launch's outputs, and
-counts FLOPs (the planned step's against the uncached one's). What is kept, and why, is the method's.
+It checks a request's `cache` against the methods the deployment enabled, the card and the
+calibration store, starts the request's caching state (the loop state's one `caching` field) when
+the request starts, asks that state before each denoise launch which kind runs and with which
+inputs, hands it each launch's outputs, and counts FLOPs (the planned step's against the uncached
+one's). What is kept, and why, is the method's.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from fvgraph.caching.methods import warmup_variants
-from fvgraph.caching.settings import CacheSettings, PolicyContext
+from fvgraph.caching.settings import CacheSettings, NoCache, PolicyContext
 from fvgraph.caching.state import StepCachingState
 from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.loops.step_flops import StepFlops, meta_twin
@@ -22,18 +23,26 @@ from fvgraph.request import Request, RequestRejected
 
 
 class StepCaching:
-    """Reads the loop's card, components, facts, calibration store, `_signatures`, `_flops`,
-    `_denoise_steps` and `sections`."""
+    """Reads the loop's card, components, facts, calibration store, enabled `cache_methods`,
+    `_signatures`, `_flops`, `_denoise_steps` and `sections`."""
 
     @property
     def caches(self) -> bool:
         """Whether this loop serves step caching: not with image conditioning or two experts."""
         return not self.takes_image and len(self.facts.experts) < 2
 
-    def _check_caching(self, resolved: Request) -> Request:
-        """`resolved` with its calibrated cache settings filled in; RequestRejected naming the field."""
+    def _check_caching(self, request: Request, resolved: Request) -> Request:
+        """`resolved` (`request` after resolve) with its calibrated cache settings filled in, or run
+        exact where the card's default names a method this deployment did not enable; RequestRejected
+        naming the field."""
         if resolved.caching is None:
             return resolved
+        if resolved.caching.method not in self.cache_methods:
+            if request.cache is not None:  # the request's own choice, not the card's default
+                raise RequestRejected("cache", self._not_enabled(resolved.caching.method))
+            # A card default is a suggestion the deployment overrides: NoCache (not None), so resolving
+            # again does not bring the default back.
+            return resolved.model_copy(update={"cache": NoCache()})
         if not self.caches:
             raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
                                            "runs on single-expert text-to-video loops only")  # fmt: skip
@@ -42,6 +51,12 @@ class StepCaching:
         if resolved.caching.missing_calibration():
             resolved = resolved.model_copy(update={"cache": self._calibrated(resolved.caching)})
         return resolved
+
+    def _not_enabled(self, method: str) -> str:
+        enabled = ", ".join(self.cache_methods) or "none (exact execution only)"
+        return (f"step-caching method {method!r} is not enabled on this deployment; enabled: {enabled}; pass "
+                "cache='none' for exact execution, or deploy with `--cache-methods` (Engine.from_card(cache_methods=...)) "
+                "naming it")  # fmt: skip
 
     def _calibrated(self, settings: CacheSettings) -> CacheSettings:
         """`settings` with their calibrated fields filled from the store, for these weights."""

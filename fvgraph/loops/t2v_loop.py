@@ -19,7 +19,7 @@ from fvgraph.adapters.registry import AdapterChoice
 from fvgraph.adapters.slots import ROW_INPUTS
 from fvgraph.card import ModelCard
 from fvgraph.caching.calibration_store import CalibrationStore
-from fvgraph.caching.methods import caching_step_kinds, caching_steps, load_state
+from fvgraph.caching.methods import METHODS, caching_step_kinds, caching_steps, load_state
 from fvgraph.caching.state import StepCachingState
 from fvgraph.contract.denoise_update import carry_names
 from fvgraph.contract.loop import SerializableState
@@ -142,6 +142,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
         self.sections = WanSections(components.transformer)  # what step caching runs on (no weight copy)
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
         self.calibration = CalibrationStore()  # where calibrated cache settings are found (the engine sets its root)
+        self.cache_methods = tuple(METHODS)  # the methods requests may pick (the engine sets the deployment's)
         self._flops: StepFlops | None = None  # built at the first cached request
         self.adapters = None  # the engine's LoRA adapters, an AdapterRegistry (the builder sets it)
 
@@ -170,7 +171,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
             raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
         if resolved.image is not None and not self.takes_image:
             raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
-        resolved = self._check_caching(resolved)
+        resolved = self._check_caching(request, resolved)
         self._adapter_choice(resolved)
         return resolved
 
