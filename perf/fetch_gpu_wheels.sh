@@ -4,10 +4,12 @@
 # already has transformers, tokenizers, safetensors, huggingface-hub, accelerate, typer, rich, numpy
 # and pillow; it lacks diffusers, peft and pydantic and what they need beyond that list, and the HTTP
 # server's stack (fastapi, uvicorn, PyAV, ...) and the openai client its tests use. One version of each,
-# all pure Python or manylinux x86_64, about 47 MB in all.
+# all pure Python or manylinux x86_64, about 48 MB in all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(
+  # what perf/gpu_check.sh builds fvgraph with (pyproject's build-system; no index there to fetch it)
+  setuptools==80.9.0
   diffusers==0.42.1 importlib-metadata==8.7.0
   # LoRA adapters: diffusers' loaders build peft's LoraConfig (bench_lora, the adapter tests)
   peft==0.21.2

@@ -42,8 +42,10 @@ export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 TORCHINDUCTOR_CACHE_DIR="${TORCHI
 
 site=/tmp/fvgraph-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" wheels/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$site" . || exit 1
+# On the path before fvgraph is built: its build (no isolation, no index) then uses the carried setuptools,
+# whatever the machine has (an old one, or none at all in a Python 3.12 venv).
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$site" . || exit 1
 # Run from outside the checkout: `python -m` puts the working directory first on sys.path, and the
 # checkout's fvgraph/ folder would shadow the installed package (whose passes/, kernels/, cards/ and
 # perf/ install as fvgraph.passes, ... and are not inside that folder).

@@ -38,6 +38,12 @@ class AdapterSetup:
         return self.slots is not None or any(name not in self.merge for name in self.loras)
 
 
+def engine_adapter_setup(card, loras: dict | None, merge_loras: dict | None, slots: LoraSlots | None) -> AdapterSetup | None:
+    """What Engine.from_card's `loras`, `merge_loras` and `lora_slots` ask for, with the card's recipe adapter."""
+    setup = AdapterSetup(dict(loras or {}), dict(merge_loras or {}), slots) if loras or slots else None
+    return with_recipe_adapter(card, setup)
+
+
 def with_recipe_adapter(card, setup: AdapterSetup | None) -> AdapterSetup | None:
     """`setup` with the card's distill LoRA (fvgraph/recipe.py RecipeAdapter) fused at the recipe's scale
     (merge_loras may give another). The file itself is the user's to pass: AdapterError, naming where it

@@ -20,7 +20,7 @@ def parity(
     compile_backend: str = typer.Option("inductor"),
     disable_pass: list[str] = typer.Option([], "--disable-pass"),
     prompt: list[str] = typer.Option(["a red fox running through fresh snow", "waves at dusk"], "--prompt", "-p"),
-    num_inference_steps: int = typer.Option(4, "--steps"),
+    num_inference_steps: Optional[int] = typer.Option(None, "--steps", help="Default 4, or a distilled recipe's own count."),
     num_frames: int = typer.Option(5, "--frames"),
     device: Optional[str] = typer.Option(None),
     report: Optional[Path] = typer.Option(None, help="Write the JSON-lines report here."),
@@ -49,8 +49,13 @@ def parity(
         adapters = adapter_options(lora, [], max_loras, max_lora_rank)
         if adapters["loras"] and cache is not None:
             raise ValueError("--lora with --cache: step caching does not run with adapter slots yet")
+        from fvgraph.cards import get_card
+
+        recipe = get_card(card).recipe  # a distilled recipe fixes its steps and takes no guidance
+        steps = num_inference_steps or (recipe.default_steps if recipe.step_distilled else 4)
         requests = [
-            Request(prompt=text, seed=i, guidance_scale=5.0 - i, num_inference_steps=num_inference_steps, num_frames=num_frames,
+            Request(prompt=text, seed=i, guidance_scale=None if recipe.cfg_distilled else 5.0 - i, num_inference_steps=steps,
+                    num_frames=num_frames,
                     cache=cache, loras=dict.fromkeys(adapters["loras"], 1.0) if adapters["loras"] else None)  # fmt: skip
             for i, text in enumerate(prompt)
         ]

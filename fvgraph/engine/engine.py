@@ -26,12 +26,11 @@ from pydantic import ValidationError
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
-from fvgraph.caching.methods import enabled_methods
 from fvgraph.card_choices import chosen_card
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.contract.counters import Counters
-from fvgraph.adapters.setup import AdapterSetup, with_recipe_adapter
+from fvgraph.adapters.setup import engine_adapter_setup
 from fvgraph.adapters.slots import LoraSlots
 from fvgraph.engine.adapter_admin import AdapterAdmin
 from fvgraph.engine.builder import build_engine_parts
@@ -114,42 +113,29 @@ class Engine(AdapterAdmin):
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
-        opt_level 0 runs eagerly; 1 compiles each step kind into a graph (CompileConfig picks the
-        backend, passes and step kinds) and runs compatible steps of different requests as one
-        padded batch (`buckets`); 2 also replays them as CUDA graphs on a GPU (`cuda_graphs=False`
-        turns that off alone); 3 adds FP8 weights for the denoiser's eligible linears (the card's
-        `quantization.fp8_exclude` aside) and the quantize pass that runs them on FP8 kernels.
-        `enforce_eager` overrides the level, as in vLLM. `max_running` caps the requests in flight
-        (the rest wait, FIFO); `debug` checks static buffer addresses at every replay. When running
-        eagerly, request-constant projections go through an ExactProjectionCache of
-        `projection_cache_bytes` (0 turns it off); compiled steps hoist them. `cache_dir` is the
-        on-disk capture cache (docs/capture_cache.md): compiled steps are loaded from it when this
-        process's fingerprint has them, and compiled into it otherwise; `warmup` then freezes the
-        engine (fail_on_recompile). `taps` builds the parity variant: the denoiser steps also return
-        named intermediates ("tap.*"). `text_encoder=False` loads neither the text encoder nor the
-        tokenizer: requests must then carry prompt embeddings (a text prompt is rejected, saying so).
-        `calibration_dir` is where calibrated cache settings are found (docs/step_caching.md; default
-        `<cache_dir>/calibration`, else `capture_cache/calibration`).
-        `cache_methods` names the step-caching methods requests may pick (None: every method in
-        fvgraph/caching/methods.py; empty: exact execution only): a request naming another is
-        rejected, and a card `default_cache` outside them is not applied (docs/serving.md).
-        `parallel` starts worker processes that split each denoise step with this process
-        (CFG-parallel, Ulysses: docs/parallel.md); `close()` stops them.
-        `dtype` ("fp32", "bf16", "fp16" or a torch dtype) runs the denoiser and text encoder in it
-        instead of the card's precision; `recipe` sets flow_shift, boundary_ratio and the defaults
-        named in fvgraph/card_choices.py over the card's (and a checkpoint's) own.
-        `loras` (name -> local LoRA file) loads adapters that requests choose with `Request.loras`;
-        those named in `merge_loras` are fused into the weights at that scale instead; `lora_slots`
-        sizes the slots (docs/adapters.md).
+        opt_level 0 runs eagerly (request-constant projections through an ExactProjectionCache of
+        `projection_cache_bytes`, 0 off); 1 compiles each step kind (CompileConfig: backend, passes,
+        kinds) and batches compatible steps of different requests (`buckets`); 2 also replays CUDA
+        graphs (`cuda_graphs=False` alone turns that off); 3 adds FP8 weights and kernels for the
+        denoiser's eligible linears (`quantization.fp8_exclude` aside). `enforce_eager` overrides the
+        level, as in vLLM. `max_running` caps the requests in flight (FIFO); `debug` checks static
+        buffer addresses at every replay. `cache_dir`: the on-disk capture cache (docs/capture_cache.md),
+        after which `warmup` freezes the engine. `taps`: the parity variant ("tap.*" outputs).
+        `text_encoder=False`: no text encoder or tokenizer, requests carry embeddings. `calibration_dir`:
+        calibrated cache settings (default `<cache_dir>/calibration`). `cache_methods`: the methods requests may pick
+        (None: all; empty: exact only; docs/serving.md). `parallel`: worker processes that split each
+        denoise step (docs/parallel.md; `close()` stops them). `dtype` ("fp32", "bf16", "fp16" or a
+        torch dtype) and `recipe` (fvgraph/card_choices.py) choose over the card. `loras` (name ->
+        local file) loads adapters requests choose with `Request.loras`, fused instead when named in
+        `merge_loras`, as a LoRA-distill card's recipe adapter is (docs/recipes.md); `lora_slots` sizes the slots.
         """
         card = chosen_card(get_card(card) if isinstance(card, str) else card, dtype, recipe)
         switches = EngineSwitches(
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
             debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir,
-            cache_methods=enabled_methods(cache_methods), parallel=parallel,
-            adapters=with_recipe_adapter(card, AdapterSetup(dict(loras or {}), dict(merge_loras or {}), lora_slots)
-                                         if loras or lora_slots else None),
+            cache_methods=cache_methods, parallel=parallel,
+            adapters=engine_adapter_setup(card, loras, merge_loras, lora_slots),
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)  # with its worker ranks when parallel
         engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)

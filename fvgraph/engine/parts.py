@@ -32,7 +32,7 @@ from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.kernels.fp8_weights import apply_fp8_weights
 from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.caching.calibration_store import CalibrationStore, calibration_root
-from fvgraph.caching.methods import METHODS
+from fvgraph.caching.methods import METHODS, enabled_methods
 from fvgraph.contract.loop import Loop
 from fvgraph.loops.registry import build_loop
 from fvgraph.loops.step_caching import StepCaching
@@ -63,9 +63,12 @@ class EngineSwitches:
     taps: bool = False  # the parity variant: denoise steps also return named intermediates
     text_encoder: bool = True  # False: neither text encoder nor tokenizer loads; requests carry embeddings
     calibration_dir: str | Path | None = None  # calibrated cache settings (default: beside the capture cache)
-    cache_methods: tuple[str, ...] = tuple(METHODS)  # step-caching methods requests may pick (docs/serving.md)
+    cache_methods: tuple[str, ...] | None = tuple(METHODS)  # step-caching methods requests may pick (docs/serving.md)
     parallel: ParallelConfig | None = None  # worker processes splitting the denoise steps (docs/parallel.md)
     adapters: AdapterSetup | None = None  # LoRA adapters merged or in slots (docs/adapters.md)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_methods", enabled_methods(self.cache_methods))  # checked, METHODS' order; None: all
 
 
 @dataclass

@@ -31,18 +31,21 @@ class StepCaching:
         """Whether this loop serves step caching: not with image conditioning or two experts."""
         return not self.takes_image and len(self.facts.experts) < 2
 
-    def _check_caching(self, request: Request, resolved: Request) -> Request:
-        """`resolved` (`request` after resolve) with its calibrated cache settings filled in, or run
-        exact where the card's default names a method this deployment did not enable; RequestRejected
-        naming the field."""
+    def _deployed_default(self, request: Request) -> Request:
+        """`request` (before resolve) with the card's default caching left off where this deployment did
+        not enable its method: a card default is a suggestion the deployment overrides. NoCache, not
+        None, so resolving never brings the default back (nor checks the steps it would pin)."""
+        default = self.card.default_cache
+        if request.cache is None and default is not None and default.method not in self.cache_methods:
+            return request.model_copy(update={"cache": NoCache()})
+        return request
+
+    def _check_caching(self, resolved: Request) -> Request:
+        """`resolved` with its calibrated cache settings filled in; RequestRejected naming the field."""
         if resolved.caching is None:
             return resolved
         if resolved.caching.method not in self.cache_methods:
-            if request.cache is not None:  # the request's own choice, not the card's default
-                raise RequestRejected("cache", self._not_enabled(resolved.caching.method))
-            # A card default is a suggestion the deployment overrides: NoCache (not None), so resolving
-            # again does not bring the default back.
-            return resolved.model_copy(update={"cache": NoCache()})
+            raise RequestRejected("cache", self._not_enabled(resolved.caching.method))
         if not self.caches:
             raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
                                            "runs on single-expert text-to-video loops only")  # fmt: skip

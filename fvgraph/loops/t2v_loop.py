@@ -165,13 +165,13 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
     def check_request(self, request: Request) -> Request:
         """`request` with the card's defaults filled in, checked against the card and the loaded
         weights (RequestRejected); text needs the text encoder."""
-        resolved = request.resolve(self.card, self.facts)
+        resolved = self._deployed_default(request).resolve(self.card, self.facts)
         check_text_encoder(resolved, self.components)
         if resolved.guidance_scale_2 is not None and len(self.facts.experts) < 2:
             raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
         if resolved.image is not None and not self.takes_image:
             raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
-        resolved = self._check_caching(request, resolved)
+        resolved = self._check_caching(resolved)
         self._adapter_choice(resolved)
         return resolved
 
