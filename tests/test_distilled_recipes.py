@@ -333,3 +333,19 @@ def test_same_seed_same_latents_alone_and_batched_with_others():
     eager = _run(Engine.from_card("tiny-wan-4step", device="cpu"), mine)
     torch.testing.assert_close(results[mine_id].latents, alone.latents, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(alone.latents, eager.latents, atol=1e-5, rtol=1e-4)
+
+
+def test_http_serves_the_recipe_and_refuses_outside_it(tiny_4step, tmp_path):
+    """Over HTTP: a video at the recipe's defaults is made; 30 steps or a guidance scale are a 400
+    naming the field and the recipe, and nothing is stored for them."""
+    from http_helpers import KEY, httpx, live_server
+
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with live_server(tiny_4step, tmp_path) as (srv, url):
+        for field, extra in (("num_inference_steps", {"num_inference_steps": 30}), ("guidance_scale", {"guidance_scale": 6.0})):
+            response = httpx.post(url + "/v1/videos", headers=headers, json={"prompt": "x", "size": "64x48", **extra})
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == field and "lightx2v-4step" in error["message"], error
+        assert len(srv.store) == 0
+        response = httpx.post(url + "/v1/videos", headers=headers, json={"prompt": "a fox", "size": "64x48", "seed": 1})
+        assert response.status_code == 200, response.text
