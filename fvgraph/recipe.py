@@ -177,6 +177,8 @@ class RecipeSpec(_Spec):
             for name in ("negative_prompt", "negative_prompt_embeds"):
                 if getattr(request, name) is not None:
                     return name, f"{why}, so a negative prompt would be ignored; leave {name} unset"
+        if request.rollout is not None and self.step_distilled:
+            return "rollout", f"{who}: its sampler is the one it was distilled with; rollouts sample base recipes with the SDE step"
         caching = request.caching
         if caching is not None and not self.admits_caching(caching.method):
             admitted = "no step caching" if not self.step_caching else f"only {', '.join(self.step_caching)}"

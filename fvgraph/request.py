@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
+from fvgraph.behavior import BehaviorRecord, RolloutSampling
 from fvgraph.card import ModelCard
 from fvgraph.caching.settings import CacheSettings, NoCache
 from fvgraph.caching.methods import parse_cache_settings
@@ -105,6 +106,11 @@ class Request(BaseModel):
         description="LoRA adapters loaded on the engine, name -> scale (docs/adapters.md), several at once; an "
         "unknown name is rejected naming it.",
     )
+    rollout: RolloutSampling | None = Field(
+        default=None,
+        description="Sample as an RL rollout (docs/rollouts.md): Flow-GRPO's SDE step at rollout.noise_level, each "
+        "transition's latents and log-prob recorded in Result.record.",
+    )
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], min_length=1, max_length=MAX_REQUEST_ID_LENGTH,
                             description="Printable, at most 128 characters.")
 
@@ -171,6 +177,8 @@ class Request(BaseModel):
             raise ValueError("pass prompt or prompt_embeds, not both")
         if self.negative_prompt is not None and self.negative_prompt_embeds is not None:
             raise ValueError("pass negative_prompt or negative_prompt_embeds, not both")
+        if self.rollout is not None and self.caching is not None:
+            raise ValueError("rollout with cache: a rollout records every transition it takes; send it without cache")
         return self
 
     @property
@@ -254,6 +262,8 @@ class Result:
     # What produced it: card, weights version (merged adapters included), precision, the recipe values a
     # checkpoint may disagree with (flow_shift, boundary_ratio, expand_timesteps), and the request's adapters.
     provenance: dict = field(default_factory=dict)
+    # A rollout request's record of every transition (fvgraph/behavior.py), else None.
+    record: BehaviorRecord | None = None
 
     @property
     def ok(self) -> bool:

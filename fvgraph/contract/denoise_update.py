@@ -14,7 +14,8 @@ class Sampler(Protocol):
     """The in-graph half of a sampler (fvgraph/loops/samplers.py): a fixed linear combination."""
 
     num_carry: int  # history tensors the update takes and returns ("carry_0" ..)
-    draws_noise: bool  # whether the update takes fresh noise (the step's "fresh_noise" input)
+    draws_noise: bool  # whether the update takes fresh noise (the step's "fresh_noise" input); it then
+    # may also return the transition's log-probability [B] as a third value (an SDE sampler's)
 
     def update(self, sample: torch.Tensor, model_output: torch.Tensor, carry: tuple[torch.Tensor, ...],
                coeffs: torch.Tensor, noise: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]: ...  # fmt: skip
@@ -37,10 +38,13 @@ def sampler_update(sampler: Sampler, latents: torch.Tensor, noise: torch.Tensor,
     noise the loop drew): "latents" and the new history "carry_i"."""
     names = carry_names(sampler.num_carry)
     history = tuple(carry[name] for name in names)
-    if sampler.draws_noise:
-        if fresh_noise is None:
-            raise ValueError("this sampler re-noises at every step: the step needs its 'fresh_noise' input")
-        new_latents, new_history = sampler.update(latents, noise, history, coeffs, fresh_noise)
-    else:
+    if not sampler.draws_noise:
         new_latents, new_history = sampler.update(latents, noise, history, coeffs)
-    return {"latents": new_latents, **dict(zip(names, new_history))}
+        return {"latents": new_latents, **dict(zip(names, new_history))}
+    if fresh_noise is None:
+        raise ValueError("this sampler draws noise at every step: the step needs its 'fresh_noise' input")
+    new_latents, new_history, *log_prob = sampler.update(latents, noise, history, coeffs, fresh_noise)
+    out = {"latents": new_latents, **dict(zip(names, new_history))}
+    if log_prob:  # an SDE sampler's log-probability of the transition, [B]
+        out["log_prob"] = log_prob[0]
+    return out

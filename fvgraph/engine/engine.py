@@ -35,6 +35,8 @@ from fvgraph.adapters.slots import LoraSlots
 from fvgraph.engine.adapter_admin import AdapterAdmin
 from fvgraph.engine.builder import build_engine_parts
 from fvgraph.engine.fold_back import fold_back
+from fvgraph.engine.rollouts import RolloutAdmin
+from fvgraph.engine.weight_sync import WeightSync
 from fvgraph.engine.parts import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.runtime.tf32_switch import math_mode
@@ -54,7 +56,7 @@ StepCallback = Callable[[LoopState, str], None]
 ResultCallback = Callable[[LoopState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
 
 
-class Engine(AdapterAdmin):
+class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
     def __init__(self, card: ModelCard, loop: Loop, executor: EagerExecutor | CompiledExecutor,
                  opt_level: int, counters: Counters, buckets: BucketSpec, max_running: int):  # fmt: skip
         self.card = card
@@ -71,8 +73,7 @@ class Engine(AdapterAdmin):
         self.adapters = None  # the LoRA adapters (fvgraph/engine/adapter_admin.py), set by from_card
         self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/runtime/tf32_switch.py)
         # While warmup() serves its requests: the signatures prepared at every batch bucket, and its progress callback.
-        self._warming: set | None = None
-        self._warm_progress: Callable[[int], None] | None = None
+        self._warming, self._warm_progress = None, None
         self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
         self._running_steps = False  # a tick or step is under way: its callbacks may not drive the engine
 
@@ -121,13 +122,12 @@ class Engine(AdapterAdmin):
         level, as in vLLM. `max_running` caps the requests in flight (FIFO); `debug` checks static
         buffer addresses at every replay. `cache_dir`: the on-disk capture cache (docs/capture_cache.md),
         after which `warmup` freezes the engine. `taps`: the parity variant ("tap.*" outputs).
-        `text_encoder=False`: no text encoder or tokenizer, requests carry embeddings. `calibration_dir`:
-        calibrated cache settings (default `<cache_dir>/calibration`). `cache_methods`: the methods requests may pick
-        (None: all; empty: exact only; docs/serving.md). `parallel`: worker processes that split each
-        denoise step (docs/parallel.md; `close()` stops them). `dtype` ("fp32", "bf16", "fp16" or a
-        torch dtype) and `recipe` (fvgraph/card_choices.py) choose over the card. `loras` (name ->
-        local file) loads adapters requests choose with `Request.loras`, fused instead when named in
-        `merge_loras`, as a LoRA-distill card's recipe adapter is (docs/recipes.md); `lora_slots` sizes the slots.
+        `text_encoder=False`: no text encoder or tokenizer; requests carry embeddings. `calibration_dir`:
+        calibrated cache settings. `cache_methods`: the methods requests may pick (None: all; empty: exact
+        only; docs/serving.md). `parallel`: worker processes that split each denoise step (docs/parallel.md).
+        `dtype` ("fp32", "bf16", "fp16", a torch dtype) and `recipe` (fvgraph/card_choices.py) choose over the
+        card. `loras` (name -> local file): adapters requests choose with `Request.loras`, fused when named
+        in `merge_loras` (a LoRA distill's recipe adapter is: docs/recipes.md); `lora_slots` sizes the slots.
         """
         card = chosen_card(get_card(card) if isinstance(card, str) else card, dtype, recipe)
         switches = EngineSwitches(

@@ -105,6 +105,9 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     if isinstance(loop, StepCaching):  # a loop with step caching finds calibrated settings here
         loop.calibration = CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir))
         loop.cache_methods = switches.cache_methods
+    if hasattr(loop, "run_facts"):  # what a rollout's record says produced it (fvgraph/behavior.py)
+        plan = "single" if switches.parallel is None else f"cfg{switches.parallel.cfg}xulysses{switches.parallel.ulysses}"
+        loop.run_facts = {"opt_level": effective.level, "parallel": plan}
     counters = Counters()
     steps = loop.build_steps(taps=switches.taps)
     parallel = None

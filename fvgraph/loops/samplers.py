@@ -24,6 +24,7 @@ steps to the next sigma. Both are linear in (x, x_last, x0, history), so each re
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +101,7 @@ class FewStepSampler(_PlannedSampler):
         self.listed = spec.timestep_list
         self.shift = float(spec.config["flow_shift"])
         self.draws_noise = spec.draws_noise
+        self.final_draw = False  # the last step lands on sigma 0: x0, no noise (the recipes draw none)
 
     def _plan(self, num_steps: int) -> SamplerPlan:
         if num_steps != len(self.listed):
@@ -119,6 +121,62 @@ class FewStepSampler(_PlannedSampler):
             return sample + (following - sigma) * velocity, ()
         x0 = sample - sigma * velocity
         return (1 - following) * x0 + following * noise, ()
+
+
+class FlowSdeSampler:
+    """Flow-GRPO's SDE form of the flow-matching Euler step (its `sde_step_with_logprob`), for rollouts:
+    the ODE step plus Gaussian noise at a declared noise level, and the log-probability of the
+    transition it took. On diffusers' FlowMatchEulerDiscreteScheduler sigmas at the card's shift, per step
+
+        std  = noise_level * sqrt(sigma / (1 - sigma'))     (sigma' = the second sigma where sigma = 1)
+        mean = x * (1 + std^2 / (2 sigma) * dt) + v * (1 + std^2 (1 - sigma) / (2 sigma)) * dt,  dt = sigma_next - sigma
+        x'   = mean + std * sqrt(-dt) * noise
+
+    and log p(x' | x) is the Gaussian density of x' around the mean, averaged over the elements. The
+    row is [sigma, a, b, c] with mean = a x + b v and x' = mean + c noise; the noise is fresh at every
+    step, the last included. Plans are memoized per (steps, noise level)."""
+
+    history = 0
+    num_carry = 0
+    draws_noise = True
+    final_draw = True  # the last step adds noise too (sigma_next = 0 still leaves dt < 0)
+    log_probs = True  # the step also returns "log_prob" [B]
+
+    def __init__(self, flow_shift: float):
+        self._scheduler = FlowMatchEulerDiscreteScheduler(shift=flow_shift)  # schedule only; never stepped
+        self._plans: dict[tuple[int, float], SamplerPlan] = {}
+
+    def plan(self, num_steps: int, noise_level: float) -> SamplerPlan:
+        key = (num_steps, float(noise_level))
+        if key not in self._plans:
+            self._plans[key] = self._plan(*key)
+        return self._plans[key]
+
+    def _plan(self, num_steps: int, noise_level: float) -> SamplerPlan:
+        self._scheduler.set_timesteps(num_steps, device="cpu")
+        sigmas = self._scheduler.sigmas.to(torch.float32)
+        sigma, following = sigmas[:-1], sigmas[1:]
+        dt = following - sigma
+        second = sigmas[1] if num_steps > 1 else sigmas[0].new_tensor(0.0)
+        std = torch.sqrt(sigma / (1 - torch.where(sigma == 1, second, sigma))) * noise_level
+        a = 1 + std**2 / (2 * sigma) * dt
+        b = (1 + std**2 * (1 - sigma) / (2 * sigma)) * dt
+        c = std * torch.sqrt(-1 * dt)
+        return SamplerPlan(self._scheduler.timesteps.clone(), torch.stack([sigma, a, b, c], dim=1))
+
+    def initial_carry(self, sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ()
+
+    @staticmethod
+    def update(sample, model_output, carry, coeffs, noise=None):
+        a, b, c = (_per_row(coeffs[:, j], sample) for j in (1, 2, 3))
+        mean = a * sample + b * model_output.to(sample.dtype)
+        following = mean + c * noise
+        log_prob = -((following - mean) ** 2) / (2 * c**2) - torch.log(c) - HALF_LOG_TWO_PI
+        return following, (), log_prob.mean(dim=tuple(range(1, log_prob.dim())))
+
+
+HALF_LOG_TWO_PI = 0.5 * math.log(2 * math.pi)
 
 
 class UniPCSampler(_PlannedSampler):
@@ -273,6 +331,8 @@ def build_sampler(spec: SamplerSpec) -> FlowEulerSampler | FewStepSampler | UniP
 
 def num_coeffs(sampler) -> int:
     """Width of a coefficient row (used to validate saved states)."""
+    if isinstance(sampler, FlowSdeSampler):
+        return 4
     return 2 if isinstance(sampler, (FlowEulerSampler, FewStepSampler)) else 6 + 2 * sampler.history
 
 

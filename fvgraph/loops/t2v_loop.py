@@ -27,6 +27,7 @@ from fvgraph.contract.plan import Done, ShapeSignature, StepResult, WorkPlan
 from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.samplers import MAX_CARRY, build_sampler
 from fvgraph.loops.loop_adapters import LoopAdapters
+from fvgraph.loops.loop_rollouts import ROLLOUT, ROLLOUT_CFG, LoopRollouts, rollout_step_kinds
 from fvgraph.loops.step_caching import StepCaching
 from fvgraph.loops.step_flops import StepFlops
 from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
@@ -63,6 +64,7 @@ STEP_KINDS = {
     VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
                          outputs={"video": Role.RESULT}),
     **caching_step_kinds(DENOISE_KINDS),  # a request with step caching (fvgraph/caching/)
+    **rollout_step_kinds(DENOISE_KINDS),  # a rollout request (fvgraph/behavior.py)
 }  # fmt: skip
 
 
@@ -110,6 +112,11 @@ class T2VState(SerializableState):
     caching: StepCachingState | None = field(default=None, metadata={"load": load_state})
     # LoRA adapters (fvgraph/adapters/): the request's names, scales and each adapter's digest, or None.
     adapters: AdapterChoice | None = field(default=None, metadata={"load": AdapterChoice.load})
+    # A rollout (fvgraph/behavior.py): its SDE noise level, the latents before the first transition and
+    # after each, and each transition's log-prob; None and empty otherwise.
+    rollout_noise_level: float | None = None
+    record_latents: list[torch.Tensor] = field(default_factory=list)
+    record_log_probs: list[float] = field(default_factory=list)
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
     derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
 
@@ -118,7 +125,7 @@ class T2VState(SerializableState):
         return int(self.timesteps.shape[0])
 
 
-class TextToVideoLoop(StepCaching, LoopAdapters):
+class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
     """init / next / advance / finalize for one card's t2v loop; holds no per-request state."""
 
     loop_id = "t2v"
@@ -145,6 +152,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
         self.cache_methods = tuple(METHODS)  # the methods requests may pick (the engine sets the deployment's)
         self._flops: StepFlops | None = None  # built at the first cached request
         self.adapters = None  # the engine's LoRA adapters, an AdapterRegistry (the builder sets it)
+        self.run_facts: dict = {}  # opt level and parallel plan, for rollout records (the builder sets them)
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
         """One step module per step kind; they share the components' modules (no weight copies).
@@ -160,6 +168,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
             DENOISE: DenoiseStep(transformer, self.sampler, cfg=False, tap_points=tap_points),
             DENOISE_CFG: DenoiseStep(transformer, self.sampler, cfg=True, tap_points=tap_points),
             **caching_steps(WanSections(transformer), self.sampler),
+            **self._rollout_steps(transformer, tap_points),
         }
 
     def check_request(self, request: Request) -> Request:
@@ -172,6 +181,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
         if resolved.image is not None and not self.takes_image:
             raise RequestRejected("image", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no image")
         resolved = self._check_caching(resolved)
+        self._check_rollout(resolved)
         self._adapter_choice(resolved)
         return resolved
 
@@ -190,7 +200,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
     def init(self, request: Request) -> T2VState:
         """`request` must already be resolved against this card (defaults filled, rules checked)."""
         device = self.components.device
-        plan = self.sampler.plan(request.num_inference_steps)
+        plan, sampler = self.planned(request.num_inference_steps, request), self.sampler_of(request)
         generator = torch.Generator("cpu").manual_seed(request.seed)
         latents = self._initial_noise(request, generator).to(device)
         state = self.state_type(
@@ -205,14 +215,16 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
             timesteps=plan.timesteps,
             coeffs=plan.coeffs,
             latents=latents,
-            carry=list(self.sampler.initial_carry(latents)),
+            carry=list(sampler.initial_carry(latents)),
             prompt_embeds=self._padded(request.prompt_embeds),
             negative_prompt_embeds=self._padded(request.negative_prompt_embeds) if request.do_cfg else None,
             weights_version=self.components.weights_version,
             adapters=self._adapter_choice(request),
+            rollout_noise_level=None if request.rollout is None else request.rollout.noise_level,
+            record_latents=[] if request.rollout is None else [latents.clone()],
             **self._conditioning(request, latents),
         )
-        if self.sampler.draws_noise:  # the same generator goes on: the recipes draw it in this order
+        if sampler.draws_noise:  # the same generator goes on: the recipes draw it in this order
             state.generator_state = generator.get_state()
             self._draw_fresh_noise(state)
         self._start_caching(state, request)
@@ -257,9 +269,10 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
         return torch.randn(shape, generator=generator, dtype=torch.float32)
 
     def _draw_fresh_noise(self, state: T2VState) -> None:
-        """The noise step `state.step_index` re-noises with: the generator's next draw, as LightX2V and
-        FastVideo draw after each step but the last (the last lands on sigma 0 and takes zeros)."""
-        if state.step_index >= state.num_steps - 1:
+        """The noise step `state.step_index` takes: the generator's next draw, as LightX2V and FastVideo
+        draw after each step but the last (which lands on sigma 0 and takes zeros), and Flow-GRPO's SDE
+        step at every step."""
+        if state.step_index >= state.num_steps - 1 and not self.sampler_of(state).final_draw:
             state.fresh_noise = torch.zeros_like(state.latents)
             return
         generator = torch.Generator("cpu")
@@ -315,7 +328,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
         constants.update(self._adapter_rows(state))
         _, _, frames, h, w = state.latents.shape
         pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
-        kind = DENOISE_CFG if state.cfg else DENOISE
+        kind = (ROLLOUT_CFG if state.cfg else ROLLOUT) if state.rollout_noise_level is not None else DENOISE_CFG if state.cfg else DENOISE
         timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
         return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names(len(state.carry)), signature=None)
 
@@ -336,6 +349,8 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
                 return state  # the first of the step's two launches ran (FBCache)
             state.latents = result["latents"]
             state.carry = [result[name] for name in state.derived.carry_names]  # set by next()
+            if state.rollout_noise_level is not None:
+                self._record_transition(state, result)
             state.step_index += 1
             if state.fresh_noise is not None and state.step_index < state.num_steps:
                 self._draw_fresh_noise(state)
@@ -364,6 +379,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
             timings=dict(state.timings),
             cache=None if state.caching is None else state.caching.report(),
             provenance=self._provenance(state),
+            record=self._behavior_record(state),
         )
 
     def _provenance(self, state: T2VState) -> dict:
@@ -389,6 +405,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters):
             if value is not None:
                 setattr(state, name, value.to(device))
         state.carry = [t.to(device) for t in state.carry]
+        state.record_latents = [t.to(device) for t in state.record_latents]
         if state.caching is not None:
             state.caching.to(device)
         state.derived = None  # derived on the other engine's device; rebuilt here on demand

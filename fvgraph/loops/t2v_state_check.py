@@ -68,10 +68,14 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
     steps = int(timesteps.shape[0])
     if steps < 1:
         c.fail("timesteps", "the schedule is empty")
+    level = state.rollout_noise_level
+    if level is not None and (isinstance(level, bool) or not isinstance(level, float | int) or not 0 < level <= 2):
+        c.fail("rollout_noise_level", f"must be a number in (0, 2], got {level!r}")
+    sampler = loop.sampler_of(state)
     coeffs = c.tensor("coeffs", dims=2)
-    if tuple(coeffs.shape) != (steps, num_coeffs(loop.sampler)):
-        c.fail("coeffs", f"must be [{steps}, {num_coeffs(loop.sampler)}] (one sampler row per timestep), got {list(coeffs.shape)}")
-    plan = loop.sampler.plan(steps)  # what init planned: the schedule is the sampler's, never the state's own
+    if tuple(coeffs.shape) != (steps, num_coeffs(sampler)):
+        c.fail("coeffs", f"must be [{steps}, {num_coeffs(sampler)}] (one sampler row per timestep), got {list(coeffs.shape)}")
+    plan = loop.planned(steps, state)  # what init planned: the schedule is the sampler's, never the state's own
     for name, value, planned in (("timesteps", timesteps, plan.timesteps), ("coeffs", coeffs, plan.coeffs)):
         if value.dtype != planned.dtype or not torch.equal(value.cpu(), planned):
             c.fail(name, f"is not the card's sampler schedule for {steps} steps (reordered or edited)")
@@ -81,6 +85,7 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
         c.fail("latents", f"must be [1, {loop.latent_channels}, frames, h, w], got {list(latents.shape)}")
     _check_carry(c, state, loop)
     _check_fresh_noise(c, state, loop)
+    _check_record(c, state, loop)
     _check_text(c, state, card.shapes.text_len, loop.facts.text_dim, loop.embed_dtype)
     _check_caching(c, state, loop)
 
@@ -119,7 +124,7 @@ def _check_carry(c: _Checker, state: LoopState, loop: Loop) -> None:
         c.fail("carry", f"must be a list of tensors, got {type(state.carry).__name__}")
     if state.phase in ("decode", "done"):
         return  # the history is dropped after the last step
-    expected = loop.sampler.initial_carry(state.latents)
+    expected = loop.sampler_of(state).initial_carry(state.latents)
     if len(state.carry) != len(expected):
         c.fail("carry", f"the sampler keeps {len(expected)} history tensors, the state holds {len(state.carry)}")
     for i, (have, want) in enumerate(zip(state.carry, expected)):
@@ -128,10 +133,10 @@ def _check_carry(c: _Checker, state: LoopState, loop: Loop) -> None:
 
 def _check_fresh_noise(c: _Checker, state: LoopState, loop: Loop) -> None:
     """A re-noising sampler's draw (like the latents, while steps remain) and its generator state."""
-    running = loop.sampler.draws_noise and state.phase not in ("decode", "done")
+    running = loop.sampler_of(state).draws_noise and state.phase not in ("decode", "done")
     for name in ("fresh_noise", "generator_state"):
         if not running and getattr(state, name) is not None:
-            c.fail(name, f"must be None: the card's sampler {loop.card.recipe.sampler.name!r} draws no noise in phase {state.phase!r}")
+            c.fail(name, f"must be None: the request's sampler draws no noise in phase {state.phase!r}")
     if not running:
         return
     c.tensor("fresh_noise", shape=tuple(state.latents.shape))
@@ -140,6 +145,22 @@ def _check_fresh_noise(c: _Checker, state: LoopState, loop: Loop) -> None:
         torch.Generator("cpu").set_state(g)
     except (RuntimeError, TypeError) as err:
         c.fail("generator_state", f"is not a CPU generator state ({err})")
+
+
+def _check_record(c: _Checker, state: LoopState, loop: Loop) -> None:
+    """A rollout's record: one latents tensor per transition taken plus the first, one log-prob each."""
+    if state.rollout_noise_level is None:
+        if state.record_latents or state.record_log_probs:
+            c.fail("record_latents", "a request that is not a rollout records nothing")
+        return
+    taken = state.step_index if state.phase == "denoise" else state.num_steps if state.phase in ("decode", "done") else 0
+    if not isinstance(state.record_latents, list) or len(state.record_latents) != taken + 1:
+        c.fail("record_latents", f"must hold {taken + 1} latents after {taken} transitions")
+    for i, t in enumerate(state.record_latents):
+        c.tensor(f"record_latents[{i}]", shape=tuple(state.latents.shape), value=t)
+    if not isinstance(state.record_log_probs, list) or len(state.record_log_probs) != taken or \
+            not all(isinstance(v, float) and torch.isfinite(torch.tensor(v)) for v in state.record_log_probs):  # fmt: skip
+        c.fail("record_log_probs", f"must hold {taken} finite floats, one per transition taken")
 
 
 def _check_text(c: _Checker, state: LoopState, text_len: int, text_dim: int, dtype: torch.dtype) -> None:

@@ -1,0 +1,78 @@
+"""New weights into a running engine with nothing recompiled (the Engine's `update_weights`).
+
+    engine.update_weights(trainer.transformer.state_dict(), version="step-120")
+
+The sync happens between ticks. First the requests in flight reach a step boundary: with
+`in_flight="finish"` (the default) they run to their end on the weights they started with; with
+"stop" they are cancelled at their next step boundary (status 'cancelled'). Then the new values are
+copied into the same parameter storage, so every compiled step, whose graph takes the weights as
+arguments (fvgraph/compile/step_capture.py), runs them as they are: the next steps compile nothing.
+The weights version changes (loop states, results and rollout records carry it, and a state saved on
+the old version is refused on resume), and the eager projection cache, whose entries were computed
+from the old weights, is emptied. No request ever mixes two versions.
+
+Refused, before anything changes: an unknown or missing parameter name, a shape mismatch, an engine
+running FP8 copies of the weights (-O3: they would go stale), and a parallel engine (its worker ranks
+hold their own copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+
+from fvgraph.parallel.executor import ParallelExecutor
+
+
+class WeightSync:
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: str,
+                       in_flight: Literal["finish", "stop"] = "finish") -> dict:  # fmt: skip
+        """Copy `weights` (the denoiser's state-dict names: all of its parameters, or a subset) into the
+        denoiser and call the result `version`. Returns what happened to the requests in flight."""
+        if self._running_steps:
+            raise RuntimeError("Engine.update_weights() was called from inside a callback of a running tick: "
+                               "sync weights between ticks, after the callback returns")  # fmt: skip
+        if in_flight not in ("finish", "stop"):
+            raise ValueError(f"in_flight={in_flight!r} must be 'finish' or 'stop'")
+        if not isinstance(version, str) or not version or version == self.loop.components.weights_version:
+            raise ValueError(f"version={version!r} must be a new, non-empty name for these weights "
+                             f"(the engine runs {self.loop.components.weights_version!r})")  # fmt: skip
+        targets = self._weight_targets(weights)
+        ids = [s.request_id for s in self._live_states()]
+        if in_flight == "stop":
+            for request_id in ids:
+                self.cancel(request_id)
+        while self._scheduler.has_work():  # finished or stopped at a step boundary; their results wait in the outbox
+            self._tick(None, None, "update_weights")
+        with torch.no_grad():
+            for target, value in targets:
+                target.copy_(value)
+        self.loop.components.weights_version = version
+        if self.projection_cache is not None:
+            self.projection_cache.clear()
+        return {"version": version, "finished" if in_flight == "finish" else "stopped": ids}
+
+    def _weight_targets(self, weights: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(parameter, new value) pairs, every one checked before any is copied."""
+        if isinstance(self.executor, ParallelExecutor):
+            raise ValueError("update_weights on a parallel engine is not supported: its worker ranks hold their own weights")
+        compiler = self.compiler
+        if compiler is not None and compiler.config.passes.runs("quantize"):
+            raise ValueError("update_weights at -O3: the denoiser runs FP8 copies of its weights, which would go stale; "
+                             "serve rollouts at -O2 or below")  # fmt: skip
+        own = dict(self.loop.components.transformer.named_parameters())
+        unknown = sorted(set(weights) - set(own))
+        if unknown:
+            raise KeyError(f"update_weights: {unknown[0]!r} ({len(unknown)} such names) is not a parameter of the denoiser")
+        pairs = []
+        for name, value in weights.items():
+            target = own[name]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
+                got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"update_weights: {name!r} must be a tensor of shape {list(target.shape)}, got {got}")
+            if value.is_floating_point() and not torch.isfinite(value).all():
+                raise ValueError(f"update_weights: {name!r} holds NaN or Inf values")
+            pairs.append((target, value.detach().to(target.device, target.dtype)))
+        return pairs
