@@ -238,7 +238,12 @@ def recompute_log_probs(transformer, record: BehaviorRecord, shift: float) -> to
 
 @pytest.mark.parametrize("level", [0, 1])
 def test_recorded_log_probs_equal_train_forward_log_probs(level, capsys):
-    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=level, compile_config=CompileConfig(backend="aot_eager"))
+    """C2: at -O0 the serve forward is the train forward's ops (measured |diff| 0 at every step); at -O1
+    inductor's compiled step rounds differently (measured at most 1.2e-7 per step on tiny-wan, two
+    seeds, CPU). The bound, for both, is 1e-6: about eight times that (the SDE mean is formed in
+    another order on the two sides, so a CPU with other vector widths may round it apart at -O0 too);
+    the per-step differences are printed."""
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=level)  # -O1: inductor, the level as served
     [record] = engine.rollout(["a red fox"], group_size=1, seed=3, **SHAPE)
     trainer_side = load_components(get_card("tiny-wan"), None, torch.device("cpu")).transformer.requires_grad_(True)  # untouched weights
     recomputed = recompute_log_probs(trainer_side, record, shift=3.0)
@@ -246,8 +251,7 @@ def test_recorded_log_probs_equal_train_forward_log_probs(level, capsys):
     diff = (recomputed.detach() - record.log_probs).abs()
     with capsys.disabled():
         print(f"\n-O{level} recorded vs train-forward log-prob |diff| per step: {[f'{d:.2e}' for d in diff.tolist()]}")
-    # fp32 noise of the two forwards (measured: 1e-7 to 1e-6 per step at -O0 and with aot_eager at -O1)
-    assert diff.max() < 2e-5, diff
+    assert diff.max() <= 1e-6, diff
 
 
 # -- weight sync -----------------------------------------------------------------------------------
