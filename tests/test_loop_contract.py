@@ -120,8 +120,8 @@ def test_the_loop_declares_its_kinds_and_the_compiler_reads_them(tiny_engine):
     kinds = tiny_engine.loop.step_kinds
     denoise_kinds = ["denoise", "denoise_cfg", "denoise_keep", "denoise_reuse", "denoise_cfg_keep", "denoise_cfg_reuse",
                      "denoise_taylor_keep", "denoise_taylor_predict", "denoise_cfg_taylor_keep", "denoise_cfg_taylor_predict",
-                     *FIRST_BLOCK_KINDS.values(), *AFTER_FIRST_KINDS.values()]  # fmt: skip
-    assert {k for k, v in kinds.items() if v.compiled} == set(denoise_kinds)  # all but the first two: step caching
+                     *FIRST_BLOCK_KINDS.values(), *AFTER_FIRST_KINDS.values(), "denoise_sde", "denoise_sde_cfg"]  # fmt: skip
+    assert {k for k, v in kinds.items() if v.compiled} == set(denoise_kinds)  # then step caching's, then rollouts' (SDE)
     assert {v.component for v in kinds.values()} == {"text_encoder", "transformer", "vae"}
     engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=CompileConfig(backend="eager"))
     assert [k for k in kinds if engine.compiler.wants(k)] == denoise_kinds

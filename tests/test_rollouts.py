@@ -146,7 +146,7 @@ def test_a_group_encodes_once_and_batched_equals_alone_bit_for_bit(engine):
     kinds = []
     records = engine.rollout(["a red fox in snow"], group_size=8, seed=11, on_step=lambda s, kind: kinds.append(kind),
                              **SHAPE)  # fmt: skip
-    assert kinds.count("text_encode") == 1 and kinds.count("rollout_cfg") == 8 * SHAPE["num_inference_steps"]
+    assert kinds.count("text_encode") == 1 and kinds.count("denoise_sde_cfg") == 8 * SHAPE["num_inference_steps"]
     assert len(records) == 8 and {r.group for r in records} == {0} and len({r.seed for r in records}) == 8
     for record in records[:3]:  # each sample alone, from its record's seed and conditioning
         [alone] = engine.generate([Request(prompt_embeds=record.prompt_embeds, negative_prompt_embeds=record.negative_prompt_embeds,

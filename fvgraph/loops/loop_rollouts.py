@@ -1,7 +1,7 @@
 """The loop's side of RL rollouts (fvgraph/behavior.py): a mixin for the text-to-video loop.
 
 A request with `rollout` is sampled by Flow-GRPO's SDE step (FlowSdeSampler) at its noise level: its
-denoise steps are the `rollout` kinds, the loop's denoise kinds plus the transition's log-prob as a
+denoise steps are the `denoise_sde` kinds, the loop's denoise kinds plus the transition's log-prob as a
 host output, built on the same transformer, so rollouts batch with each other like any request. The
 mixin picks each state's sampler and plan, keeps the latents before and after every transition and
 each log-prob in the state, and builds the request's BehaviorRecord when it ends.
@@ -21,12 +21,12 @@ from fvgraph.loops.samplers import FlowSdeSampler, SamplerPlan
 from fvgraph.loops.steps import DenoiseStep
 from fvgraph.request import Request, RequestRejected
 
-ROLLOUT, ROLLOUT_CFG = "rollout", "rollout_cfg"
+DENOISE_SDE, DENOISE_SDE_CFG = "denoise_sde", "denoise_sde_cfg"
 
 
 def rollout_step_kinds(denoise: Mapping[bool, StepKind]) -> dict[str, StepKind]:
     """The SDE denoise kinds, by CFG: the plain kinds plus "log_prob" [B] read on the host."""
-    return {name: denoise[cfg].derived(name, outputs={"log_prob": Role.HOST}) for cfg, name in ((False, ROLLOUT), (True, ROLLOUT_CFG))}
+    return {name: denoise[cfg].derived(name, outputs={"log_prob": Role.HOST}) for cfg, name in ((False, DENOISE_SDE), (True, DENOISE_SDE_CFG))}
 
 
 class LoopRollouts:
@@ -58,8 +58,8 @@ class LoopRollouts:
 
     def _rollout_steps(self, transformer: nn.Module, tap_points) -> dict[str, nn.Module]:
         sde = self.rollout_sampler
-        return {ROLLOUT: DenoiseStep(transformer, sde, cfg=False, tap_points=tap_points),
-                ROLLOUT_CFG: DenoiseStep(transformer, sde, cfg=True, tap_points=tap_points)}  # fmt: skip
+        return {DENOISE_SDE: DenoiseStep(transformer, sde, cfg=False, tap_points=tap_points),
+                DENOISE_SDE_CFG: DenoiseStep(transformer, sde, cfg=True, tap_points=tap_points)}  # fmt: skip
 
     def _record_transition(self, state, result: StepResult) -> None:
         state.record_latents.append(state.latents.detach().clone())  # a graph's output buffer is reused

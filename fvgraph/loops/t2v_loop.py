@@ -27,7 +27,7 @@ from fvgraph.contract.plan import Done, ShapeSignature, StepResult, WorkPlan
 from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.samplers import MAX_CARRY, build_sampler
 from fvgraph.loops.loop_adapters import LoopAdapters
-from fvgraph.loops.loop_rollouts import ROLLOUT, ROLLOUT_CFG, LoopRollouts, rollout_step_kinds
+from fvgraph.loops.loop_rollouts import DENOISE_SDE, DENOISE_SDE_CFG, LoopRollouts, rollout_step_kinds
 from fvgraph.loops.step_caching import StepCaching
 from fvgraph.loops.step_flops import StepFlops
 from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
@@ -328,7 +328,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
         constants.update(self._adapter_rows(state))
         _, _, frames, h, w = state.latents.shape
         pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
-        kind = (ROLLOUT_CFG if state.cfg else ROLLOUT) if state.rollout_noise_level is not None else DENOISE_CFG if state.cfg else DENOISE
+        kind = (DENOISE_SDE_CFG if state.cfg else DENOISE_SDE) if state.rollout_noise_level is not None else DENOISE_CFG if state.cfg else DENOISE
         timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
         return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names(len(state.carry)), signature=None)
 
