@@ -29,11 +29,13 @@ def parity(
     lora: list[str] = LORA_OPTION,
     max_loras: Optional[int] = MAX_LORAS_OPTION,
     max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the tap x step error heatmap (PNG) here."),
 ) -> None:
     """Diff two settings tap by tap (every block, both CFG branches, predictions, latents) per step.
     Exits 1 when a tap exceeds the card's tolerance, naming the first divergence. With `--cache ...
     --against none`: report how far the cached run lands from the uncached one (relative L2 of the
-    latents per step, PSNR of the frames); reported, not asserted. With `--lora`, both sides load the
+    latents per step, PSNR of the frames); reported, not asserted. `--plot FILE.png` draws the error
+    per tap and step with the tolerance and the first divergence marked. With `--lora`, both sides load the
     adapters and every request runs them at scale 1."""
     from fvgraph.parity import Setting, compare
     from fvgraph.request import Request
@@ -80,6 +82,10 @@ def parity(
     if report is not None:
         result.write_jsonl(report)
         console.print(f"wrote {report}")
+    if plot is not None:
+        from fvgraph.plots import plot_parity
+
+        console.print(f"wrote {plot_parity(result, plot)}")
     summary = result.summary()
     if not summary["passed"]:
         console.print(f"[red]failed[/red]: {summary['failed']} of {summary['comparisons']}; first divergence {summary['first_divergence']}")
