@@ -51,6 +51,7 @@ def serve(
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     cache_methods: Optional[str] = CACHE_METHODS_OPTION,
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
+    served_model_name: list[str] = typer.Option([], "--served-model-name", help="HTTP: another name `model` may give, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers or sora-2 (repeatable; the card id stays valid)."),
 ) -> None:
     """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
     JSON answer line per input line (a request's when it ends); or, with --port, the OpenAI videos
@@ -80,11 +81,13 @@ def serve(
                                  cache_methods=cache_methods)  # fmt: skip
         if port is not None:
             from fvgraph.serving.http_server import HttpServer
+            from fvgraph.serving.model_names import ServedNames
 
             http = HttpServer.from_options(
                 engine, output_dir, host=host, port=port, api_key=api_key, max_queue=max_queue, memory_budget=memory_budget,
                 retention_s=retention_s, drain_timeout_s=drain_timeout, max_body_bytes=max_body_bytes,
                 warmup_shapes=[parse_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
+                model_names=ServedNames.of(engine.card.card_id, served_model_name, checkpoint),
             )  # fmt: skip
         else:
             server = JsonlServer(engine, output_dir, StdoutLines(), video_format=video_format, fps=fps)

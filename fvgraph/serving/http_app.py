@@ -7,7 +7,8 @@
     GET    /v1/videos/{id}/events         Server-Sent Events: started, one per step, the end, the final Video
     DELETE /v1/videos/{id}                cancel at the next step boundary and delete the content
     POST   /v1/images/generations         one frame through the same engine; b64_json or a URL
-    GET    /v1/images/{id}/content        the PNG behind such a URL
+    GET    /v1/images/{id}/content        the PNG (JPEG, WebP) behind such a URL
+    GET    /v1/models, /v1/models/{name}  the names `model` may give (fvgraph/serving/model_names.py)
     GET/POST /v1/loras, DELETE /v1/loras/{name}   the LoRA adapters (fvgraph/serving/http_adapters.py)
     GET    /health, /ready, /metrics      liveness, readiness (warm), Prometheus metrics
 
@@ -33,10 +34,12 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
+from fvgraph.serving.client_fields import named_as_sent
 from fvgraph.serving.http_adapters import ADAPTER_ROUTES, AdapterApi
 from fvgraph.serving.http_errors import ApiError, error_handlers
 from fvgraph.serving.http_guard import HttpGuard
-from fvgraph.serving.media_encode import encode_image, encode_mp4
+from fvgraph.serving.media_encode import IMAGE_MEDIA_TYPES, encode_image, encode_mp4
+from fvgraph.serving.model_names import MODEL_ROUTES, ModelsApi, ServedNames
 from fvgraph.serving.openai_requests import (
     ImageBody,
     Parsed,
@@ -51,7 +54,7 @@ from fvgraph.serving.openai_requests import (
 from fvgraph.request import Request, RequestRejected
 from fvgraph.serving.request_events import RequestEvent
 from fvgraph.serving.serving_metrics import ServingMetrics
-from fvgraph.serving.video_store import StoredVideo, VideoStore
+from fvgraph.serving.video_store import IMAGE_VARIANTS, StoredVideo, VideoStore
 
 log = logging.getLogger(__name__)
 CANCELLED = {  # what a video cancelled by the server says, by reason (a client's DELETE removes the video)
@@ -70,6 +73,7 @@ class HttpSettings:
     retention_s: float = 3600.0  # finished videos and their files are deleted this long after they end
     drain_timeout_s: float = 30.0  # on shutdown, running requests get this long before they are cancelled
     warmup: tuple[Request, ...] = ()  # run through Engine.warmup before /ready says ready
+    model_names: ServedNames | None = None  # what `model` may name; None: the card id only
 
 
 class VideoApi:
@@ -79,6 +83,7 @@ class VideoApi:
         self.served, self.store, self.settings = served, store, settings
         self.card, self.facts = served.engine.card, served.engine.facts  # limits; what the weights say
         self.metrics = ServingMetrics(served)
+        self.names = settings.model_names or ServedNames(self.card.card_id)
         self.ready = False
         self.draining = False
         self._encodes: set[asyncio.Task] = set()
@@ -176,7 +181,8 @@ class VideoApi:
     def _accept(self, parsed: Parsed) -> None:
         if self.draining:
             raise EngineClosed("the server is shutting down and takes no new requests")
-        self.served.submit(parsed.request, parsed.timeout)
+        with named_as_sent(parsed.sent_as, parsed.notes):  # `size: ...`, not `width: ...`
+            self.served.submit(parsed.request, parsed.timeout)
 
     def _find(self, video_id: str) -> StoredVideo:
         item = self.store.get(video_id)
@@ -190,6 +196,9 @@ class VideoApi:
         fields = await self._fields(http)
         reference, image = fields.pop("input_reference", None), None
         body = parse_body(VideoBody, fields)
+        self.names.check(body.model)
+        if body.user is not None:
+            log.info("video for user %r (user is accepted and only logged)", body.user)
         if reference is not None:
             if not isinstance(reference, bytes):  # a URL or file id: fetching what a client names is not done here
                 raise RequestRejected("input_reference", "must be the image itself, uploaded as a file in a multipart "
@@ -198,7 +207,7 @@ class VideoApi:
         parsed = video_request(body, self.card, self.store.new_id("video"), self.settings.max_prompt_chars,
                                self.facts.temporal_multiple, image)  # fmt: skip
         request = parsed.request
-        item = self.store.add(StoredVideo(request.request_id, "video", self.card.card_id, body.prompt, parsed.size,
+        item = self.store.add(StoredVideo(request.request_id, "video", body.model or self.card.card_id, body.prompt, parsed.size,
                                           parsed.seconds, request.num_frames, parsed.fps, int(time.time())))  # fmt: skip
         try:
             self._accept(parsed)
@@ -268,6 +277,12 @@ class VideoApi:
 
     async def generate_images(self, http: HttpRequest):
         body = parse_body(ImageBody, await self._fields(http))
+        self.names.check(body.model)
+        if body.n > self.served.admission.max_queue:  # its requests are queued together: it would always get 429
+            raise RequestRejected("n", f"{body.n} images are more than this server queues at once "
+                                       f"({self.served.admission.max_queue}, --max-queue); ask for fewer")  # fmt: skip
+        if body.not_applied:
+            log.info("images: %s accepted and not applied (the served card renders as it does)", body.not_applied)
         base = self.store.new_id("image")
         parsed = [image_request(body, self.card, f"{base}-{i}" if body.n > 1 else base, self.settings.max_prompt_chars, i)
                   for i in range(body.n)]  # fmt: skip
@@ -285,22 +300,26 @@ class VideoApi:
             if not result.ok:
                 raise ApiError(503 if result.status == "cancelled" else 500,
                                f"image {one.request.request_id} {result.status}: {result.error or 'cancelled'}")  # fmt: skip
-            png = await asyncio.to_thread(encode_image, result.frames[0], "png")
-            if body.response_format == "b64_json":
-                data.append({"b64_json": base64.b64encode(png).decode(), "revised_prompt": None})
+            encoded = await asyncio.to_thread(encode_image, result.frames[0], body.encoding, body.output_compression)
+            if body.response_format != "url":
+                data.append({"b64_json": base64.b64encode(encoded).decode(), "revised_prompt": None})
                 continue
-            item = self.store.add(StoredVideo(one.request.request_id, "image", self.card.card_id, body.prompt, one.size,
-                                              "0", 1, one.fps, int(time.time())))  # fmt: skip
-            self.store.finish(item.id, "completed", content={"image": png})
+            item = self.store.add(StoredVideo(one.request.request_id, "image", body.model or self.card.card_id, body.prompt,
+                                              one.size, "0", 1, one.fps, int(time.time())))  # fmt: skip
+            self.store.finish(item.id, "completed", content={IMAGE_VARIANTS[body.encoding]: encoded})
             data.append({"url": str(http.base_url) + f"v1/images/{item.id}/content", "revised_prompt": None})
-        return {"created": int(time.time()), "data": data, "output_format": "png", "size": parsed[0].size}
+        # `background` is what was rendered: every frame is opaque, whatever the request asked
+        return {"id": base, "created": int(time.time()), "data": data, "output_format": body.encoding, "size": parsed[0].size,
+                "quality": body.quality, "background": "opaque"}  # fmt: skip
 
     async def image_content(self, image_id: str):
         item = self.store.get(image_id)
-        path = None if item is None or item.object != "image" else self.store.content(item.id, "image")
+        variant = None if item is None or item.object != "image" else next(iter(item.files), None)
+        path = None if variant is None else self.store.content(item.id, variant)
         if path is None:
             raise ApiError(404, f"no image {image_id!r} (it never existed or expired)", "image_id", "not_found")
-        return FileResponse(path, media_type="image/png")
+        image_format = next(name for name, stored in IMAGE_VARIANTS.items() if stored == variant)
+        return FileResponse(path, media_type=IMAGE_MEDIA_TYPES[image_format])
 
     # -- operations --------------------------------------------------------------------------------
 
@@ -338,6 +357,9 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
     adapters = AdapterApi(served)
     for method, path, name in ADAPTER_ROUTES:
         app.add_api_route(path, getattr(adapters, name), methods=[method])
+    models = ModelsApi(api.names)
+    for method, path, name in MODEL_ROUTES:
+        app.add_api_route(path, getattr(models, name), methods=[method])
     return app
 
 

@@ -51,10 +51,16 @@ def decode_mp4(data: bytes) -> np.ndarray:
         return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
 
 
-def encode_image(frame: np.ndarray, image_format: str) -> bytes:
-    """uint8 [H, W, 3] -> 'png' or 'jpeg' bytes."""
+IMAGE_MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
+
+
+def encode_image(frame: np.ndarray, image_format: str, quality: int | None = None) -> bytes:
+    """uint8 [H, W, 3] -> 'png', 'jpeg' or 'webp' bytes; `quality` (0-100, default 90) for jpeg and webp."""
     if frame.dtype != np.uint8 or frame.ndim != 3 or frame.shape[-1] != 3:
         raise ValueError(f"a frame must be uint8 [H, W, 3], got {frame.dtype} {list(frame.shape)}")
+    if image_format not in IMAGE_MEDIA_TYPES:
+        raise ValueError(f"image_format={image_format!r} must be one of {', '.join(IMAGE_MEDIA_TYPES)}")
+    lossy = {} if image_format == "png" else {"quality": 90 if quality is None else quality}
     buffer = io.BytesIO()
-    Image.fromarray(frame).save(buffer, format=image_format.upper(), **({"quality": 90} if image_format == "jpeg" else {}))
+    Image.fromarray(frame).save(buffer, format=image_format.upper(), **lossy)
     return buffer.getvalue()

@@ -4,10 +4,11 @@ POST /v1/videos takes the OpenAI SDK's multipart form (prompt, model, seconds, s
 input_reference) or the same fields as JSON, plus fvgraph's own fields, which the SDK sends through
 `extra_body`: num_frames, fps, num_inference_steps, guidance_scale, negative_prompt, seed, timeout,
 cache (step caching: a JSON object, or in a form the text METHOD[:k=v,...] or a JSON object's text;
-"none" turns the card's default off; docs/step_caching.md).
-`seconds` x `fps` becomes a frame count rounded to the nearest the card allows (k * 4 + 1 for Wan);
-`num_frames`, when given, must follow that rule itself; the Video's `seconds` is what was rendered:
-frames / the frame rate the mp4 is written at. A number field refuses a boolean (JSON `true` is not
+"none" turns the card's default off; docs/step_caching.md); and the peers' fields
+(fvgraph/serving/client_fields.py). POST /v1/images/generations takes OpenAI's image fields as well.
+`seconds` x `fps`, or `num_frames`, becomes the frame count nearest it that the card allows
+(k * 4 + 1 for Wan, ties going up); the Video's `num_frames` is that count and its `seconds` what was
+rendered: frames / the frame rate the mp4 is written at. A number field refuses a boolean (JSON `true` is not
 1) and a non-finite value. Every error is a RequestRejected naming the field the client sent and
 the rule (HTTP 400).
 """
@@ -17,17 +18,18 @@ from __future__ import annotations
 import io
 import json
 import re
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
 
 from PIL import Image, UnidentifiedImageError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from fvgraph.card import ModelCard
 from fvgraph.request import Request, RequestRejected, refuse_boolean
+from fvgraph.serving.client_fields import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, SentAs, fold_extra_params, named_as_sent,
+                                           nearest_frame_count, pixel_size, refuse_deploy_time)  # fmt: skip
 from fvgraph.serving.media_encode import MAX_FPS, MIN_FPS, mp4_rate
 
-SIZE = re.compile(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})")
 DEFAULT_FPS = 16.0  # Wan 2.1 is trained at 16 frames per second
 SEED_RANGE = 2**63  # seeds are 0 <= seed < 2**63; image i of n gets (seed + i) modulo this
 # input_reference: the formats the API documents, opened by these PIL plugins only (an upload never
@@ -40,34 +42,89 @@ MAX_JSON_DEPTH = 32  # how deeply a JSON field may nest; a real one nests 2 (cac
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    extensions: ClassVar[tuple[str, ...]] = IMAGE_EXTENSIONS  # what `extra_params` may hold
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 832x480.")
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 832x480; 'auto' is the card's default.")
+    width: int | None = Field(default=None, gt=0, le=99999, description="The peers' name for size's width.")
+    height: int | None = Field(default=None, gt=0, le=99999, description="The peers' name for size's height.")
     negative_prompt: str | None = None
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0)
+    guidance_scale_2: float | None = Field(default=None, ge=0.0, le=30.0, description="Two-expert cards: the low-noise expert's.")
     seed: int | None = Field(default=None, ge=0, lt=SEED_RANGE)
     timeout: float | None = Field(default=None, gt=0, description="Seconds after which the request is cancelled.")
     cache: Any = Field(default=None, description="Step caching, as Request(cache=...) takes it (and checks it).")
     loras: Any = Field(default=None, description='LoRA adapters by name and scale, {"style": 0.7} (a form sends its JSON text).')
+    flow_shift: Any = Field(default=None, description="Refused: the sampler's shift is chosen at deploy time.")
+    boundary_ratio: Any = Field(default=None, description="Refused: the experts' boundary is chosen at deploy time.")
+    user: str | None = Field(default=None, max_length=256, description="The end user, for logs; accepted and reported.")
 
-    _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "seed", "timeout", mode="before")(refuse_boolean)
+    _sent: SentAs = PrivateAttr(default_factory=dict)  # body field -> the field the client sent it as
+    _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "guidance_scale_2", "seed", "timeout",
+                                     "width", "height", mode="before")(refuse_boolean)  # fmt: skip
 
 
 class VideoBody(_Body):
+    extensions: ClassVar[tuple[str, ...]] = VIDEO_EXTENSIONS
+
     seconds: float | None = Field(default=None, gt=0, le=600)
     fps: float | None = Field(default=None, ge=MIN_FPS, le=MAX_FPS, description="Frames per second of the mp4.")
-    num_frames: int | None = Field(default=None, ge=1)
+    num_frames: int | None = Field(default=None, ge=1, le=100_000, description="Rounded to the nearest the card allows.")
+    n: int | None = Field(default=None, description="vLLM-Omni's video count: 1 (one video per call).")
 
-    _numbers_not_booleans = field_validator("seconds", "fps", "num_frames", mode="before")(refuse_boolean)
+    _numbers_not_booleans = field_validator("seconds", "fps", "num_frames", "n", mode="before")(refuse_boolean)
+
+    @field_validator("n")
+    @classmethod
+    def _one_video(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"n={value}: this server makes one video per call; send {value} calls")
+        return value
 
 
 class ImageBody(_Body):
-    n: int = Field(default=1, ge=1, le=8)
-    response_format: Literal["b64_json", "url"] = "b64_json"
+    n: int = Field(default=1, ge=1, le=10)
+    response_format: Literal["b64_json", "url"] | None = "b64_json"
+    output_format: Literal["png", "jpeg", "webp"] | None = Field(default=None, description="How each image is encoded; null: png.")
+    output_compression: int | None = Field(default=None, ge=0, le=100, description="jpeg and webp: the encoder's quality, 0-100.")
+    # OpenAI's hosted models read these; fvgraph accepts them, logs them and renders as the card does.
+    quality: Literal["auto", "low", "medium", "high", "standard", "hd"] | None = None
+    style: Literal["vivid", "natural"] | None = None
+    background: Literal["auto", "opaque", "transparent"] | None = None
+    moderation: Literal["auto", "low"] | None = None
+    safety_identifier: str | None = Field(default=None, max_length=256)
+    stream: bool | None = Field(default=None, description="false only: images are answered whole.")
+    partial_images: int | None = Field(default=None, description="0 only: no partial images are streamed.")
 
-    _count_not_a_boolean = field_validator("n", mode="before")(refuse_boolean)
+    _count_not_a_boolean = field_validator("n", "output_compression", "partial_images", mode="before")(refuse_boolean)
+
+    @field_validator("stream", "partial_images")
+    @classmethod
+    def _not_streamed(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name}={value!r}: this server answers images whole and streams no partial "
+                             "images; leave it out (or send false / 0)")  # fmt: skip
+        return value
+
+    @field_validator("output_compression")
+    @classmethod
+    def _compression_is_lossy(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("output_format") in (None, "png"):  # declared before it: checked already
+            raise ValueError(f"output_compression={value} applies to jpeg and webp; this request's output_format is "
+                             "png (lossless): leave it out or ask for jpeg or webp")  # fmt: skip
+        return value
+
+    @property
+    def encoding(self) -> str:
+        return self.output_format or "png"
+
+    @property
+    def not_applied(self) -> dict[str, str]:
+        """OpenAI's rendering fields this request sent, which the served card does not read."""
+        names = ("quality", "style", "background", "moderation", "user", "safety_identifier")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
 @dataclass(frozen=True)
@@ -79,6 +136,8 @@ class Parsed:
     seconds: str
     fps: float
     timeout: float | None
+    sent_as: SentAs = field(default_factory=dict)  # a Request field -> the field the client sent (`width` -> `size`)
+    notes: dict[str, str] = field(default_factory=dict)  # how a Request field was derived, for its errors
 
 
 def json_fields(raw: bytes) -> dict:
@@ -137,10 +196,16 @@ def _deep_field(text: str) -> str:
 
 
 def parse_body(model: type[_Body], fields: dict) -> _Body:
-    try:
-        return model.model_validate(fields)
-    except ValidationError as err:
-        raise _rejected(err, "unknown field; " + _known(model)) from None
+    """The body of `fields`, with `extra_params`' keys read as top-level fields (client_fields.py); an
+    error names the field as the client sent it."""
+    fields, sent = fold_extra_params(fields, model.extensions)
+    with named_as_sent(sent):
+        try:
+            body = model.model_validate(fields)
+        except ValidationError as err:
+            raise _rejected(err, "unknown field; " + _known(model)) from None
+    body._sent = sent
+    return body
 
 
 def _rejected(err: ValidationError, unknown: str = "unknown field") -> RequestRejected:
@@ -152,38 +217,23 @@ def _rejected(err: ValidationError, unknown: str = "unknown field") -> RequestRe
 
 
 def _known(model: type[_Body]) -> str:
-    return "this endpoint takes " + ", ".join(model.model_fields)
+    return "this endpoint takes " + ", ".join([*model.model_fields, "extra_params"])
 
 
-def _size(text: str | None, card: ModelCard) -> tuple[int, int]:
-    if text is None:
-        return card.shapes.default_width, card.shapes.default_height
-    match = SIZE.fullmatch(text)
-    if match is None:
-        raise RequestRejected("size", f"{text!r} must be WIDTHxHEIGHT in pixels, e.g. "
-                                      f"{card.shapes.default_width}x{card.shapes.default_height}")  # fmt: skip
-    return int(match[1]), int(match[2])
-
-
-def frames_for(seconds: float, fps: float, temporal_multiple: int) -> int:
-    """The frame count nearest seconds * fps that the card allows: k * temporal_multiple + 1."""
-    k = max(0, round((seconds * fps - 1) / temporal_multiple))
-    return k * temporal_multiple + 1
-
-
-def _request(body: _Body, card: ModelCard, request_id: str, max_prompt_chars: int, **shape) -> Request:
-    if body.model is not None and body.model != card.card_id:
-        raise RequestRejected("model", f"{body.model!r} is not served here; this server serves {card.card_id!r}")
-    for name in ("prompt", "negative_prompt"):
-        text = getattr(body, name)
-        if text is not None and len(text) > max_prompt_chars:
-            raise RequestRejected(name, f"{len(text)} characters exceed the limit of {max_prompt_chars} this server takes")
-    try:
-        return Request(prompt=body.prompt, negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
-                       guidance_scale=body.guidance_scale, seed=body.seed, cache=body.cache, request_id=request_id,
-                       loras=_loras(body.loras), **shape)  # fmt: skip
-    except ValidationError as err:
-        raise _rejected(err) from None
+def _request(body: _Body, card: ModelCard, request_id: str, max_prompt_chars: int, sent: SentAs, notes: dict[str, str],
+             **shape) -> Request:  # fmt: skip
+    with named_as_sent(sent, notes):
+        for name in ("prompt", "negative_prompt"):
+            text = getattr(body, name)
+            if text is not None and len(text) > max_prompt_chars:
+                raise RequestRejected(name, f"{len(text)} characters exceed the limit of {max_prompt_chars} this server takes")
+        refuse_deploy_time({"flow_shift": body.flow_shift, "boundary_ratio": body.boundary_ratio}, card)
+        try:
+            return Request(prompt=body.prompt, negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
+                           guidance_scale=body.guidance_scale, guidance_scale_2=body.guidance_scale_2, seed=body.seed,
+                           cache=body.cache, request_id=request_id, loras=_loras(body.loras), **shape)  # fmt: skip
+        except ValidationError as err:
+            raise _rejected(err) from None
 
 
 _BRACKETED = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[[^\[\]]+\])+)")
@@ -229,28 +279,46 @@ def _loras(value: Any) -> Any:
     return value
 
 
+def frames_for(seconds: float, fps: float, temporal_multiple: int) -> int:
+    """The frame count nearest seconds * fps that the card allows: k * temporal_multiple + 1."""
+    return nearest_frame_count(seconds * fps, temporal_multiple)
+
+
 def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_chars: int,
                   temporal_multiple: int, image: Image.Image | None = None) -> Parsed:  # fmt: skip
-    width, height = _size(body.size, card)
+    width, height, sent = _shape_sent_as(body, card)
+    notes: dict[str, str] = {}
     fps = body.fps or DEFAULT_FPS
     if body.num_frames is not None:
-        frames = body.num_frames
+        frames = nearest_frame_count(body.num_frames, temporal_multiple)  # vLLM-Omni sends 32 or 80
+        sent["num_frames"] = body._sent.get("num_frames", "num_frames")
+        if frames != body.num_frames:
+            notes["num_frames"] = f"num_frames={body.num_frames} was rounded to {frames}, the nearest count of " \
+                                  f"k * {temporal_multiple} + 1 frames"  # fmt: skip
     elif body.seconds is not None:
         frames = frames_for(body.seconds, fps, temporal_multiple)  # the weights' VAE: ModelFacts
+        sent["num_frames"] = "seconds"
     else:
         frames = card.shapes.default_frames
     seconds = f"{frames / float(mp4_rate(fps)):g}"  # what is rendered and written, not what was asked
-    shape = dict(height=height, width=width, num_frames=frames)
-    request = _request(body, card, request_id, max_prompt_chars, **shape, **({} if image is None else {"image": image}))
-    return Parsed(request, f"{width}x{height}", seconds, fps, body.timeout)
+    shape = dict(height=height, width=width, num_frames=frames, **({} if image is None else {"image": image}))
+    request = _request(body, card, request_id, max_prompt_chars, sent, notes, **shape)
+    return Parsed(request, f"{width}x{height}", seconds, fps, body.timeout, sent, notes)
 
 
 def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_chars: int, index: int) -> Parsed:
-    width, height = _size(body.size, card)
+    width, height, sent = _shape_sent_as(body, card)
     seed = None if body.seed is None else (body.seed + index) % SEED_RANGE  # every valid seed works for any n
-    request = _request(body.model_copy(update={"seed": seed}), card, request_id, max_prompt_chars,
+    request = _request(body.model_copy(update={"seed": seed}), card, request_id, max_prompt_chars, sent, {},
                        height=height, width=width, num_frames=1)  # fmt: skip
-    return Parsed(request, f"{width}x{height}", "0", DEFAULT_FPS, body.timeout)
+    return Parsed(request, f"{width}x{height}", "0", DEFAULT_FPS, body.timeout, sent)
+
+
+def _shape_sent_as(body: _Body, card: ModelCard) -> tuple[int, int, SentAs]:
+    """Width and height, and every Request field named as the client sent it."""
+    with named_as_sent(body._sent):
+        width, height, origin = pixel_size(body.size, body.width, body.height, card, body._sent)
+    return width, height, {**body._sent, **origin}
 
 
 def check_input_reference(data: bytes, card: ModelCard, takes_image: bool) -> Image.Image:

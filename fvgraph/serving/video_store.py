@@ -31,7 +31,8 @@ from typing import Literal
 
 Status = Literal["queued", "in_progress", "completed", "failed"]
 # variant -> file suffix; the only names content files ever get besides the server's ids
-VARIANTS = {"video": "mp4", "thumbnail": "jpg", "image": "png"}
+VARIANTS = {"video": "mp4", "thumbnail": "jpg", "image": "png", "image_jpeg": "jpeg", "image_webp": "webp"}
+IMAGE_VARIANTS = {"png": "image", "jpeg": "image_jpeg", "webp": "image_webp"}  # an image's output_format -> its variant
 ID_PATTERN = re.compile(r"(video|img)_[0-9a-f]{32}(-[0-9]+)?")  # new_id (+ "-i" for image i of n > 1)
 INTERRUPTED = {"code": "interrupted", "message": "the server stopped before this video finished; create it again"}
 
@@ -63,6 +64,7 @@ class StoredVideo:
             "created_at": self.created_at, "completed_at": self.completed_at, "expires_at": self.expires_at,
             "model": self.model, "size": self.size, "seconds": self.seconds, "prompt": self.prompt,
             "error": self.error, "remixed_from_video_id": None,
+            "num_frames": self.num_frames,  # what was rendered: the count asked for, rounded to one the card allows
         }  # fmt: skip
 
 
