@@ -77,7 +77,8 @@ def test_drain_finishes_running_videos_cancels_what_outlasts_it_and_refuses_new_
                           expected_video(tiny_engine, fps=4, prompt="short", height=32, width=32, num_frames=5,
                                          num_inference_steps=4, seed=1))  # fmt: skip
     assert cut.status == "failed" and cut.error["code"] == "shutdown" and not cut.files
-    kept = [f"{short.id}.jpg", f"{short.id}.json", f"{short.id}.mp4", f"{long.id}.json"]  # a failed video keeps its record
+    kept = [f"{short.id}.jpg", f"{short.id}.json", f"{short.id}.mp4", f"{short.id}.sprites.jpg",
+            f"{long.id}.json"]  # a failed video keeps its record
     assert sorted(p.name for p in srv.store.root.iterdir()) == sorted(kept)
 
 

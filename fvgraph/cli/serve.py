@@ -48,6 +48,7 @@ def serve(
     retention_s: float = typer.Option(3600.0, help="HTTP: finished videos and their files are deleted this long after they end."),
     drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
     max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
+    allowed_origins: list[str] = typer.Option([], "--allowed-origins", help="HTTP: a web origin (scheme://host[:port]) whose pages may call the API (CORS; repeatable; '*': any). Without it: no CORS headers."),
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     cache_methods: Optional[str] = CACHE_METHODS_OPTION,
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
@@ -58,6 +59,7 @@ def serve(
     and images API over HTTP (docs/serving.md). Requests arriving mid-run join the running batch."""
     import sys
 
+    from fvgraph.serving.http_cors import check_origins
     from fvgraph.serving.jsonl_server import JsonlServer, StdoutLines
     from fvgraph.serving.video_io import check_video_output
 
@@ -70,6 +72,7 @@ def serve(
         if memory_budget is not None:
             parse_size(memory_budget, "--memory-budget")
         at_least_one(max_body_bytes, "--max-body-bytes", "bytes of the largest request body accepted")
+        check_origins(allowed_origins)
         # Bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input.
         if port is None:
             source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
@@ -88,6 +91,7 @@ def serve(
                 retention_s=retention_s, drain_timeout_s=drain_timeout, max_body_bytes=max_body_bytes,
                 warmup_shapes=[parse_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
                 model_names=ServedNames.of(engine.card.card_id, served_model_name, checkpoint),
+                allowed_origins=tuple(allowed_origins),
             )  # fmt: skip
         else:
             server = JsonlServer(engine, output_dir, StdoutLines(), video_format=video_format, fps=fps)

@@ -9,6 +9,13 @@
 
 The queue depth counts every accepted request that has not started: those waiting for memory and
 those admitted but still waiting for a place in the engine. Safe to call from any thread.
+
+Retry-After is the queue's estimated wait: the requests queued ahead (the whole queue depth) times
+the seconds per request the queue has measured, rounded up, at least 1 s and at most MAX_RETRY_AFTER_S.
+Seconds per request is the mean time the last 32 requests spent from admission to their end,
+divided by the requests admitted now (at least 1, at most max_running): at this concurrency, one of
+them ends about that often. Before any request has ended, the longest time a request now in the engine
+has spent there so far stands in for that mean (it is a lower bound).
 """
 
 from __future__ import annotations
@@ -17,9 +24,12 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from fvgraph.serving.memory_reservation import MemoryModel, Reservation
 from fvgraph.request import Request, RequestRejected
+
+MAX_RETRY_AFTER_S = 3600  # a wait estimate past an hour says more about the estimate than the queue
 
 
 class QueueFull(Exception):
@@ -31,7 +41,8 @@ class QueueFull(Exception):
 
 
 class Admission:
-    def __init__(self, model: MemoryModel, budget_bytes: int, max_queue: int, max_running: int):
+    def __init__(self, model: MemoryModel, budget_bytes: int, max_queue: int, max_running: int,
+                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
         if budget_bytes <= 0:
             raise ValueError(f"memory budget={budget_bytes} bytes must be positive")
         if max_queue < 1:
@@ -40,6 +51,7 @@ class Admission:
         self.budget = budget_bytes
         self.max_queue = max_queue
         self.max_running = max_running
+        self.clock = clock  # seconds, for the time each request spends admitted
         self._lock = threading.Lock()
         self._waiting: deque[tuple[Request, Reservation]] = deque()
         self._not_started: set[str] = set()
@@ -88,7 +100,7 @@ class Admission:
                 free -= reservation.total
                 self._reserved[request.request_id] = reservation
                 self._not_started.add(request.request_id)
-                self._admitted_at[request.request_id] = time.monotonic()
+                self._admitted_at[request.request_id] = self.clock()
                 admitted.append(request)
         return admitted
 
@@ -109,13 +121,22 @@ class Admission:
         with self._lock:
             self._not_started.discard(request_id)
             if self._reserved.pop(request_id, None) is not None:
-                self._recent_seconds.append(time.monotonic() - self._admitted_at.pop(request_id))
+                self._recent_seconds.append(self.clock() - self._admitted_at.pop(request_id))
+
+    @property
+    def retry_after(self) -> int:
+        """The estimated wait, in whole seconds, of a request queued now (see the module docstring)."""
+        with self._lock:
+            return self._retry_after()
 
     def _retry_after(self) -> int:
-        """Seconds until about one place frees: the recent mean time in the engine, spread over the
-        requests running at once (at least 1 s, at most 60 s)."""
-        if not self._recent_seconds:
-            return 1
-        mean = sum(self._recent_seconds) / len(self._recent_seconds)
-        running = max(1, min(self.max_running, len(self._reserved)))
-        return max(1, min(60, math.ceil(mean * len(self._waiting) / running) or 1))
+        ahead = len(self._waiting) + len(self._not_started)
+        return max(1, min(MAX_RETRY_AFTER_S, math.ceil(ahead * self._seconds_per_request())))
+
+    def _seconds_per_request(self) -> float:
+        if self._recent_seconds:
+            spent = sum(self._recent_seconds) / len(self._recent_seconds)
+        else:  # nothing has ended yet: the longest time so far of those in the engine
+            now = self.clock()
+            spent = max((now - at for at in self._admitted_at.values()), default=0.0)
+        return spent / max(1, min(self.max_running, len(self._reserved)))

@@ -3,7 +3,9 @@
     POST   /v1/videos                     create (multipart form as the OpenAI SDK sends it, or JSON)
     GET    /v1/videos                     list, newest first (after, limit, order)
     GET    /v1/videos/{id}                the Video object
-    GET    /v1/videos/{id}/content        the mp4; ?variant=thumbnail gives a JPEG of the first frame
+    GET    /v1/videos/{id}/content        the mp4; ?variant=thumbnail: a JPEG of the first frame,
+                                          ?variant=spritesheet: a JPEG of every frame in a grid
+    POST   /v1/videos/{id}/remix          a new video: a new prompt on a completed video's settings
     GET    /v1/videos/{id}/events         Server-Sent Events: started, one per step, the end, the final Video
     DELETE /v1/videos/{id}                cancel at the next step boundary and delete the content
     POST   /v1/images/generations         one frame through the same engine; b64_json or a URL
@@ -12,8 +14,10 @@
     GET/POST /v1/loras, DELETE /v1/loras/{name}   the LoRA adapters (fvgraph/serving/http_adapters.py)
     GET    /health, /ready, /metrics      liveness, readiness (warm), Prometheus metrics
 
-Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}; `param` names the field
-the client sent (fvgraph/serving/http_errors.py).
+Every GET route answers HEAD too (the same headers, no body). Errors are OpenAI-shaped:
+{"error": {"message", "type", "param", "code"}}; `param` names the field the client sent
+(fvgraph/serving/http_errors.py, fvgraph/serving/http_error_shape.py). Downloads carry an ETag
+(fvgraph/serving/http_content.py); CORS is fvgraph/serving/http_cors.py.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -36,9 +40,12 @@ from starlette.requests import ClientDisconnect
 from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
 from fvgraph.serving.client_fields import named_as_sent
 from fvgraph.serving.http_adapters import ADAPTER_ROUTES, AdapterApi
+from fvgraph.serving.http_content import etag, file_download
+from fvgraph.serving.http_cors import add_cors, check_origins
+from fvgraph.serving.http_error_shape import OpenAiErrorShape
 from fvgraph.serving.http_errors import ApiError, error_handlers
 from fvgraph.serving.http_guard import HttpGuard
-from fvgraph.serving.media_encode import IMAGE_MEDIA_TYPES, encode_image, encode_mp4
+from fvgraph.serving.media_encode import IMAGE_MEDIA_TYPES, encode_image, encode_mp4, encode_spritesheet
 from fvgraph.serving.model_names import MODEL_ROUTES, ModelsApi, ServedNames
 from fvgraph.serving.openai_requests import (
     ImageBody,
@@ -54,9 +61,11 @@ from fvgraph.serving.openai_requests import (
 from fvgraph.request import Request, RequestRejected
 from fvgraph.serving.request_events import RequestEvent
 from fvgraph.serving.serving_metrics import ServingMetrics
+from fvgraph.serving.video_remix import RemixBody, remix_request, remix_settings, with_seed
 from fvgraph.serving.video_store import IMAGE_VARIANTS, StoredVideo, VideoStore
 
 log = logging.getLogger(__name__)
+CONTENT_TYPES = {"video": "video/mp4", "thumbnail": "image/jpeg", "spritesheet": "image/jpeg"}  # ?variant=
 CANCELLED = {  # what a video cancelled by the server says, by reason (a client's DELETE removes the video)
     "timeout": "cancelled when its timeout passed (field timeout)",
     "shutdown": "cancelled: the server shut down before it finished",
@@ -74,6 +83,10 @@ class HttpSettings:
     drain_timeout_s: float = 30.0  # on shutdown, running requests get this long before they are cancelled
     warmup: tuple[Request, ...] = ()  # run through Engine.warmup before /ready says ready
     model_names: ServedNames | None = None  # what `model` may name; None: the card id only
+    allowed_origins: tuple[str, ...] = ()  # web origins that may call the API (CORS); "*": any; (): none
+
+    def __post_init__(self):
+        object.__setattr__(self, "allowed_origins", check_origins(self.allowed_origins))
 
 
 class VideoApi:
@@ -148,9 +161,12 @@ class VideoApi:
     async def _finish_video(self, event: RequestEvent, item: StoredVideo) -> None:
         """Encode and write the files on a worker thread (the event loop keeps serving meanwhile)."""
         frames = event.result.frames
+        if item.settings is not None and event.result.seed is not None:  # a remix reuses the seed it ran with
+            self.store.update(item.id, settings=with_seed(item.settings, event.result.seed))
 
         def encode_and_store() -> None:
-            content = {"video": encode_mp4(frames, item.fps), "thumbnail": encode_image(frames[0], "jpeg")}
+            content = {"video": encode_mp4(frames, item.fps), "thumbnail": encode_image(frames[0], "jpeg"),
+                       "spritesheet": encode_spritesheet(frames)}  # fmt: skip
             self.store.finish(item.id, "completed", content=content)
 
         try:
@@ -206,9 +222,21 @@ class VideoApi:
             image = check_input_reference(reference, self.card, self.served.engine.loop.takes_image)
         parsed = video_request(body, self.card, self.store.new_id("video"), self.settings.max_prompt_chars,
                                self.facts.temporal_multiple, image)  # fmt: skip
+        return self._start_video(parsed, None, body.model or self.card.card_id)
+
+    async def remix_video(self, video_id: str, http: HttpRequest):
+        source = self._find(video_id)
+        body = parse_body(RemixBody, await self._fields(http))
+        parsed = remix_request(source, body, self.names.accepts, self.store.new_id("video"), self.settings.max_prompt_chars)
+        return self._start_video(parsed, source.id, source.model)
+
+    def _start_video(self, parsed: Parsed, remixed_from: str | None, model: str) -> dict:
+        """Record the video under the model name the client used, then submit its request (a refusal
+        removes the record again)."""
         request = parsed.request
-        item = self.store.add(StoredVideo(request.request_id, "video", body.model or self.card.card_id, body.prompt, parsed.size,
-                                          parsed.seconds, request.num_frames, parsed.fps, int(time.time())))  # fmt: skip
+        item = self.store.add(StoredVideo(request.request_id, "video", model, request.prompt, parsed.size,
+                                          parsed.seconds, request.num_frames, parsed.fps, int(time.time()),
+                                          remixed_from=remixed_from, settings=remix_settings(parsed)))  # fmt: skip
         try:
             self._accept(parsed)
         except Exception:
@@ -232,18 +260,23 @@ class VideoApi:
     async def get_video(self, video_id: str):
         return self._find(video_id).to_json()
 
-    async def video_content(self, video_id: str, variant: str = "video"):
-        if variant not in ("video", "thumbnail"):
-            raise RequestRejected("variant", f"{variant!r} must be 'video' or 'thumbnail'")
+    async def video_content(self, video_id: str, http: HttpRequest, variant: str = "video"):
+        if variant not in CONTENT_TYPES:
+            raise RequestRejected("variant", f"{variant!r} must be one of {', '.join(map(repr, CONTENT_TYPES))}")
         item = self._find(video_id)
         path = self.store.content(item.id, variant)
+        if path is None and item.status == "completed":
+            raise ApiError(404, f"video {video_id!r} has no {variant}: it was made before this server wrote them",
+                           "variant", "not_found")  # fmt: skip
         if path is None:
             raise ApiError(404, f"video {video_id!r} is {item.status}: its content exists once it is completed",
                            "video_id", "not_ready")  # fmt: skip
-        return FileResponse(path, media_type="video/mp4" if variant == "video" else "image/jpeg")
+        return file_download(http, path, CONTENT_TYPES[variant], etag(item.id, variant))
 
-    async def video_events(self, video_id: str):
+    async def video_events(self, video_id: str, http: HttpRequest):
         item = self._find(video_id)
+        if http.method == "HEAD":  # the stream's headers; the stream itself would run until the video ends
+            return Response(media_type="text/event-stream", headers={"Cache-Control": "no-store"})
         events = self.served.subscribe(item.id)  # before the snapshot: no event falls between the two
         return StreamingResponse(self._event_stream(item.id, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-store"})  # fmt: skip
@@ -312,14 +345,14 @@ class VideoApi:
         return {"id": base, "created": int(time.time()), "data": data, "output_format": body.encoding, "size": parsed[0].size,
                 "quality": body.quality, "background": "opaque"}  # fmt: skip
 
-    async def image_content(self, image_id: str):
+    async def image_content(self, image_id: str, http: HttpRequest):
         item = self.store.get(image_id)
         variant = None if item is None or item.object != "image" else next(iter(item.files), None)
         path = None if variant is None else self.store.content(item.id, variant)
         if path is None:
             raise ApiError(404, f"no image {image_id!r} (it never existed or expired)", "image_id", "not_found")
         image_format = next(name for name, stored in IMAGE_VARIANTS.items() if stored == variant)
-        return FileResponse(path, media_type=IMAGE_MEDIA_TYPES[image_format])
+        return file_download(http, path, IMAGE_MEDIA_TYPES[image_format], etag(item.id, variant))
 
     # -- operations --------------------------------------------------------------------------------
 
@@ -340,6 +373,7 @@ ROUTES = [
     ("POST", "/v1/videos", "create_video"), ("GET", "/v1/videos", "list_videos"),
     ("GET", "/v1/videos/{video_id}", "get_video"), ("GET", "/v1/videos/{video_id}/content", "video_content"),
     ("GET", "/v1/videos/{video_id}/events", "video_events"), ("DELETE", "/v1/videos/{video_id}", "delete_video"),
+    ("POST", "/v1/videos/{video_id}/remix", "remix_video"),
     ("POST", "/v1/images/generations", "generate_images"), ("GET", "/v1/images/{image_id}/content", "image_content"),
     ("GET", "/health", "health"), ("GET", "/ready", "readiness"), ("GET", "/metrics", "prometheus"),
 ]  # fmt: skip
@@ -352,14 +386,13 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
     app.state.api = api
     app.add_middleware(HttpGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        on_reject=api.metrics.reject)  # fmt: skip
-    for method, path, name in ROUTES:
-        app.add_api_route(path, getattr(api, name), methods=[method])
+    add_cors(app, settings.allowed_origins)  # outside the guard: a preflight carries no key
+    app.add_middleware(OpenAiErrorShape)  # outermost: it reshapes what the others answer in plain text
     adapters = AdapterApi(served)
-    for method, path, name in ADAPTER_ROUTES:
-        app.add_api_route(path, getattr(adapters, name), methods=[method])
     models = ModelsApi(api.names)
-    for method, path, name in MODEL_ROUTES:
-        app.add_api_route(path, getattr(models, name), methods=[method])
+    for owner, routes in ((api, ROUTES), (adapters, ADAPTER_ROUTES), (models, MODEL_ROUTES)):
+        for method, path, name in routes:  # a GET answers HEAD as well: the same headers, no body
+            app.add_api_route(path, getattr(owner, name), methods=[method, "HEAD"] if method == "GET" else [method])
     return app
 
 

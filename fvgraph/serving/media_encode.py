@@ -1,9 +1,18 @@
-"""Generated frames as the bytes a client downloads: an H.264 mp4 (PyAV), a JPEG thumbnail, a PNG image."""
+"""Generated frames as the bytes a client downloads: an H.264 mp4 (PyAV), a JPEG thumbnail, a JPEG
+spritesheet (every frame in a grid), a PNG image.
+
+The mp4 is "faststart": its index (the moov box) comes before the frames (mdat), so a browser can
+start playing, and seek, before the whole file has arrived. FFmpeg moves the index by reading the
+finished file back by name, so the mp4 is written to a temporary file, not to memory.
+"""
 
 from __future__ import annotations
 
 import io
+import math
+import tempfile
 from fractions import Fraction
+from pathlib import Path
 
 import av
 import numpy as np
@@ -14,6 +23,8 @@ from PIL import Image
 # video's length is frames / mp4_rate(fps). Below 1/1001 the rate would round to 0, which libx264
 # silently replaces by 24.
 MIN_FPS, MAX_FPS = 1.0, 120.0
+FASTSTART = {"movflags": "+faststart"}  # the mp4 muxer's option: moov before mdat
+SPRITE_MAX_SIDE = 256  # a spritesheet's tiles are the frames scaled down to at most this many pixels a side
 
 
 def mp4_rate(fps: float) -> Fraction:
@@ -34,15 +45,16 @@ def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
     _, height, width, _ = frames.shape
     if height % 2 or width % 2:
         raise ValueError(f"H.264 in yuv420p needs an even size, got {width}x{height}")
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=mp4_rate(fps))
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.options = {"crf": "18", "preset": "veryfast"}
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())  # flush the encoder
-    return buffer.getvalue()
+    with tempfile.TemporaryDirectory(prefix="fvgraph-mp4-") as folder:
+        path = Path(folder) / "video.mp4"
+        with av.open(str(path), mode="w", format="mp4", options=FASTSTART) as container:
+            stream = container.add_stream("libx264", rate=mp4_rate(fps))
+            stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+            stream.options = {"crf": "18", "preset": "veryfast"}
+            for frame in frames:
+                container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+            container.mux(stream.encode())  # flush the encoder
+        return path.read_bytes()
 
 
 def decode_mp4(data: bytes) -> np.ndarray:
@@ -63,4 +75,30 @@ def encode_image(frame: np.ndarray, image_format: str, quality: int | None = Non
     lossy = {} if image_format == "png" else {"quality": 90 if quality is None else quality}
     buffer = io.BytesIO()
     Image.fromarray(frame).save(buffer, format=image_format.upper(), **lossy)
+    return buffer.getvalue()
+
+
+def sprite_grid(num_frames: int) -> tuple[int, int]:
+    """(columns, rows) of a spritesheet of `num_frames`: ceil(sqrt(n)) columns, as many rows as needed."""
+    columns = math.ceil(math.sqrt(num_frames))
+    return columns, math.ceil(num_frames / columns)
+
+
+def encode_spritesheet(frames: np.ndarray) -> bytes:
+    """uint8 [T, H, W, 3] -> a JPEG of every frame in a grid (sprite_grid), left to right, top to
+    bottom; each tile is its frame scaled down to at most SPRITE_MAX_SIDE a side (never up); the
+    cells after the last frame are black."""
+    _check(frames)
+    count, height, width, _ = frames.shape
+    scale = min(1.0, SPRITE_MAX_SIDE / max(height, width))
+    tile_w, tile_h = max(1, round(width * scale)), max(1, round(height * scale))
+    columns, rows = sprite_grid(count)
+    sheet = Image.new("RGB", (columns * tile_w, rows * tile_h))
+    for index, frame in enumerate(frames):
+        tile = Image.fromarray(frame)
+        if tile.size != (tile_w, tile_h):
+            tile = tile.resize((tile_w, tile_h), Image.Resampling.LANCZOS)
+        sheet.paste(tile, ((index % columns) * tile_w, (index // columns) * tile_h))
+    buffer = io.BytesIO()
+    sheet.save(buffer, format="JPEG", quality=90)
     return buffer.getvalue()

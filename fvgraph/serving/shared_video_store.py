@@ -8,7 +8,9 @@ progress included. Another server reads that record to answer GET, list and cont
 not make. A DELETE on a server that did not make the video leaves a tombstone (`{id}.deleted`) and
 removes the record and files; the maker sees the tombstone the next time it looks the video up (at
 its next step event) and calls `on_deleted_elsewhere(id)`, which the Ray Serve replica uses to cancel
-the request. Tombstones go after the retention, like finished records.
+the request. Every removal of a video (a DELETE on any server, an expiry) leaves such a tombstone,
+holding the video's sort key, so a page whose cursor was removed goes on from its position on every
+server (VideoStore.page). Tombstones go after the retention, like finished records.
 
 A server opened on the directory adopts nothing (VideoStore.adopt is for a server that is alone
 on its folder): every server already reads every record from it, and expires the finished ones.
@@ -21,11 +23,13 @@ up, checked against the id pattern before it names a file.
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from fvgraph.serving.video_store import ID_PATTERN, StoredVideo, VideoStore, from_record
+from fvgraph.serving.video_store import ID_PATTERN, SortKey, StoredVideo, VideoStore, from_record, sort_key
 
 
 class SharedVideoStore(VideoStore):
@@ -84,8 +88,8 @@ class SharedVideoStore(VideoStore):
         with self._lock:
             own = item_id in self._items
         item = super().remove(item_id) if own else self._read(item_id)
-        if not own:
-            self._tombstone(item_id).touch()  # before the record goes: its maker must not write it back
+        if not own:  # before the record goes: its maker must not write it back
+            self._write_tombstone(item_id, None if item is None else sort_key(item))
         if item is not None:
             for path in item.files.values():
                 path.unlink(missing_ok=True)
@@ -125,6 +129,27 @@ class SharedVideoStore(VideoStore):
 
     def _tombstone(self, item_id: str) -> Path:
         return self.root / f"{item_id}.deleted"
+
+    def _write_tombstone(self, item_id: str, key: SortKey | None) -> None:
+        """`{id}.deleted`, holding the video's sort key when it is known (written whole, then renamed)."""
+        path = self._tombstone(item_id)
+        partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
+        partial.write_text("" if key is None else json.dumps(list(key)))
+        os.replace(partial, path)
+
+    def _remember_removed(self, item: StoredVideo) -> None:
+        """Every server reads the sort key from the tombstone (VideoStore keeps it in memory)."""
+        if item.object == "video":
+            self._write_tombstone(item.id, sort_key(item))
+
+    def _removed_key(self, item_id: str) -> SortKey | None:
+        if not ID_PATTERN.fullmatch(item_id):
+            return None
+        try:
+            added_ns, kept_id = json.loads(self._tombstone(item_id).read_text())
+        except (FileNotFoundError, ValueError, TypeError):  # no tombstone, or one without a key
+            return None
+        return (added_ns, kept_id) if isinstance(added_ns, int) and kept_id == item_id else None
 
     def _to_record(self, item: StoredVideo) -> dict:
         return {**super()._to_record(item), "owner": self.owner}

@@ -1,5 +1,6 @@
 """Writing generated frames to a file a person can open: .gif (Pillow) or .mp4 (PyAV, H.264 when its
-FFmpeg has it, MPEG-4 part 2 otherwise).
+FFmpeg has it, MPEG-4 part 2 otherwise; faststart: the index before the frames, so it plays while it
+downloads).
 
 `check_video_output` checks a path's suffix, the frame rate and, for .mp4, that an encoder is there,
 so a command can refuse bad output options before it does any work.
@@ -63,7 +64,7 @@ def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
     _, height, width, _ = frames.shape
     if height % 2 or width % 2:  # yuv420p stores chroma at half resolution
         raise ValueError(f"an .mp4 needs an even height and width, got {height}x{width}; write .gif")
-    with av.open(str(path), mode="w") as container:
+    with av.open(str(path), mode="w", options={"movflags": "+faststart"}) as container:  # moov before mdat
         stream = container.add_stream(_mp4_codec(), rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for frame in frames:

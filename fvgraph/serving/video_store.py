@@ -13,6 +13,13 @@ before; an item that had not finished is adopted as failed (code `interrupted`: 
 with the server); a record that cannot be read, or a completed one whose files are gone, is removed
 with its files, and so are content files without a record and partial files. Files whose names are
 not the store's (`ID_PATTERN` and a suffix of VARIANTS, or .json) are never touched.
+
+`page` lists videos by their sort key, (added_ns, id): the time the store took each one, to the
+nanosecond, then its id. A cursor (`after`) is a video id; the page starts after the cursor's
+position in that order, so it goes on when the cursor's video was deleted or expired meanwhile: the
+store keeps the sort key of each video it removed (`_remember_removed`) for `retention_s` after its
+removal, in memory (a restarted server has forgotten them: a cursor removed before the restart is
+refused, as an id it never listed is).
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ from typing import Literal
 
 Status = Literal["queued", "in_progress", "completed", "failed"]
 # variant -> file suffix; the only names content files ever get besides the server's ids
-VARIANTS = {"video": "mp4", "thumbnail": "jpg", "image": "png", "image_jpeg": "jpeg", "image_webp": "webp"}
+VARIANTS = {"video": "mp4", "thumbnail": "jpg", "spritesheet": "sprites.jpg", "image": "png", "image_jpeg": "jpeg",
+            "image_webp": "webp"}
 IMAGE_VARIANTS = {"png": "image", "jpeg": "image_jpeg", "webp": "image_webp"}  # an image's output_format -> its variant
 ID_PATTERN = re.compile(r"(video|img)_[0-9a-f]{32}(-[0-9]+)?")  # new_id (+ "-i" for image i of n > 1)
 INTERRUPTED = {"code": "interrupted", "message": "the server stopped before this video finished; create it again"}
@@ -56,6 +64,8 @@ class StoredVideo:
     files: dict[str, Path] = field(default_factory=dict)
     expire_after: float | None = None  # clock time it expires (expires_at is its whole second, for the API)
     added_ns: int = 0  # when the store took it (time.time_ns()): the order it is listed in
+    remixed_from: str | None = None  # the video this one remixes (POST /v1/videos/{id}/remix)
+    settings: dict | None = None  # what a remix of it reuses (fvgraph.serving.video_remix); None: not remixable
 
     def to_json(self) -> dict:
         """The OpenAI Video object (the fields its SDK reads)."""
@@ -63,9 +73,17 @@ class StoredVideo:
             "id": self.id, "object": "video", "status": self.status, "progress": self.progress,
             "created_at": self.created_at, "completed_at": self.completed_at, "expires_at": self.expires_at,
             "model": self.model, "size": self.size, "seconds": self.seconds, "prompt": self.prompt,
-            "error": self.error, "remixed_from_video_id": None,
+            "error": self.error, "remixed_from_video_id": self.remixed_from,
             "num_frames": self.num_frames,  # what was rendered: the count asked for, rounded to one the card allows
         }  # fmt: skip
+
+
+SortKey = tuple[int, str]
+
+
+def sort_key(item: StoredVideo) -> SortKey:
+    """The order `page` lists in: when the store took the item, then its id (for equal times)."""
+    return item.added_ns, item.id
 
 
 class VideoStore:
@@ -78,6 +96,7 @@ class VideoStore:
         self.retention_s = retention_s
         self.clock = clock
         self._items: dict[str, StoredVideo] = {}  # insertion order is creation order
+        self._removed: dict[str, tuple[SortKey, float]] = {}  # removed video's id -> (its sort key, forget at)
         self._lock = threading.Lock()
         self._disk_lock = threading.RLock()  # a record is written or deleted under it: a delete is never undone
         self.adopt()
@@ -146,6 +165,8 @@ class VideoStore:
                 item = self._items.pop(item_id, None)
             if item is not None:
                 _unlink([*item.files.values(), self._record(item_id)])
+        if item is not None and item.object == "video":
+            self._remember_removed(item)
         return item
 
     def content(self, item_id: str, variant: str) -> Path | None:
@@ -155,17 +176,34 @@ class VideoStore:
         return item.files.get(variant)
 
     def page(self, after: str | None, limit: int, order: Literal["asc", "desc"]) -> tuple[list[StoredVideo], bool]:
-        """Videos newest first (or oldest first), starting after the id `after`; and whether more follow."""
+        """Videos newest first (or oldest first) by sort key, starting after the position of the video
+        `after` (listed now, or removed: see the module docstring); and whether more follow. KeyError
+        for an `after` the store does not know."""
         self.expire()
-        items = [item for item in self._listed() if item.object == "video"]
-        if order == "desc":
-            items.reverse()
+        items = sorted((item for item in self._listed() if item.object == "video"), key=sort_key,
+                       reverse=order == "desc")  # fmt: skip
         if after is not None:
-            ids = [item.id for item in items]
-            if after not in ids:
+            cursor = next((sort_key(item) for item in items if item.id == after), None) or self._removed_key(after)
+            if cursor is None:
                 raise KeyError(after)
-            items = items[ids.index(after) + 1 :]
+            items = [item for item in items if (sort_key(item) > cursor if order == "asc" else sort_key(item) < cursor)]
         return items[:limit], len(items) > limit
+
+    def _remember_removed(self, item: StoredVideo) -> None:
+        """Keep a removed video's sort key, so a page after it still has a position."""
+        now = self.clock()
+        with self._lock:
+            self._removed[item.id] = (sort_key(item), now + self.retention_s)
+            while True:  # forget what has been kept long enough, oldest first (the order they were added)
+                oldest, (_, until) = next(iter(self._removed.items()))
+                if until > now:
+                    break
+                del self._removed[oldest]
+
+    def _removed_key(self, item_id: str) -> SortKey | None:
+        with self._lock:
+            kept = self._removed.get(item_id)
+        return None if kept is None or kept[1] <= self.clock() else kept[0]
 
     def _listed(self) -> list[StoredVideo]:
         """The items `page` lists, oldest first: this store's own."""
