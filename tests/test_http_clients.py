@@ -91,7 +91,7 @@ def test_size_auto_is_the_card_default(server):
 
 def test_openai_rendering_fields_are_accepted_logged_and_echoed(server, caplog):
     _, url = server
-    with caplog.at_level(logging.INFO, logger="fvgraph.serving.http_app"):
+    with caplog.at_level(logging.INFO, logger="fvgraph.serving"):
         image = client(url).images.generate(prompt="a fox", size="32x32", quality="high", style="vivid", user="u-1",
                                             background="transparent", moderation="low", extra_body=ONE_STEP)  # fmt: skip
     assert image.quality == "high" and image.background == "opaque"  # what was rendered: no alpha channel

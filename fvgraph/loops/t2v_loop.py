@@ -9,7 +9,7 @@ request's T2VState.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean

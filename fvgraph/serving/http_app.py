@@ -23,11 +23,9 @@ Every GET route answers HEAD too (the same headers, no body). Errors are OpenAI-
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import logging
 import time
-from collections.abc import Coroutine
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -35,7 +33,6 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
 from fvgraph.serving.client_fields import named_as_sent
@@ -45,14 +42,13 @@ from fvgraph.serving.http_cors import add_cors, check_origins
 from fvgraph.serving.http_error_shape import OpenAiErrorShape
 from fvgraph.serving.http_errors import ApiError, error_handlers
 from fvgraph.serving.http_guard import HttpGuard
-from fvgraph.serving.media_encode import IMAGE_MEDIA_TYPES, encode_image, encode_mp4, encode_spritesheet
+from fvgraph.serving.http_images import ImageRoutes
+from fvgraph.serving.media_encode import encode_image, encode_mp4, encode_spritesheet
 from fvgraph.serving.model_names import MODEL_ROUTES, ModelsApi, ServedNames
 from fvgraph.serving.openai_requests import (
-    ImageBody,
     Parsed,
     VideoBody,
     check_input_reference,
-    image_request,
     json_fields,
     nested_form_fields,
     parse_body,
@@ -62,7 +58,7 @@ from fvgraph.request import Request, RequestRejected
 from fvgraph.serving.request_events import RequestEvent
 from fvgraph.serving.serving_metrics import ServingMetrics
 from fvgraph.serving.video_remix import RemixBody, remix_request, remix_settings, with_seed
-from fvgraph.serving.video_store import IMAGE_VARIANTS, StoredVideo, VideoStore
+from fvgraph.serving.video_store import StoredVideo, VideoStore
 
 log = logging.getLogger(__name__)
 CONTENT_TYPES = {"video": "video/mp4", "thumbnail": "image/jpeg", "spritesheet": "image/jpeg"}  # ?variant=
@@ -89,7 +85,7 @@ class HttpSettings:
         object.__setattr__(self, "allowed_origins", check_origins(self.allowed_origins))
 
 
-class VideoApi:
+class VideoApi(ImageRoutes):
     """The endpoints and what they share: the served engine, the store, the metrics, ready / draining."""
 
     def __init__(self, served: AsyncEngine, store: VideoStore, settings: HttpSettings):
@@ -306,54 +302,6 @@ class VideoApi:
         await self.served.cancel(item.id)
         return {"id": item.id, "object": "video.deleted", "deleted": True}
 
-    # -- /v1/images --------------------------------------------------------------------------------
-
-    async def generate_images(self, http: HttpRequest):
-        body = parse_body(ImageBody, await self._fields(http))
-        self.names.check(body.model)
-        if body.n > self.served.admission.max_queue:  # its requests are queued together: it would always get 429
-            raise RequestRejected("n", f"{body.n} images are more than this server queues at once "
-                                       f"({self.served.admission.max_queue}, --max-queue); ask for fewer")  # fmt: skip
-        if body.not_applied:
-            log.info("images: %s accepted and not applied (the served card renders as it does)", body.not_applied)
-        base = self.store.new_id("image")
-        parsed = [image_request(body, self.card, f"{base}-{i}" if body.n > 1 else base, self.settings.max_prompt_chars, i)
-                  for i in range(body.n)]  # fmt: skip
-        subscriptions = [(one.request.request_id, self.served.subscribe(one.request.request_id)) for one in parsed]
-        try:
-            for one in parsed:
-                self._accept(one)
-            results = await _unless_hung_up(http, _results_of([events for _, events in subscriptions]))
-        finally:  # a refused request, or a client that hung up, takes the others of its call with it
-            for request_id, events in subscriptions:
-                self.served.unsubscribe(request_id, events)
-            await asyncio.gather(*(self.served.cancel(request_id) for request_id, _ in subscriptions))  # one step boundary
-        data = []
-        for one, result in zip(parsed, results):
-            if not result.ok:
-                raise ApiError(503 if result.status == "cancelled" else 500,
-                               f"image {one.request.request_id} {result.status}: {result.error or 'cancelled'}")  # fmt: skip
-            encoded = await asyncio.to_thread(encode_image, result.frames[0], body.encoding, body.output_compression)
-            if body.response_format != "url":
-                data.append({"b64_json": base64.b64encode(encoded).decode(), "revised_prompt": None})
-                continue
-            item = self.store.add(StoredVideo(one.request.request_id, "image", body.model or self.card.card_id, body.prompt,
-                                              one.size, "0", 1, one.fps, int(time.time())))  # fmt: skip
-            self.store.finish(item.id, "completed", content={IMAGE_VARIANTS[body.encoding]: encoded})
-            data.append({"url": str(http.base_url) + f"v1/images/{item.id}/content", "revised_prompt": None})
-        # `background` is what was rendered: every frame is opaque, whatever the request asked
-        return {"id": base, "created": int(time.time()), "data": data, "output_format": body.encoding, "size": parsed[0].size,
-                "quality": body.quality, "background": "opaque"}  # fmt: skip
-
-    async def image_content(self, image_id: str, http: HttpRequest):
-        item = self.store.get(image_id)
-        variant = None if item is None or item.object != "image" else next(iter(item.files), None)
-        path = None if variant is None else self.store.content(item.id, variant)
-        if path is None:
-            raise ApiError(404, f"no image {image_id!r} (it never existed or expired)", "image_id", "not_found")
-        image_format = next(name for name, stored in IMAGE_VARIANTS.items() if stored == variant)
-        return file_download(http, path, IMAGE_MEDIA_TYPES[image_format], etag(item.id, variant))
-
     # -- operations --------------------------------------------------------------------------------
 
     async def health(self):
@@ -394,34 +342,6 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
         for method, path, name in routes:  # a GET answers HEAD as well: the same headers, no body
             app.add_api_route(path, getattr(owner, name), methods=[method, "HEAD"] if method == "GET" else [method])
     return app
-
-
-async def _unless_hung_up(http: HttpRequest, waiting: Coroutine):
-    """What `waiting` returns; ClientDisconnect, with `waiting` cancelled, once the client hangs up."""
-    answer, hung_up = asyncio.ensure_future(waiting), asyncio.ensure_future(_disconnected(http))
-    try:
-        await asyncio.wait({answer, hung_up}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (answer, hung_up):
-            task.cancel()
-    if not answer.cancelled() and answer.done():
-        return answer.result()
-    raise ClientDisconnect()
-
-
-async def _disconnected(http: HttpRequest) -> None:
-    """Returns when the client hangs up (its body has been read: the next ASGI message is the disconnect)."""
-    while (await http.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _results_of(subscriptions: list[asyncio.Queue]) -> list:
-    results = []
-    for events in subscriptions:
-        while not (event := await events.get()).terminal:
-            pass
-        results.append(event.result)
-    return results
 
 
 def _sse(kind: str, body: dict) -> str:

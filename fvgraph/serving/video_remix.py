@@ -16,6 +16,7 @@ before settings were recorded or by another card.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -30,6 +31,7 @@ REUSED = ("negative_prompt", "num_inference_steps", "guidance_scale", "height", 
 
 class RemixBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    extensions: ClassVar[tuple[str, ...]] = ()  # `extra_params` holds nothing a remix takes (parse_body)
 
     prompt: str = Field(min_length=1, description="The new prompt; everything else is the source video's.")
 
