@@ -246,7 +246,9 @@ class VideoApi:
                 yield _sse("video", now.to_json())
                 if now.status in ("completed", "failed"):  # it has ended: this is the final Video already
                     return
-            while self.served.knows(video_id):
+            # The end may already be queued with the last step (one delivery ends the request), so the
+            # queue is read to its end even once the request is no longer known.
+            while self.served.knows(video_id) or not events.empty():
                 event = await events.get()
                 yield _sse(event.kind, event.to_json())
                 if event.terminal:
