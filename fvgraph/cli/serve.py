@@ -50,6 +50,7 @@ def serve(
     max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     cache_methods: Optional[str] = CACHE_METHODS_OPTION,
+    playground: bool = typer.Option(True, "--playground/--no-playground", help="HTTP: serve the playground page at / (a browser form on the public API)."),
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
 ) -> None:
     """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
@@ -85,6 +86,7 @@ def serve(
                 engine, output_dir, host=host, port=port, api_key=api_key, max_queue=max_queue, memory_budget=memory_budget,
                 retention_s=retention_s, drain_timeout_s=drain_timeout, max_body_bytes=max_body_bytes,
                 warmup_shapes=[parse_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
+                playground=playground,
             )  # fmt: skip
         else:
             server = JsonlServer(engine, output_dir, StdoutLines(), video_format=video_format, fps=fps)

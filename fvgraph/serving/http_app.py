@@ -10,6 +10,7 @@
     GET    /v1/images/{id}/content        the PNG behind such a URL
     GET/POST /v1/loras, DELETE /v1/loras/{name}   the LoRA adapters (fvgraph/serving/http_adapters.py)
     GET    /health, /ready, /metrics      liveness, readiness (warm), Prometheus metrics
+    GET    /, /v1/playground/config       the playground page and what it shows (fvgraph/serving/http_playground.py)
 
 Errors are OpenAI-shaped: {"error": {"message", "type", "param", "code"}}; `param` names the field
 the client sent (fvgraph/serving/http_errors.py).
@@ -36,6 +37,7 @@ from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
 from fvgraph.serving.http_adapters import ADAPTER_ROUTES, AdapterApi
 from fvgraph.serving.http_errors import ApiError, error_handlers
 from fvgraph.serving.http_guard import HttpGuard
+from fvgraph.serving.http_playground import PLAYGROUND_ROUTES, PlaygroundApi
 from fvgraph.serving.media_encode import encode_image, encode_mp4
 from fvgraph.serving.openai_requests import (
     ImageBody,
@@ -70,6 +72,7 @@ class HttpSettings:
     retention_s: float = 3600.0  # finished videos and their files are deleted this long after they end
     drain_timeout_s: float = 30.0  # on shutdown, running requests get this long before they are cancelled
     warmup: tuple[Request, ...] = ()  # run through Engine.warmup before /ready says ready
+    playground: bool = True  # serve the playground page at / (fvgraph serve --no-playground: off, / is a 404)
 
 
 class VideoApi:
@@ -340,6 +343,10 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
     adapters = AdapterApi(served)
     for method, path, name in ADAPTER_ROUTES:
         app.add_api_route(path, getattr(adapters, name), methods=[method])
+    if settings.playground:
+        playground = PlaygroundApi(served, settings.max_prompt_chars)
+        for method, path, name in PLAYGROUND_ROUTES:
+            app.add_api_route(path, getattr(playground, name), methods=[method], include_in_schema=False)
     return app
 
 
