@@ -1,5 +1,6 @@
 """The HTTP API through the official openai client against a live server on 127.0.0.1."""
 
+import asyncio
 import base64
 import io
 import json
@@ -10,7 +11,11 @@ from http_helpers import httpx, openai, KEY, QUICK, client, expected_video, live
 from PIL import Image
 
 from fvgraph.engine.engine import Engine
+from fvgraph.serving.http_app import HttpSettings
+from fvgraph.serving.http_server import HttpServer
 from fvgraph.serving.media_encode import decode_mp4
+from fvgraph.serving.request_events import RequestEvent
+from fvgraph.serving.video_store import StoredVideo
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks the videos API deprecated
 
@@ -158,6 +163,26 @@ def test_events_stream_each_step_and_a_client_hanging_up_mid_stream_harms_nothin
 
     assert wait_for(lambda: api.videos.retrieve(dropped.id).status == "completed", what="the abandoned stream's video")
     assert httpx.get(url + "/health").status_code == 200
+
+
+def test_the_events_stream_sends_the_end_that_arrived_with_the_last_step(tiny_engine, tmp_path):
+    """The last step and the end can be delivered in one batch, which also makes the request unknown to
+    the engine: the stream still sends the end (with its timings) before the final Video."""
+    srv = HttpServer(tiny_engine, HttpSettings(), tmp_path, port=0)  # not started: the stream is driven by hand
+    api, video_id = srv.app.state.api, "video_" + "0" * 32
+    srv.store.add(StoredVideo(video_id, "video", "tiny-wan", "p", "32x32", "1", 1, 4.0, 0, status="in_progress"))
+    events = srv.served.subscribe(video_id)
+    for event in (RequestEvent(video_id, "step", step=1, total=1), RequestEvent(video_id, "done")):
+        events.put_nowait(event)
+    assert not srv.served.knows(video_id)
+
+    async def read() -> list[str]:
+        stream = api._event_stream(video_id, events)
+        kinds = [await anext(stream), await anext(stream)]
+        srv.store.finish(video_id, "failed", {"code": "test", "message": "ended"})  # what the encode would do
+        return [chunk.split("\n")[0] for chunk in kinds + [chunk async for chunk in stream]]
+
+    assert asyncio.run(asyncio.wait_for(read(), 10)) == ["event: video", "event: step", "event: done", "event: video"]
 
 
 MALFORMED = [

@@ -51,6 +51,7 @@ def serve(
     allowed_origins: list[str] = typer.Option([], "--allowed-origins", help="HTTP: a web origin (scheme://host[:port]) whose pages may call the API (CORS; repeatable; '*': any). Without it: no CORS headers."),
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     cache_methods: Optional[str] = CACHE_METHODS_OPTION,
+    playground: bool = typer.Option(True, "--playground/--no-playground", help="HTTP: serve the playground page at / (a browser form on the public API)."),
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
     served_model_name: list[str] = typer.Option([], "--served-model-name", help="HTTP: another name `model` may give, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers or sora-2 (repeatable; the card id stays valid)."),
 ) -> None:
@@ -92,6 +93,7 @@ def serve(
                 warmup_shapes=[parse_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
                 model_names=ServedNames.of(engine.card.card_id, served_model_name, checkpoint),
                 allowed_origins=tuple(allowed_origins),
+                playground=playground,
             )  # fmt: skip
         else:
             server = JsonlServer(engine, output_dir, StdoutLines(), video_format=video_format, fps=fps)

@@ -13,6 +13,7 @@
     GET    /v1/models, /v1/models/{name}  the names `model` may give (fvgraph/serving/model_names.py)
     GET/POST /v1/loras, DELETE /v1/loras/{name}   the LoRA adapters (fvgraph/serving/http_adapters.py)
     GET    /health, /ready, /metrics      liveness, readiness (warm), Prometheus metrics
+    GET    /, /v1/playground/config       the playground page and what it shows (fvgraph/serving/http_playground.py)
 
 Every GET route answers HEAD too (the same headers, no body). Errors are OpenAI-shaped:
 {"error": {"message", "type", "param", "code"}}; `param` names the field the client sent
@@ -43,6 +44,7 @@ from fvgraph.serving.http_error_shape import OpenAiErrorShape
 from fvgraph.serving.http_errors import ApiError, error_handlers
 from fvgraph.serving.http_guard import HttpGuard
 from fvgraph.serving.http_images import ImageRoutes
+from fvgraph.serving.http_playground import PLAYGROUND_ROUTES, PlaygroundApi
 from fvgraph.serving.media_encode import encode_image, encode_mp4, encode_spritesheet
 from fvgraph.serving.model_names import MODEL_ROUTES, ModelsApi, ServedNames
 from fvgraph.serving.openai_requests import (
@@ -80,6 +82,7 @@ class HttpSettings:
     warmup: tuple[Request, ...] = ()  # run through Engine.warmup before /ready says ready
     model_names: ServedNames | None = None  # what `model` may name; None: the card id only
     allowed_origins: tuple[str, ...] = ()  # web origins that may call the API (CORS); "*": any; (): none
+    playground: bool = True  # serve the playground page at / (fvgraph serve --no-playground: off, / is a 404)
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_origins", check_origins(self.allowed_origins))
@@ -284,7 +287,9 @@ class VideoApi(ImageRoutes):
                 yield _sse("video", now.to_json())
                 if now.status in ("completed", "failed"):  # it has ended: this is the final Video already
                     return
-            while self.served.knows(video_id):
+            # The end may already be queued with the last step (one delivery ends the request), so the
+            # queue is read to its end even once the request is no longer known.
+            while self.served.knows(video_id) or not events.empty():
                 event = await events.get()
                 yield _sse(event.kind, event.to_json())
                 if event.terminal:
@@ -341,6 +346,10 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
     for owner, routes in ((api, ROUTES), (adapters, ADAPTER_ROUTES), (models, MODEL_ROUTES)):
         for method, path, name in routes:  # a GET answers HEAD as well: the same headers, no body
             app.add_api_route(path, getattr(owner, name), methods=[method, "HEAD"] if method == "GET" else [method])
+    if settings.playground:
+        playground = PlaygroundApi(served, settings.max_prompt_chars)
+        for method, path, name in PLAYGROUND_ROUTES:
+            app.add_api_route(path, getattr(playground, name), methods=[method], include_in_schema=False)
     return app
 
 

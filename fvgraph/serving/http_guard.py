@@ -1,6 +1,7 @@
 """What every HTTP request passes before it reaches an endpoint: the API key and the body size limit.
 
-With a key set, every path but /health and /ready needs `Authorization: Bearer <key>` (compared in
+With a key set, every path but /health, /ready and / (the playground page, which holds nothing
+and asks the API with the key a person types in) needs `Authorization: Bearer <key>` (compared in
 constant time), else 401. A body larger than `max_body_bytes` gets 413: at once when its
 Content-Length says so, and as soon as the bytes read pass the limit when it does not.
 """
@@ -11,7 +12,7 @@ import hmac
 import json
 from collections.abc import Callable
 
-OPEN_PATHS = frozenset({"/health", "/ready"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/"})
 
 
 class BodyTooLarge(Exception):

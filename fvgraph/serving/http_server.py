@@ -91,7 +91,8 @@ class HttpServer:
     def from_options(cls, engine: Engine, storage_dir: str | Path, *, host: str, port: int, api_key: str | None,
                      max_queue: int, memory_budget: str | None, retention_s: float, drain_timeout_s: float,
                      max_body_bytes: int, warmup_shapes: list[tuple[int, int, int]], warm_default_shape: bool,
-                     model_names: ServedNames | None = None, allowed_origins: tuple[str, ...] = ()) -> HttpServer:  # fmt: skip
+                     model_names: ServedNames | None = None, allowed_origins: tuple[str, ...] = (),
+                     playground: bool = True) -> HttpServer:  # fmt: skip
         """The server `fvgraph serve --port` builds from its options. `memory_budget` is a size such as
         '60GiB'; with no `warmup_shapes` and `warm_default_shape` (a capture cache was given), the
         card's default shape is warmed before /ready; `model_names` what `model` may name;
@@ -102,7 +103,8 @@ class HttpServer:
             shapes = [(rules.default_frames, rules.default_height, rules.default_width)]
         settings = HttpSettings(api_key=api_key, max_body_bytes=max_body_bytes, retention_s=retention_s,
                                 drain_timeout_s=drain_timeout_s, warmup=warmup_requests(engine.card, shapes),
-                                model_names=model_names, allowed_origins=tuple(allowed_origins))  # fmt: skip
+                                model_names=model_names, allowed_origins=tuple(allowed_origins),
+                                playground=playground)  # fmt: skip
         budget = None if memory_budget is None else parse_bytes(memory_budget, "--memory-budget")
         return cls(engine, settings, storage_dir, host=host, port=port, max_queue=max_queue, memory_budget=budget)
 
