@@ -81,6 +81,8 @@ def _unit(name: str) -> str:
     """The unit a spread is in, from the nearest part of its key path that names one."""
     units = (("per_s", "1/s"), ("gflops", "GFLOP/s"), ("_ms", "ms"), ("_us", "us"), ("seconds", "s"), ("_s", "s"))
     for part in reversed(name.split(".")):
+        if part.startswith(("s_per_", "ms_per_", "us_per_")):  # seconds (ms, us) per something
+            return part.split("_", 1)[0]
         for marker, unit in units:
             if part.endswith(marker) or f"{marker}_" in part:
                 return unit

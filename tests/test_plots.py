@@ -59,3 +59,16 @@ def test_bench_line_and_caching_tradeoff_plots(tmp_path):
     assert _png(plot_bench_line(line, tmp_path / "line.png")) and _png(plot_caching_tradeoff(line, tmp_path / "trade.png"))
     with pytest.raises(ValueError, match="no min / median / max"):
         plot_bench_line({"bench": "x"}, tmp_path / "none.png")
+
+
+def test_bench_plot_draws_what_the_benchmark_printed(tmp_path):
+    from typer.testing import CliRunner
+
+    from fvgraph.cli import app
+
+    out = tmp_path / "distilled.png"
+    result = CliRunner().invoke(app, ["bench", "distilled", "--plot", str(out), "--card", "tiny-wan", "--shape", "48x64x5",
+                                      "--base-steps", "2", "--repeats", "1"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    line = json.loads(next(text for text in result.stdout.splitlines() if text.startswith("{")))
+    assert line["bench"] == "distilled" and _png(out)
