@@ -37,7 +37,7 @@ from fvgraph.cards import get_card
 from fvgraph.cards.wan_distill import LIGHTX2V_4STEP, _distilled
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
-from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
+from fvgraph.perf.method import Case, add_workload_options, emit, interleaved, paired_ratio, provenance, spread, workload
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
 
@@ -122,25 +122,15 @@ def bench(card: ModelCard, device: torch.device, shape: tuple[int, int, int], le
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpu", action="store_true", help="Wan 1.3B config in bf16 on CUDA")
-    parser.add_argument("--card", help="the base card (default: wan-cpu-bench on the CPU, wan2.1-1.3b-bench with --gpu)")
-    parser.add_argument("--shape", help="HxWxF (default: the card's default shape on CPU, 480x832x81 on GPU)")
+    add_workload_options(parser, gpu_shape="480x832x81")  # --card: the base card
     parser.add_argument("--level", type=int, default=None, help="opt level (default 0 eager on CPU, 1 inductor on GPU)")
     parser.add_argument("--base-steps", type=int, default=50, help="the base case's UniPC steps")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     args = parser.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu needs a CUDA device; run without --gpu for the CPU (wan-cpu-bench) mode")
     if args.base_steps < 1:
         raise SystemExit(f"--base-steps={args.base_steps} must be >= 1")
-    device = torch.device("cuda" if args.gpu else "cpu")
-    card = get_card(args.card or ("wan2.1-1.3b-bench" if args.gpu else "wan-cpu-bench"))
-    if args.shape:
-        shape = tuple(int(v) for v in args.shape.split("x"))
-    elif args.gpu:
-        shape = (480, 832, 81)
-    else:
-        shape = (card.shapes.default_height, card.shapes.default_width, card.shapes.default_frames)
+    card_id, device, shape = workload(args)
+    card = get_card(card_id)
     level = args.level if args.level is not None else (1 if args.gpu else 0)
     emit(bench(card, device, shape, level, args.base_steps, args.repeats))
 

@@ -34,7 +34,7 @@ from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.perf.bench_step import GUIDANCE, fvgraph_case
 from fvgraph.perf.diffusers_baselines import diffusers_step_case, untouched_components
-from fvgraph.perf.method import emit, interleaved, paired_ratio, provenance, spread
+from fvgraph.perf.method import add_workload_options, emit, interleaved, paired_ratio, provenance, spread, workload
 from fvgraph.models.components import diffusers_scheduler
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
@@ -106,28 +106,14 @@ def bench(card: str, device: torch.device, shape: tuple[int, int, int], ranks: t
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpu", action="store_true", help="Wan 1.3B config in bf16 on CUDA")
-    parser.add_argument("--card", help="default: wan-cpu-bench on the CPU, wan2.1-1.3b-bench with --gpu")
-    parser.add_argument("--shape", help="HxWxF (default: the card's default shape on CPU, 480x832x33 on GPU)")
+    add_workload_options(parser, gpu_shape="480x832x33")
     parser.add_argument("--ranks", default="32,128", help="adapter (and slot) ranks, comma separated")
     parser.add_argument("--opt-level", type=int, default=None, help="default 1 on CPU, 2 on GPU")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 8 CPU, 20 GPU)")
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu needs a CUDA device")
-    device = torch.device("cuda" if args.gpu else "cpu")
-    card = args.card or ("wan2.1-1.3b-bench" if args.gpu else "wan-cpu-bench")
-    if args.shape:
-        shape = tuple(int(v) for v in args.shape.split("x"))
-    elif args.gpu:
-        shape = (480, 832, 33)
-    else:
-        from fvgraph.cards import get_card
-
-        s = get_card(card).shapes
-        shape = (s.default_height, s.default_width, s.default_frames)
+    card, device, shape = workload(args)
     level = args.opt_level if args.opt_level is not None else (2 if args.gpu else 1)
     ranks = tuple(int(v) for v in args.ranks.split(","))
     emit(bench(card, device, shape, ranks, level, args.batch, args.repeats or (20 if args.gpu else 8), args.warmup))

@@ -45,7 +45,7 @@ from fvgraph.engine.engine import Engine
 from fvgraph.engine.rollouts import sample_seed
 from fvgraph.models.components import diffusers_scheduler
 from fvgraph.perf.diffusers_baselines import untouched_components
-from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
+from fvgraph.perf.method import Case, add_workload_options, emit, interleaved, paired_ratio, provenance, spread, workload
 from fvgraph.runtime.buckets import BucketSpec
 
 GROUP = 8
@@ -189,25 +189,15 @@ def bench(card: ModelCard, device: torch.device, shape: tuple[int, int, int], le
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gpu", action="store_true", help="Wan 1.3B config in bf16 on CUDA")
-    parser.add_argument("--card", help="default: wan-cpu-bench on the CPU, wan2.1-1.3b-bench with --gpu")
-    parser.add_argument("--shape", help="HxWxF (default: the card's default shape on CPU, 480x832x33 on GPU)")
+    add_workload_options(parser, gpu_shape="480x832x33")
     parser.add_argument("--level", type=int, default=None, help="opt level (default 0 eager on CPU, 2 on GPU)")
     parser.add_argument("--steps", type=int, default=10, help="denoise steps per sample (N)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     args = parser.parse_args(argv)
-    if args.gpu and not torch.cuda.is_available():
-        raise SystemExit("--gpu needs a CUDA device; run without --gpu for the CPU (wan-cpu-bench) mode")
     if args.steps < 1:
         raise SystemExit(f"--steps={args.steps} must be >= 1")
-    device = torch.device("cuda" if args.gpu else "cpu")
-    card = get_card(args.card or ("wan2.1-1.3b-bench" if args.gpu else "wan-cpu-bench"))
-    if args.shape:
-        shape = tuple(int(v) for v in args.shape.split("x"))
-    elif args.gpu:
-        shape = (480, 832, 33)
-    else:
-        shape = (card.shapes.default_height, card.shapes.default_width, card.shapes.default_frames)
+    card_id, device, shape = workload(args)
+    card = get_card(card_id)
     level = args.level if args.level is not None else (2 if args.gpu else 0)
     emit(bench(card, device, shape, level, args.steps, args.repeats))
 

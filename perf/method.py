@@ -144,6 +144,35 @@ def provenance(bench: str, device: torch.device) -> dict:
     return {"bench": bench, "commit": commit(), "method_version": METHOD_VERSION, "machine": machine(device)}
 
 
+GPU_CARD, CPU_CARD = "wan2.1-1.3b-bench", "wan-cpu-bench"
+
+
+def add_workload_options(parser, gpu_shape: str) -> None:
+    """--gpu, --card and --shape, as the single-workload benchmarks take them."""
+    parser.add_argument("--gpu", action="store_true", help="Wan 1.3B config in bf16 on CUDA")
+    parser.add_argument("--card", help=f"default: {CPU_CARD} on the CPU, {GPU_CARD} with --gpu")
+    parser.add_argument("--shape", help=f"HxWxF (default: the card's default shape on CPU, {gpu_shape} on GPU)")
+    parser.set_defaults(gpu_shape=gpu_shape)
+
+
+def workload(args) -> tuple[str, torch.device, tuple[int, int, int]]:
+    """(card id, device, (height, width, frames)) from add_workload_options' arguments."""
+    if args.gpu and not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device; run without --gpu for the CPU mode")
+    card = args.card or (GPU_CARD if args.gpu else CPU_CARD)
+    text = args.shape or (args.gpu_shape if args.gpu else None)
+    if text is None:
+        from fvgraph.cards import get_card
+
+        s = get_card(card).shapes
+        return card, torch.device("cpu"), (s.default_height, s.default_width, s.default_frames)
+    try:
+        height, width, frames = (int(v) for v in text.split("x"))
+    except ValueError:
+        raise SystemExit(f"--shape={text!r} must be HxWxF, e.g. 480x832x33") from None
+    return card, torch.device("cuda" if args.gpu else "cpu"), (height, width, frames)
+
+
 def emit(line: dict) -> None:
     """Print one result line (JSON) and flush, so a long run shows progress."""
     print(json.dumps(line), flush=True)
