@@ -114,8 +114,8 @@ def test_a_sampler_update_off_by_a_small_fraction_fails_the_reference_tolerance(
     which is why the reference tests do not use that one."""
     exact = steps.sampler_update  # what DenoiseStep's forward calls
 
-    def off_by_a_fraction(sampler, latents, noise, carry, coeffs):
-        updated = exact(sampler, latents, noise, carry, coeffs)
+    def off_by_a_fraction(sampler, latents, noise, carry, coeffs, fresh_noise=None):
+        updated = exact(sampler, latents, noise, carry, coeffs, fresh_noise)
         return {**updated, "latents": latents + (1 + error) * (updated["latents"] - latents)}
 
     positive, negative = embeds(11, uncached_engine.card)

@@ -348,8 +348,9 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
             app.add_api_route(path, getattr(owner, name), methods=[method, "HEAD"] if method == "GET" else [method])
     if settings.playground:
         playground = PlaygroundApi(served, settings.max_prompt_chars)
-        for method, path, name in PLAYGROUND_ROUTES:
-            app.add_api_route(path, getattr(playground, name), methods=[method], include_in_schema=False)
+        for method, path, name in PLAYGROUND_ROUTES:  # GET, so HEAD as well
+            app.add_api_route(path, getattr(playground, name), methods=[method, "HEAD"] if method == "GET" else [method],
+                              include_in_schema=False)  # fmt: skip
     return app
 
 
