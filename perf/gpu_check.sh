@@ -19,7 +19,7 @@
 #   FVGRAPH_GPU_PART=interceptors bash perf/gpu_check.sh  # bench_interceptors: Wan 1.3B config, 480x832x17, 50 steps, -O2; est. 480 s
 #   FVGRAPH_GPU_PART=parallel    bash perf/gpu_check.sh  # the parallel engine at degree 1 (NCCL group of one, -O2 CUDA graphs); est. 200 s
 #   FVGRAPH_GPU_PART=lora        bash perf/gpu_check.sh  # bench_lora: the slot path at rank 32 vs no adapter, merged and peft; est. 480 s
-#   FVGRAPH_GPU_PART=distilled   bash perf/gpu_check.sh  # bench_distilled: s per request, 4-step distilled vs 50-step CFG base, 480x832x81, -O1; est. 400 s (2 compiles + 3 base requests)
+#   FVGRAPH_GPU_PART=distilled   bash perf/gpu_check.sh  # bench_distilled: s per request, 4-step distilled vs 50-step CFG base, 480x832x81, -O1, one round; est. 450 s (2 compiles + 2 base requests)
 #   FVGRAPH_GPU_PART=rollouts    bash perf/gpu_check.sh  # bench_rollouts: samples/s of engine.rollout K=8 vs a per-sample loop, 480x832x33, 10 CFG steps, -O2; est. 400 s (1 compile + 6 groups of 8)
 #   FVGRAPH_GPU_PART=all         bash perf/gpu_check.sh  # everything, in one long call (default)
 set -uo pipefail
@@ -87,7 +87,7 @@ part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gp
 part coldstart && run bench_coldstart 540 python3 "$REPO"/perf/bench_coldstart.py --gpu --buckets 1 --skip-cold-jit --timeout 240
 part coldstart_b48 && run bench_coldstart_b48 540 python3 "$REPO"/perf/bench_coldstart.py --gpu --buckets 4,8 --skip-cold-jit --timeout 480
 part lora && run bench_lora 540 python3 "$REPO"/perf/bench_lora.py --gpu --ranks 32 --batch 1 --repeats 10
-part distilled && run bench_distilled 540 python3 "$REPO"/perf/bench_distilled.py --gpu --repeats 2
+part distilled && run bench_distilled 540 python3 "$REPO"/perf/bench_distilled.py --gpu --repeats 1
 part rollouts && run bench_rollouts 540 python3 "$REPO"/perf/bench_rollouts.py --gpu --repeats 2
 part cache && run bench_projection_cache 150 python3 "$REPO"/perf/bench_projection_cache.py --gpu
 part http && run bench_http 540 python3 "$REPO"/perf/bench_http.py --gpu --repeats 1 --startup-timeout 240
