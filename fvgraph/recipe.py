@@ -35,12 +35,13 @@ class _Spec(BaseModel):
 
 
 class SamplerSpec(_Spec):
-    """The sampler the recipe assumes. For 'unipc' and 'flow_euler', `config` is the diffusers scheduler
-    config it mirrors; for the step-list samplers it is {"timesteps": [...], "flow_shift": s}: the
+    """The sampler the recipe assumes. For 'unipc', 'flow_euler' and 'flow_euler_image' (the flow-matching
+    Euler schedule as diffusers' FLUX and Qwen-Image pipelines plan it: sigmas from 1 to 1/N, shifted by
+    the image's token count), `config` is the diffusers scheduler config it mirrors; for the step-list samplers it is {"timesteps": [...], "flow_shift": s}: the
     recipe's denoising step list in [0, 1000] (descending), each mapped to sigma = shift(t / 1000) as
     LightX2V's WanStepDistillScheduler does (shift 1: sigma = t / 1000, FastVideo's scheduler space)."""
 
-    name: Literal["unipc", "flow_euler", "few_step_euler", "few_step_renoise"]
+    name: Literal["unipc", "flow_euler", "flow_euler_image", "few_step_euler", "few_step_renoise"]
     config: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -110,6 +111,12 @@ class RecipeSpec(_Spec):
         "another (dtype=) is reported in the result's provenance.",
     )
     default_guidance_scale: float = 5.0
+    cfg_scale: Literal["guidance_scale", "true_cfg_scale"] = Field(
+        default="guidance_scale",
+        description="The request field whose value > 1 turns classifier-free guidance on: guidance_scale (Wan), or "
+        "true_cfg_scale with a negative prompt (FLUX, Qwen-Image: there guidance_scale is the denoiser's embedded "
+        "guidance input where its weights take one, as in diffusers' pipelines).",
+    )
     boundary_ratio: float | None = Field(
         default=None, gt=0.0, lt=1.0,
         description="Two-expert models: timesteps >= this x the training timesteps run `transformer` (high "

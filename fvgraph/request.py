@@ -79,6 +79,18 @@ class Request(BaseModel):
         description="[seq_len, dim] or [1, seq_len, dim]; zero-padded to the card's text length as Wan pads its encoder output.",
     )
     negative_prompt_embeds: torch.Tensor | None = None
+    prompt_2: str | None = Field(default=None, description="Cards with two text encoders (FLUX): the second's text (default: prompt).")
+    negative_prompt_2: str | None = None
+    pooled_prompt_embeds: torch.Tensor | None = Field(
+        default=None, description="Cards with a pooled text input (FLUX): [dim] or [1, dim], passed with prompt_embeds.")
+    negative_pooled_prompt_embeds: torch.Tensor | None = None
+    true_cfg_scale: float | None = Field(
+        default=None, ge=0.0, le=30.0,
+        description="FLUX and Qwen-Image cards: > 1 with a negative prompt runs classifier-free guidance, as diffusers' "
+        "true_cfg_scale (their guidance_scale is the denoiser's embedded guidance).",
+    )
+    max_sequence_length: int | None = Field(
+        default=None, ge=1, le=4096, description="FLUX and Qwen-Image cards: the text length (default and maximum: the card's).")
     image: Any = Field(
         default=None,
         description="Image-to-video cards: the first frame. A path, PIL image, uint8 array/tensor [H, W, 3] "
@@ -122,7 +134,7 @@ class Request(BaseModel):
         return value
 
     _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "height", "width", "num_frames", "seed",
-                                     mode="before")(refuse_boolean)  # fmt: skip
+                                     "true_cfg_scale", "max_sequence_length", mode="before")(refuse_boolean)  # fmt: skip
 
     @field_validator("height", "width")
     @classmethod
@@ -138,7 +150,7 @@ class Request(BaseModel):
             raise ValueError(f"num_frames={value} must be 4k+1 (1, 5, 9, ...): the VAE packs 4 frames per latent")
         return value
 
-    @field_validator("guidance_scale", "guidance_scale_2")
+    @field_validator("guidance_scale", "guidance_scale_2", "true_cfg_scale")
     @classmethod
     def _finite_guidance(cls, value: float | None, info) -> float | None:
         if value is not None and not np.isfinite(value):
@@ -169,6 +181,11 @@ class Request(BaseModel):
     def _valid_embeds(cls, value, info):
         return _check_embeds(info.field_name, value)
 
+    @field_validator("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    @classmethod
+    def _valid_pooled(cls, value, info):
+        return _check_pooled(info.field_name, value)
+
     @model_validator(mode="after")
     def _has_text(self) -> Request:
         if self.prompt is None and self.prompt_embeds is None:
@@ -177,6 +194,12 @@ class Request(BaseModel):
             raise ValueError("pass prompt or prompt_embeds, not both")
         if self.negative_prompt is not None and self.negative_prompt_embeds is not None:
             raise ValueError("pass negative_prompt or negative_prompt_embeds, not both")
+        for pooled, embeds in (("pooled_prompt_embeds", "prompt_embeds"), ("negative_pooled_prompt_embeds", "negative_prompt_embeds")):
+            if (getattr(self, pooled) is None) != (getattr(self, embeds) is None) and getattr(self, pooled) is not None:
+                raise ValueError(f"{pooled} comes with {embeds}: pass both (or text)")
+        for second, first in (("prompt_2", "prompt"), ("negative_prompt_2", "negative_prompt")):
+            if getattr(self, second) is not None and getattr(self, first) is None:
+                raise ValueError(f"{second} is the second text encoder's text beside {first}: pass {first} too")
         if self.rollout is not None and self.caching is not None:
             raise ValueError("rollout with cache: a rollout records every transition it takes; send it without cache")
         return self
@@ -188,6 +211,10 @@ class Request(BaseModel):
 
     @property
     def do_cfg(self) -> bool:
+        """Whether the request runs two branches: true_cfg_scale > 1 (with the negative prompt resolve
+        requires) on cards that guide with it, else guidance_scale > 1."""
+        if self.true_cfg_scale is not None:
+            return self.true_cfg_scale > 1.0
         return self.guidance_scale is not None and self.guidance_scale > 1.0
 
     def resolve(self, card: ModelCard, facts: ModelFacts | None = None) -> Request:
@@ -205,6 +232,11 @@ class Request(BaseModel):
         values["width"] = self.width or shapes.default_width
         values["num_frames"] = self.num_frames or shapes.default_frames
         values["seed"] = secrets.randbelow(2**31) if self.seed is None else self.seed
+        _resolve_cfg_scale(values, self, card)
+        values["max_sequence_length"] = self.max_sequence_length or shapes.text_len
+        if values["max_sequence_length"] > shapes.text_len:
+            raise RequestRejected("max_sequence_length", f"{values['max_sequence_length']} exceeds card {card.card_id!r}'s "
+                                                         f"text length of {shapes.text_len}")  # fmt: skip
         # The settings object itself (a dump would be validated again); "none" stays NoCache, so
         # resolving twice never brings the card's default back.
         values["cache"] = card.default_cache if self.cache is None else self.cache
@@ -225,6 +257,34 @@ class Request(BaseModel):
                     f"[seq_len <= {shapes.text_len}, {width}] (the width its weights take)",
                 )
         return Request.model_validate(values)
+
+
+def _resolve_cfg_scale(values: dict, request: Request, card: ModelCard) -> None:
+    """Which field turns CFG on is the recipe's (RecipeSpec.cfg_scale); the other is refused."""
+    if card.recipe.cfg_scale == "guidance_scale":
+        if request.true_cfg_scale is not None:
+            raise RequestRejected("true_cfg_scale", f"card {card.card_id!r} turns classifier-free guidance on with "
+                                                    "guidance_scale > 1; leave true_cfg_scale unset")  # fmt: skip
+        return
+    values["true_cfg_scale"] = 1.0 if request.true_cfg_scale is None else request.true_cfg_scale
+    negative = request.negative_prompt is not None or request.negative_prompt_embeds is not None
+    if values["true_cfg_scale"] > 1.0 and not negative:
+        raise RequestRejected("true_cfg_scale", f"{values['true_cfg_scale']} > 1 runs classifier-free guidance against a "
+                                                "negative prompt: pass negative_prompt (or negative_prompt_embeds)")  # fmt: skip
+
+
+def _check_pooled(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() == 2 and value.shape[0] == 1:
+        value = value[0]
+    if value.dim() != 1 or not value.is_floating_point() or value.device.type == "meta":
+        raise ValueError(f"{name} must be a floating-point tensor of shape [dim] or [1, dim], got {list(value.shape)} {value.dtype}")
+    if not torch.isfinite(value).all():
+        raise ValueError(f"{name} contains NaN or Inf values")
+    return value.detach()
 
 
 def _check_geometry(values: dict, facts: ModelFacts, card_id: str) -> None:
@@ -268,3 +328,8 @@ class Result:
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def images(self) -> np.ndarray | None:
+        """The frames as images, uint8 [N, H, W, 3]: an image card's request gives one (N = 1)."""
+        return self.frames

@@ -35,16 +35,32 @@ class ModelFacts:
 
     @classmethod
     def of(cls, transformer: Any, vae: Any, transformer_2: Any = None) -> ModelFacts:
-        """From loaded diffusers modules (their `.config` is what their weights were saved with)."""
+        """From loaded diffusers modules (their `.config` is what their weights were saved with).
+
+        Video VAEs (z_dim, temporal downsampling) and image VAEs (latent_channels, one frame) both
+        read here; an image denoiser that takes 2x2-packed latents (in_channels = 4 x the VAE's
+        channels, patch_size 1: FLUX, Qwen-Image) counts that packing as its spatial patch."""
         dit, vae_cfg = transformer.config, vae.config
-        downsample = list(vae_cfg.temperal_downsample)
+        if "z_dim" in vae_cfg:
+            latent_channels = int(vae_cfg.z_dim)
+            downsample = list(vae_cfg.temperal_downsample)
+            temporal = int(getattr(vae_cfg, "scale_factor_temporal", None) or 2 ** sum(downsample))
+            spatial = int(getattr(vae_cfg, "scale_factor_spatial", None) or 2 ** len(downsample))
+        else:  # an image VAE: one frame, 2 ** (levels - 1) pixels per latent pixel
+            latent_channels, temporal = int(vae_cfg.latent_channels), 1
+            spatial = 2 ** (len(vae_cfg.block_out_channels) - 1)
+        patch = dit.patch_size
+        if isinstance(patch, int):
+            packed = 2 if patch == 1 and int(dit.in_channels) == 4 * latent_channels else patch
+            patch = (1, packed, packed)
+        text_dim = dit.get("text_dim") or dit.get("joint_attention_dim")
         return cls(
-            text_dim=int(dit.text_dim),
-            latent_channels=int(vae_cfg.z_dim),
+            text_dim=int(text_dim),
+            latent_channels=latent_channels,
             denoiser_in_channels=int(dit.in_channels),
-            patch_size=tuple(int(p) for p in dit.patch_size),
-            vae_temporal=int(getattr(vae_cfg, "scale_factor_temporal", None) or 2 ** sum(downsample)),
-            vae_spatial=int(getattr(vae_cfg, "scale_factor_spatial", None) or 2 ** len(downsample)),
+            patch_size=tuple(int(p) for p in patch),
+            vae_temporal=temporal,
+            vae_spatial=spatial,
             image_dim=None if dit.get("image_dim") is None else int(dit.image_dim),
             experts=("transformer",) if transformer_2 is None else ("transformer", "transformer_2"),
         )

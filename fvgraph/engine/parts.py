@@ -90,7 +90,7 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     requested = opt_level(level)
     effective = opt_level(0) if switches.enforce_eager else requested
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer"})
+    skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"})
     components = load_components(card, checkpoint, device, skip)
     if checkpoint is not None and rank == 0:  # the folder's own recipe, where it differs from the run's
         warn_recipe_differences(card, checkpoint)

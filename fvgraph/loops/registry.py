@@ -19,6 +19,7 @@ LOOPS: dict[str, str] = {
     "t2v_two_expert": "fvgraph.loops.expert_loop:TwoExpertTextToVideoLoop",
     "i2v_two_expert": "fvgraph.loops.expert_loop:TwoExpertImageToVideoLoop",
     "ti2v": "fvgraph.loops.ti2v_loop:TextImageToVideoLoop",
+    "flux": "fvgraph.loops.flux_loop:FluxLoop",
 }
 
 

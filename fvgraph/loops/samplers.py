@@ -27,8 +27,10 @@ import abc
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from fvgraph.recipe import TRAIN_TIMESTEPS, SamplerSpec
 
@@ -84,6 +86,33 @@ class FlowEulerSampler(_PlannedSampler):
     def update(sample, model_output, carry, coeffs):
         dt = _per_row(coeffs[:, 1], sample)
         return sample + dt * model_output.to(sample.dtype), ()
+
+
+class ImageFlowEulerSampler(FlowEulerSampler):
+    """The flow-matching Euler schedule of diffusers' image pipelines (FluxPipeline, QwenImagePipeline):
+    sigmas linspace(1, 1/N, N) handed to the scheduler with `mu` from the image's token count
+    (`calculate_shift`, used when the config has dynamic shifting). The update is FlowEulerSampler's;
+    plans are memoized per (steps, image tokens), so requests of one shape share them."""
+
+    def __init__(self, config: dict):
+        super().__init__(config)
+        self._image_plans: dict[tuple[int, int], SamplerPlan] = {}
+
+    def plan(self, num_steps: int, image_tokens: int) -> SamplerPlan:
+        key = (num_steps, image_tokens)
+        if key not in self._image_plans:
+            self._image_plans[key] = self._image_plan(*key)
+        return self._image_plans[key]
+
+    def _image_plan(self, num_steps: int, image_tokens: int) -> SamplerPlan:
+        config = self._scheduler.config
+        mu = calculate_shift(image_tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))  # fmt: skip
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        self._scheduler.set_timesteps(num_steps, device="cpu", sigmas=sigmas, mu=mu)
+        sigmas = self._scheduler.sigmas.to(torch.float32)
+        coeffs = torch.stack([sigmas[:-1], sigmas[1:] - sigmas[:-1]], dim=1)
+        return SamplerPlan(self._scheduler.timesteps.clone(), coeffs)
 
 
 class FewStepSampler(_PlannedSampler):
@@ -324,6 +353,8 @@ def _per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def build_sampler(spec: SamplerSpec) -> FlowEulerSampler | FewStepSampler | UniPCSampler:
     if spec.name == "flow_euler":
         return FlowEulerSampler(spec.config)
+    if spec.name == "flow_euler_image":
+        return ImageFlowEulerSampler(spec.config)
     if spec.timestep_list is not None:
         return FewStepSampler(spec)
     return UniPCSampler(spec.config)

@@ -31,7 +31,7 @@ from fvgraph.loops.loop_rollouts import DENOISE_SDE, DENOISE_SDE_CFG, LoopRollou
 from fvgraph.loops.step_caching import StepCaching
 from fvgraph.loops.step_flops import StepFlops
 from fvgraph.loops.steps import DenoiseStep, TextEncodeStep, VaeDecodeStep
-from fvgraph.loops.t2v_state_check import check_t2v_state
+from fvgraph.loops.t2v_state_check import check_t2v_state, check_text
 from fvgraph.loops.taps import TapPoints
 from fvgraph.models.components import Components
 from fvgraph.models.wan_sections import WanSections
@@ -176,6 +176,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
         weights (RequestRejected); text needs the text encoder."""
         resolved = self._deployed_default(request).resolve(self.card, self.facts)
         check_text_encoder(resolved, self.components)
+        self._check_text_fields(request)
         if resolved.guidance_scale_2 is not None and len(self.facts.experts) < 2:
             raise RequestRejected("guidance_scale_2", f"card {self.card.card_id!r} has one denoiser expert; it takes guidance_scale only")
         if resolved.image is not None and not self.takes_image:
@@ -184,6 +185,16 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
         self._check_rollout(resolved)
         self._adapter_choice(resolved)
         return resolved
+
+    def _check_text_fields(self, request: Request) -> None:
+        """Wan's denoiser takes one encoder's sequence at the card's length: the image families' text fields are refused."""
+        for name in ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds"):
+            if getattr(request, name) is not None:
+                raise RequestRejected(name, f"card {self.card.card_id!r} runs loop {self.loop_id!r}, whose denoiser takes "
+                                            "one text encoder's sequence; leave it unset")  # fmt: skip
+        if request.max_sequence_length not in (None, self.card.shapes.text_len):
+            raise RequestRejected("max_sequence_length", f"{request.max_sequence_length}: card {self.card.card_id!r} pads "
+                                                         f"its text to {self.card.shapes.text_len} tokens; leave it unset")  # fmt: skip
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
         """A request that runs every step kind of this loop at this shape (what `fvgraph warmup` serves)."""
@@ -228,26 +239,31 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
             state.generator_state = generator.get_state()
             self._draw_fresh_noise(state)
         self._start_caching(state, request)
+        if not self._tokenize(state, request):
+            state.phase = self._phase_after_text(state)
+        return state
+
+    def _tokenize(self, state: T2VState, request: Request) -> bool:
+        """The texts still to encode as state.input_ids (positive first); False when every text came as embeddings."""
         texts = []
         if state.prompt_embeds is None:
             texts.append(("prompt_embeds", request.prompt))
         if state.cfg and state.negative_prompt_embeds is None:
             texts.append(("negative_prompt_embeds", request.negative_prompt or ""))
-        if texts:
-            tokens = self.components.tokenizer(
-                [prompt_clean(text) for _, text in texts],
-                padding="max_length",
-                max_length=self.card.shapes.text_len,
-                truncation=True,
-                add_special_tokens=True,
-                return_attention_mask=True,
-                return_tensors="pt",
-            )
-            state.input_ids, state.attention_mask = tokens.input_ids, tokens.attention_mask
-            state.encode_slots = [slot for slot, _ in texts]
-        else:
-            state.phase = self._phase_after_text(state)
-        return state
+        if not texts:
+            return False
+        tokens = self.components.tokenizer(
+            [prompt_clean(text) for _, text in texts],
+            padding="max_length",
+            max_length=self.card.shapes.text_len,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        state.input_ids, state.attention_mask = tokens.input_ids, tokens.attention_mask
+        state.encode_slots = [slot for slot, _ in texts]
+        return True
 
     def _conditioning(self, request: Request, latents: torch.Tensor) -> dict:
         """Extra state fields a subclass loop derives from the request (none for text-to-video)."""
@@ -389,6 +405,10 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
                 "recipe": {"name": recipe.name, "method": recipe.method, "assumes_precision": recipe.assumes_precision or recipe.precision,
                            **self.card.recipe_in_effect()}, "loras": {} if state.adapters is None else dict(state.adapters.scales),
                 "merged_loras": merged}  # fmt: skip
+
+    def check_saved_text(self, checker, state: T2VState) -> None:
+        """A saved state's token ids and embeddings, as init and the text encoder shape them."""
+        check_text(checker, state, self.card.shapes.text_len, self.facts.text_dim, self.embed_dtype)
 
     def adopt(self, state: T2VState) -> T2VState:
         """A state saved by another engine of the same card, moved onto this loop's device; it

@@ -86,7 +86,7 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
     _check_carry(c, state, loop)
     _check_fresh_noise(c, state, loop)
     _check_record(c, state, loop)
-    _check_text(c, state, card.shapes.text_len, loop.facts.text_dim, loop.embed_dtype)
+    loop.check_saved_text(c, state)
     _check_caching(c, state, loop)
 
 
@@ -163,7 +163,7 @@ def _check_record(c: _Checker, state: LoopState, loop: Loop) -> None:
         c.fail("record_log_probs", f"must hold {taken} finite floats, one per transition taken")
 
 
-def _check_text(c: _Checker, state: LoopState, text_len: int, text_dim: int, dtype: torch.dtype) -> None:
+def check_text(c: _Checker, state: LoopState, text_len: int, text_dim: int, dtype: torch.dtype) -> None:
     needed = ["prompt_embeds"] + (["negative_prompt_embeds"] if state.cfg else [])
     if state.phase == "encode":
         if not isinstance(state.encode_slots, list) or not set(state.encode_slots) <= set(EMBED_SLOTS):

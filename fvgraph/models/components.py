@@ -41,6 +41,8 @@ class Components:
     transformer_2: nn.Module | None = None  # the low-noise expert of two-expert models
     image_encoder: nn.Module | None = None  # CLIP vision tower of image-conditioned models
     image_processor: object | None = None
+    text_encoder_2: nn.Module | None = None  # a second text encoder (FLUX: T5 beside CLIP)
+    tokenizer_2: object | None = None
 
     @property
     def facts(self) -> ModelFacts:
@@ -49,7 +51,8 @@ class Components:
 
     def modules(self) -> dict[str, object]:
         """Every loaded component by card name (those not loaded left out)."""
-        names = ("transformer", "transformer_2", "vae", "text_encoder", "tokenizer", "image_encoder", "image_processor")
+        names = ("transformer", "transformer_2", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+                 "image_encoder", "image_processor")
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     def save_pretrained(self, folder: str | Path, card: ModelCard, max_shard_size: str | None = None) -> Path:
@@ -64,7 +67,7 @@ class Components:
                 module.save_pretrained(folder / card.components[name].subfolder, **shard)
             else:  # tokenizer, image processor
                 module.save_pretrained(folder / card.components[name].subfolder)
-            index[name] = [library, "AutoTokenizer" if name == "tokenizer" else type(module).__name__]
+            index[name] = [library, "AutoTokenizer" if name.startswith("tokenizer") else type(module).__name__]
         scheduler = diffusers_scheduler(card.recipe.sampler)
         scheduler.save_pretrained(folder / "scheduler")
         index["scheduler"] = ["diffusers", type(scheduler).__name__]
@@ -75,7 +78,7 @@ class Components:
 def _build_seeded(name: str, spec: ComponentSpec, seed: int, card: ModelCard):
     """Deterministic weights: each component draws from its own generator state seeded by card seed + name."""
     if spec.kind == "tokenizer":
-        return build_byte_tokenizer(model_max_length=card.shapes.text_len)
+        return build_byte_tokenizer(model_max_length=(spec.config or {}).get("model_max_length", card.shapes.text_len))
     cls = spec.resolve_class()
     if spec.kind == "image_processor":  # no weights: its config is all of it
         return cls(**spec.config)
@@ -227,7 +230,8 @@ def load_components(card: ModelCard, checkpoint: str | Path | None, device: torc
                     _own_storage(module)
             built[name] = module
     version = _checkpoint_fingerprint(folder) if folder is not None else _content_hash(card, built)
-    return Components(device=device, weights_version=version, **{"text_encoder": None, "tokenizer": None, **built})
+    return Components(device=device, weights_version=version,
+                      **{"text_encoder": None, "tokenizer": None, "text_encoder_2": None, "tokenizer_2": None, **built})
 
 
 def _content_hash(card: ModelCard, built: dict) -> str:
@@ -259,5 +263,5 @@ def diffusers_scheduler(spec: SamplerSpec) -> FlowMatchEulerDiscreteScheduler | 
     """The diffusers scheduler this sampler mirrors (the reference, and what checkpoints store)."""
     if spec.timestep_list is not None:  # a distilled recipe's list: the flow-matching scheduler at its shift
         return FlowMatchEulerDiscreteScheduler(shift=float(spec.config["flow_shift"]))
-    cls = FlowMatchEulerDiscreteScheduler if spec.name == "flow_euler" else UniPCMultistepScheduler
+    cls = FlowMatchEulerDiscreteScheduler if spec.name in ("flow_euler", "flow_euler_image") else UniPCMultistepScheduler
     return cls(**spec.config)

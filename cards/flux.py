@@ -1,0 +1,99 @@
+"""FLUX.1 text-to-image cards: the released dev and schnell models and the embedded `tiny-flux`.
+
+diffusers' own classes throughout (FluxTransformer2DModel, AutoencoderKL, CLIPTextModel, T5EncoderModel),
+so a FluxPipeline folder loads as it is. The two releases differ in what their recipes assume: dev is
+guidance-distilled (the guidance scale is an input of the denoiser: one branch per step, 28 steps, T5
+length 512), schnell timestep-distilled (4 steps, no guidance input, T5 length 256, an unshifted
+schedule). The scheduler configs are those the releases ship (scheduler/scheduler_config.json).
+"""
+
+from __future__ import annotations
+
+from fvgraph.card import ComponentSpec, ModelCard, ParitySpec, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules, Tolerance
+
+DEV_SCHEDULER = SamplerSpec(
+    name="flow_euler_image",
+    config={"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
+            "max_shift": 1.15, "base_image_seq_len": 256, "max_image_seq_len": 4096},
+)  # fmt: skip
+SCHNELL_SCHEDULER = SamplerSpec(name="flow_euler_image", config={**DEV_SCHEDULER.config, "shift": 1.0, "use_dynamic_shifting": False})
+
+# The released transformer; perf/ builds randomly initialised models at this size.
+FLUX_DEV_TRANSFORMER = {
+    "patch_size": 1, "in_channels": 64, "num_layers": 19, "num_single_layers": 38, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
+    "axes_dims_rope": (16, 56, 56),
+}  # fmt: skip
+
+PARITY = ParitySpec(
+    tolerances={
+        "fp32": {"component": Tolerance(atol=1e-5, rtol=1e-4), "loop": Tolerance(atol=1e-4, rtol=1e-3)},
+        "bf16": {"component": Tolerance(atol=2e-2, rtol=2e-2), "loop": Tolerance(atol=8e-2, rtol=5e-2)},
+        "fp8": {"component": Tolerance(atol=1.5e-1, rtol=1e-1), "loop": Tolerance(atol=2.5e-1, rtol=1.5e-1)},
+    }
+)
+
+
+def _fp8_exclusions(num_layers: int, num_single_layers: int) -> QuantizationSpec:
+    """FP8 leaves the embedders, the output norm and projection and the first and last blocks alone."""
+    edges = ("transformer_blocks.0.*", f"single_transformer_blocks.{num_single_layers - 1}.*")
+    return QuantizationSpec(fp8_exclude=("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out", *edges))
+
+
+def _components(dit: dict | None, vae: dict | None, clip: dict | None, t5: dict | None, clip_tok: dict | None,
+                t5_tok: dict | None, dtype: str) -> dict:  # fmt: skip
+    spec = lambda kind, cls, folder, config, dt=dtype: ComponentSpec(kind=kind, cls=cls, subfolder=folder, config=config, dtype=dt)  # noqa: E731
+    return {
+        "transformer": spec("dit", "diffusers.FluxTransformer2DModel", "transformer", dit),
+        "vae": spec("vae", "diffusers.AutoencoderKL", "vae", vae, "fp32"),  # decoded in fp32, as the Wan cards do
+        "text_encoder": spec("text_encoder", "transformers.CLIPTextModel", "text_encoder", clip),
+        "tokenizer": spec("tokenizer", "transformers.AutoTokenizer", "tokenizer", clip_tok),
+        "text_encoder_2": spec("text_encoder", "transformers.T5EncoderModel", "text_encoder_2", t5),
+        "tokenizer_2": spec("tokenizer", "transformers.AutoTokenizer", "tokenizer_2", t5_tok),
+    }
+
+
+def _recipe(name: str, sampler: SamplerSpec, steps: int, guidance: float, precision: str = "bf16") -> RecipeSpec:
+    return RecipeSpec(method="base", name=name, assumes_loop="flux", sampler=sampler, default_steps=steps, allowed_steps=(1, 100),
+                      precision=precision, default_guidance_scale=guidance, cfg_scale="true_cfg_scale")  # fmt: skip
+
+
+IMAGE_SHAPES = dict(max_height=2048, max_width=2048, max_frames=1, default_height=1024, default_width=1024, default_frames=1)
+
+
+def _released(card_id: str, recipe: RecipeSpec, text_len: int) -> ModelCard:
+    return ModelCard(card_id=card_id, family="flux", pipeline_class="FluxPipeline", loops=("flux",), recipe=recipe, parity=PARITY,
+                     components=_components(None, None, None, None, None, None, "bf16"),
+                     shapes=ShapeRules(text_len=text_len, **IMAGE_SHAPES),
+                     quantization=_fp8_exclusions(FLUX_DEV_TRANSFORMER["num_layers"], FLUX_DEV_TRANSFORMER["num_single_layers"]))  # fmt: skip
+
+
+FLUX_1_DEV = _released("flux.1-dev", _recipe("flux.1-dev", DEV_SCHEDULER, 28, 3.5), text_len=512)
+FLUX_1_SCHNELL = _released("flux.1-schnell", _recipe("flux.1-schnell", SCHNELL_SCHEDULER, 4, 0.0), text_len=256)
+
+TINY_TEXT_LEN = 32
+TINY_TRANSFORMER = {**FLUX_DEV_TRANSFORMER, "in_channels": 64, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
+                    "num_attention_heads": 2, "joint_attention_dim": 32, "pooled_projection_dim": 32, "axes_dims_rope": (4, 6, 6)}  # fmt: skip
+# The FLUX VAE's layout (16 latent channels, no quant convs, its scaling and shift) at 8 channels a level.
+TINY_VAE = {
+    "in_channels": 3, "out_channels": 3, "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [8, 8, 8, 8], "layers_per_block": 1, "latent_channels": 16, "norm_num_groups": 4,
+    "scaling_factor": 0.3611, "shift_factor": 0.1159, "use_quant_conv": False, "use_post_quant_conv": False,
+}  # fmt: skip
+# CLIP's pooled output sits at the first end-of-text token: the byte tokenizer's "</s>" (id 1).
+TINY_CLIP = {"vocab_size": 259, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "max_position_embeddings": 77, "projection_dim": 32, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1}  # fmt: skip
+TINY_T5 = {"vocab_size": 259, "d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 2, "num_heads": 4,
+           "relative_attention_num_buckets": 8, "dropout_rate": 0.0}  # fmt: skip
+
+TINY_FLUX = ModelCard(
+    card_id="tiny-flux", family="flux", pipeline_class="FluxPipeline", loops=("flux",), parity=PARITY, seed=0,
+    components=_components(TINY_TRANSFORMER, TINY_VAE, TINY_CLIP, TINY_T5, {"model_max_length": 77},
+                           {"model_max_length": TINY_TEXT_LEN}, "fp32"),
+    recipe=_recipe("flux.1-dev", DEV_SCHEDULER, 8, 3.5, precision="fp32"),
+    shapes=ShapeRules(text_len=TINY_TEXT_LEN, max_height=256, max_width=256, max_frames=1, default_height=64, default_width=64,
+                      default_frames=1),
+    quantization=QuantizationSpec(fp8_exclude=("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")),
+)  # fmt: skip
+
+CARDS = (TINY_FLUX, FLUX_1_DEV, FLUX_1_SCHNELL)

@@ -1,0 +1,227 @@
+"""The FLUX.1 text-to-image loop: text_encode (CLIP pooled + T5) -> denoise x N -> vae_decode.
+
+It is the text-to-video loop with an image as a one-frame video, and what differs from Wan is what
+diffusers' FluxPipeline does differently: two text encoders (CLIP's pooled output and T5's sequence,
+used as given, at the request's `max_sequence_length`), the flow-matching Euler schedule shifted by
+the image's token count (ImageFlowEulerSampler), guidance as an input of the denoiser where the weights
+take one (FLUX.1-dev; none for schnell), and classifier-free guidance only as diffusers' `true_cfg_scale`
+with a negative prompt. Step caching, LoRA adapters and rollouts are not wired for this loop: requests
+for them are refused naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fvgraph.contract.plan import StepResult, WorkPlan
+from fvgraph.contract.step_kind import Role, StepKind
+from fvgraph.loops.flux_steps import FluxDenoiseStep, FluxTextEncodeStep, ImageVaeDecodeStep
+from fvgraph.loops.samplers import SamplerPlan
+from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, T2VState, TextToVideoLoop
+from fvgraph.loops.t2v_state_check import EMBED_SLOTS
+from fvgraph.loops.taps import TapPoints
+from fvgraph.models.components import Components
+from fvgraph.card import ModelCard
+from fvgraph.request import Request, RequestRejected
+
+
+def flux_denoise_kind(name: str, cfg: bool) -> StepKind:
+    """Latents, timestep and Euler row per step; the texts, pooled texts, embedded guidance and the
+    true-CFG scale constant for the request."""
+    texts = ("prompt_embeds", "pooled_prompt_embeds", "guidance")
+    if cfg:
+        texts += ("negative_prompt_embeds", "negative_pooled_prompt_embeds", "guidance_scale")
+    return StepKind(name, component="transformer", phase="denoise", compiled=True, per_inference_step=True,
+                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP,
+                            **dict.fromkeys(texts, Role.CONSTANT)},
+                    outputs={"latents": Role.RESULT})  # fmt: skip
+
+
+STEP_KINDS = {
+    TEXT_ENCODE: StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode",
+                          inputs={"input_ids": Role.STEP, "input_ids_2": Role.STEP},
+                          outputs={"pooled": Role.RESULT, "embeds": Role.RESULT}),
+    DENOISE: flux_denoise_kind(DENOISE, cfg=False),
+    DENOISE_CFG: flux_denoise_kind(DENOISE_CFG, cfg=True),
+    VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
+                         outputs={"video": Role.RESULT}),
+}  # fmt: skip
+POOLED = {"prompt_embeds": "pooled_prompt_embeds", "negative_prompt_embeds": "negative_pooled_prompt_embeds"}
+
+
+@dataclass
+class FluxState(T2VState):
+    """T2VState plus the pooled texts, the T5 ids and the embedded guidance; `guidance_scale` is the
+    true-CFG scale and `latents` are [1, C, 1, h, w]."""
+
+    pooled_prompt_embeds: torch.Tensor | None = None  # [1, P]
+    negative_pooled_prompt_embeds: torch.Tensor | None = None
+    input_ids_2: torch.Tensor | None = None  # [n_texts, max_sequence_length] T5 ids, rows as input_ids
+    text_len: int = 0  # the T5 sequence length this request runs
+    guidance: float | None = None  # the denoiser's embedded guidance (None: the weights take none)
+
+
+class FluxLoop(TextToVideoLoop):
+    loop_id = "flux"
+    state_type = FluxState
+    step_kinds = STEP_KINDS
+    device_fields = (*TextToVideoLoop.device_fields, "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    caches = False  # no step-caching sections for this family yet: requests with `cache` are refused
+
+    def __init__(self, card: ModelCard, components: Components):
+        super().__init__(card, components)
+        self.sections = None
+        self.guidance_embeds = bool(components.transformer.config.guidance_embeds)
+        self.pooled_dim = int(components.transformer.config.pooled_projection_dim)
+
+    def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
+        c = self.components
+        tap_points = TapPoints(c.transformer) if taps else None
+        steps = {kind: FluxDenoiseStep(c.transformer, self.sampler, cfg, self.spatial_scale, tap_points)
+                 for kind, cfg in ((DENOISE, False), (DENOISE_CFG, True))}  # fmt: skip
+        steps[VAE_DECODE] = ImageVaeDecodeStep(c.vae)
+        if c.text_encoder is not None:
+            steps[TEXT_ENCODE] = FluxTextEncodeStep(c.text_encoder, c.text_encoder_2)
+        return {kind: step.to(c.device).eval() for kind, step in steps.items()}
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    def check_request(self, request: Request) -> Request:
+        for name in ("loras", "rollout"):
+            if getattr(request, name) is not None:
+                raise RequestRejected(name, f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which has no {name} yet")
+        if not self.guidance_embeds and request.guidance_scale not in (None, self.card.recipe.default_guidance_scale):
+            raise RequestRejected("guidance_scale", f"{request.guidance_scale}: card {self.card.card_id!r}'s denoiser takes no "
+                                                    "guidance input (its weights are guidance-free); leave it unset, or use "
+                                                    "true_cfg_scale with a negative prompt")  # fmt: skip
+        if request.num_frames not in (None, 1):
+            raise RequestRejected("num_frames", f"{request.num_frames}: card {self.card.card_id!r} makes images (num_frames=1)")
+        resolved = super().check_request(request)
+        for embeds, pooled in POOLED.items():
+            if getattr(resolved, embeds) is not None and getattr(resolved, pooled) is None:
+                raise RequestRejected(pooled, f"{embeds} comes with {pooled} on card {self.card.card_id!r} (CLIP's pooled text)")
+            value = getattr(resolved, pooled)
+            if value is not None and value.shape[0] != self.pooled_dim:
+                raise RequestRejected(pooled, f"shape {list(value.shape)}: card {self.card.card_id!r}'s denoiser takes [{self.pooled_dim}]")
+        positive, negative = resolved.prompt_embeds, resolved.negative_prompt_embeds
+        if resolved.do_cfg and positive is not None and negative is not None and positive.shape != negative.shape:
+            raise RequestRejected("negative_prompt_embeds", f"shape {list(negative.shape)} must equal prompt_embeds' "
+                                                            f"{list(positive.shape)} (both branches run as one batch)")  # fmt: skip
+        return resolved
+
+    def _check_text_fields(self, request: Request) -> None:
+        return None  # every text field of diffusers' FluxPipeline is this loop's
+
+    def _check_caching(self, resolved: Request) -> Request:
+        if resolved.caching is not None:
+            raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which has no step caching yet")
+        return resolved
+
+    def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
+        cfg = guidance_scale > 1
+        if self.components.text_encoder is not None:
+            text = {"prompt": "warmup", **({"negative_prompt": ""} if cfg else {})}
+        else:
+            embeds = {"prompt_embeds": torch.zeros(self.card.shapes.text_len, self.facts.text_dim),
+                      "pooled_prompt_embeds": torch.zeros(self.pooled_dim)}  # fmt: skip
+            text = {**embeds, **({f"negative_{k}": v for k, v in embeds.items()} if cfg else {})}
+        return Request(**text, true_cfg_scale=guidance_scale, num_inference_steps=steps, height=height, width=width, seed=0)
+
+    # -- init ------------------------------------------------------------------------------------------
+
+    def planned(self, num_steps: int, state) -> SamplerPlan:
+        """The schedule shifted by the image's token count (from a request's size or a state's latents)."""
+        if isinstance(state, Request):
+            h, w = state.height // self.spatial_scale, state.width // self.spatial_scale
+        else:
+            h, w = state.latents.shape[-2:]
+        return self.sampler.plan(num_steps, (h // 2) * (w // 2))
+
+    def _conditioning(self, request: Request, latents: torch.Tensor) -> dict:
+        device = self.components.device
+        pooled = {name: None if getattr(request, name) is None else getattr(request, name).view(1, -1).to(device, self.embed_dtype)
+                  for name in POOLED.values()}  # fmt: skip
+        if not request.do_cfg:
+            pooled["negative_pooled_prompt_embeds"] = None
+        text_len = request.max_sequence_length if request.prompt_embeds is None else request.prompt_embeds.shape[0]
+        guidance = float(request.guidance_scale) if self.guidance_embeds else None
+        return {**pooled, "text_len": int(text_len), "guidance": guidance}
+
+    def init(self, request: Request) -> FluxState:
+        state = super().init(request)
+        state.guidance_scale = float(request.true_cfg_scale)  # the CFG combine's scale
+        return state
+
+    def _padded(self, embeds: torch.Tensor | None) -> torch.Tensor | None:
+        """[L, D] user embeddings -> [1, L, D]: FluxPipeline uses them as given (T5 pads with tokens, not zeros)."""
+        return None if embeds is None else embeds.unsqueeze(0).to(self.components.device, self.embed_dtype)
+
+    def _tokenize(self, state: FluxState, request: Request) -> bool:
+        texts = []
+        if state.prompt_embeds is None:
+            texts.append(("prompt_embeds", request.prompt, request.prompt_2 or request.prompt))
+        if state.cfg and state.negative_prompt_embeds is None:
+            negative = request.negative_prompt or ""
+            texts.append(("negative_prompt_embeds", negative, request.negative_prompt_2 or negative))
+        if not texts:
+            return False
+        clip, t5 = self.components.tokenizer, self.components.tokenizer_2
+        state.input_ids = clip([t[1] for t in texts], padding="max_length", max_length=clip.model_max_length,
+                               truncation=True, return_tensors="pt").input_ids  # fmt: skip
+        state.input_ids_2 = t5([t[2] for t in texts], padding="max_length", max_length=state.text_len,
+                               truncation=True, return_tensors="pt").input_ids  # fmt: skip
+        state.encode_slots = [t[0] for t in texts]
+        return True
+
+    # -- next / advance -----------------------------------------------------------------------------
+
+    def next(self, state: FluxState):
+        if state.phase == "encode":
+            device = self.components.device
+            return WorkPlan(state.request_id, TEXT_ENCODE, {"input_ids": state.input_ids.to(device),
+                                                             "input_ids_2": state.input_ids_2.to(device)})  # fmt: skip
+        return super().next(state)
+
+    def _conditioning_inputs(self, state: FluxState) -> dict[str, torch.Tensor]:
+        inputs = {"pooled_prompt_embeds": state.pooled_prompt_embeds}
+        if state.cfg:
+            inputs["negative_pooled_prompt_embeds"] = state.negative_pooled_prompt_embeds
+        if state.guidance is not None:
+            inputs["guidance"] = torch.tensor([state.guidance], dtype=torch.float32, device=self.components.device)
+        return inputs
+
+    def advance(self, state: FluxState, result: StepResult) -> FluxState:
+        if state.phase != "encode":
+            return super().advance(state, result)
+        embeds, pooled = result["embeds"].to(self.embed_dtype), result["pooled"].to(self.embed_dtype)
+        for row, slot in enumerate(state.encode_slots):
+            setattr(state, slot, embeds[row : row + 1])
+            setattr(state, POOLED[slot], pooled[row : row + 1])
+        state.input_ids = state.input_ids_2 = None
+        state.encode_slots = []
+        state.phase = self._phase_after_text(state)
+        return state
+
+    def check_saved_text(self, checker, state: FluxState) -> None:
+        """Token ids as _tokenize makes them, and each text as a T5 sequence at the request's own length
+        beside its CLIP pooled vector, in the denoiser's dtype."""
+        if isinstance(state.text_len, bool) or not isinstance(state.text_len, int) or not 1 <= state.text_len <= self.card.shapes.text_len:
+            checker.fail("text_len", f"must be an int in [1, {self.card.shapes.text_len}], got {state.text_len!r}")
+        needed = list(EMBED_SLOTS[: 2 if state.cfg else 1])
+        if state.phase == "encode":
+            if not isinstance(state.encode_slots, list) or not state.encode_slots or not set(state.encode_slots) <= set(needed):
+                checker.fail("encode_slots", f"must list some of {needed}, got {state.encode_slots!r}")
+            rows = len(state.encode_slots)
+            for name, length in (("input_ids", self.components.tokenizer.model_max_length), ("input_ids_2", state.text_len)):
+                ids = checker.tensor(name, dims=2, floating=False)
+                if tuple(ids.shape) != (rows, length):
+                    checker.fail(name, f"must be [{rows}, {length}], got {list(ids.shape)}")
+            needed = [name for name in needed if name not in state.encode_slots]
+        for name in needed:
+            for field, shape in ((name, (1, state.text_len, self.facts.text_dim)), (POOLED[name], (1, self.pooled_dim))):
+                value = checker.tensor(field, shape=shape)
+                if value.dtype != self.embed_dtype:
+                    checker.fail(field, f"must be {self.embed_dtype}, got {value.dtype}")

@@ -1,0 +1,133 @@
+"""Step functions of the FLUX loop (fvgraph/loops/flux_loop.py), pure tensor functions like steps.py's.
+
+The loop keeps an image's latents as a one-frame video, [1, C, 1, h, w] float32, so the runtime's
+latents, padding and finite checks are the video loops' own. The 2x2 packing into tokens, the
+position ids and the unpacking of the prediction happen inside the step, with diffusers' own
+FluxPipeline helpers: the shapes they need are static in the trace, and each is a permutation, which
+commutes exactly with the Euler update (the result equals stepping the packed latents, bit for bit).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import FluxPipeline
+from torch import nn
+
+from fvgraph.contract.denoise_update import guided, sampler_update
+from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.loops.samplers import FlowEulerSampler
+from fvgraph.loops.taps import TapPoints
+
+
+class FluxTextEncodeStep(nn.Module):
+    """CLIP's pooled output and T5's sequence, as FluxPipeline.encode_prompt takes them (no mask, no zeroing)."""
+
+    def __init__(self, text_encoder: nn.Module, text_encoder_2: nn.Module):
+        super().__init__()
+        self.text_encoder = text_encoder
+        self.text_encoder_2 = text_encoder_2
+
+    def forward(self, input_ids: torch.Tensor, input_ids_2: torch.Tensor) -> dict[str, torch.Tensor]:
+        pooled = self.text_encoder(input_ids, output_hidden_states=False).pooler_output
+        embeds = self.text_encoder_2(input_ids_2, output_hidden_states=False)[0]
+        return {"pooled": pooled.to(self.text_encoder.dtype), "embeds": embeds}
+
+
+class FluxDenoiser(nn.Module):
+    """FluxTransformer2DModel on one-frame latents [B, C, 1, h, w]: packs them, adds the text and image
+    position ids (the same for every row of a shape) and unpacks the prediction. Every argument has the
+    batch dimension, so the CFG-fusion pass can concatenate the two branches' calls."""
+
+    def __init__(self, transformer: nn.Module, vae_spatial: int):
+        super().__init__()
+        self.transformer = transformer
+        self.vae_spatial = vae_spatial
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                pooled_projections: torch.Tensor, guidance: torch.Tensor | None = None, return_dict: bool = False):  # fmt: skip
+        batch, channels, _, h, w = hidden_states.shape
+        dtype, device = encoder_hidden_states.dtype, encoder_hidden_states.device
+        packed = FluxPipeline._pack_latents(hidden_states[:, :, 0], batch, channels, h, w)
+        img_ids = FluxPipeline._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
+        txt_ids = torch.zeros(encoder_hidden_states.shape[1], 3, device=device, dtype=dtype)
+        out = self.transformer(hidden_states=packed, timestep=timestep, guidance=guidance, pooled_projections=pooled_projections,
+                               encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
+                               return_dict=False)[0]  # fmt: skip
+        pixels = (h * self.vae_spatial, w * self.vae_spatial)
+        return (FluxPipeline._unpack_latents(out, *pixels, self.vae_spatial).unsqueeze(2),)
+
+
+class FluxDenoiseStep(nn.Module):
+    """One FLUX denoise step: the cond branch, the true-CFG uncond branch (when `cfg`), the combine
+    `uncond + true_cfg_scale * (cond - uncond)` and the Euler update, as FluxPipeline's loop body."""
+
+    def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler, cfg: bool, vae_spatial: int,
+                 tap_points: TapPoints | None = None):  # fmt: skip
+        super().__init__()
+        self.denoiser = FluxDenoiser(transformer, vae_spatial)
+        self.sampler = sampler
+        self.cfg = cfg
+        self.tap_points = tap_points  # parity runs only: block outputs as "tap.*" outputs
+        self.cfg_split = None  # no CFG-parallel plan for this loop
+
+    def forward(
+        self,
+        latents: torch.Tensor,  # [B, C, 1, h, w] float32
+        timestep: torch.Tensor,  # [B] the scheduler's timesteps (0..1000)
+        coeffs: torch.Tensor,  # [B, 2] this step's Euler row
+        prompt_embeds: torch.Tensor,  # [B, L, D] T5
+        pooled_prompt_embeds: torch.Tensor,  # [B, P] CLIP pooled
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_pooled_prompt_embeds: torch.Tensor | None = None,
+        guidance_scale: torch.Tensor | None = None,  # [B] true_cfg_scale, when cfg
+        guidance: torch.Tensor | None = None,  # [B] float32 the embedded guidance, where the weights take it
+        **carry: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        dtype = prompt_embeds.dtype
+        model_input = latents.to(dtype)
+        t = timestep.to(dtype) / 1000  # FluxPipeline: t.expand(B).to(latents.dtype) / 1000
+        side = {} if guidance is None else {"guidance": mark_request_constant(guidance)}
+        taps = {}
+        noise = self._denoise("cond", model_input, t, mark_request_constant(prompt_embeds),
+                              mark_request_constant(pooled_prompt_embeds), **side)  # fmt: skip
+        taps["tap.noise.cond"] = noise
+        if self.cfg:
+            uncond = self._denoise("uncond", model_input, t, mark_request_constant(negative_prompt_embeds),
+                                   mark_request_constant(negative_pooled_prompt_embeds), **side)  # fmt: skip
+            noise = guided(noise, uncond, guidance_scale)
+            taps["tap.noise.uncond"], taps["tap.noise"] = uncond, noise
+        out = sampler_update(self.sampler, latents, noise, carry, coeffs)
+        if self.tap_points is not None:
+            out.update(taps)
+            out.update(self.tap_points.drain())
+        return out
+
+    def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
+        """(tokens, head_dim, dtype) of the joint attention: text plus packed image tokens."""
+        _, _, _, h, w = inputs["latents"].shape
+        config = self.denoiser.transformer.config
+        tokens = inputs["prompt_embeds"].shape[1] + (h // 2) * (w // 2)
+        return tokens, int(config.attention_head_dim), inputs["prompt_embeds"].dtype
+
+    def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states, pooled_projections, **extra):
+        inputs = dict(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
+                      pooled_projections=pooled_projections, **extra)  # fmt: skip
+        marked = dict(zip(inputs, mark_branch_inputs(branch, "denoiser", **inputs)))
+        noise = self.denoiser(**marked, return_dict=False)[0]
+        return mark_branch_output(branch, "denoiser", noise)
+
+
+class ImageVaeDecodeStep(nn.Module):
+    """One-frame latents -> image in [0, 1] as a one-frame video [B, 3, 1, H, W]: FluxPipeline's
+    `latents / scaling_factor + shift_factor`, decode and denormalize."""
+
+    def __init__(self, vae: nn.Module):
+        super().__init__()
+        self.vae = vae
+        self.scaling = float(vae.config.scaling_factor)
+        self.shift = float(vae.config.shift_factor or 0.0)
+
+    def forward(self, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        z = latents[:, :, 0].to(self.vae.dtype) / self.scaling + self.shift
+        image = self.vae.decode(z, return_dict=False)[0]
+        return {"video": (image / 2 + 0.5).clamp(0, 1).unsqueeze(2)}
