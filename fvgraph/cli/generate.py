@@ -24,6 +24,7 @@ def generate(
     checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
     num_inference_steps: Optional[int] = typer.Option(None, "--steps", help="Default: the card's recipe."),
     guidance_scale: Optional[float] = typer.Option(None, "--guidance", help="Default: the card's recipe."),
+    true_cfg_scale: Optional[float] = typer.Option(None, "--true-cfg", help="FLUX / Qwen-Image cards: > 1 with --negative-prompt runs classifier-free guidance."),
     height: Optional[int] = typer.Option(None),
     width: Optional[int] = typer.Option(None),
     num_frames: Optional[int] = typer.Option(None, "--frames"),
@@ -49,7 +50,7 @@ def generate(
     merge_lora: list[str] = MERGE_LORA_OPTION,
     max_loras: Optional[int] = MAX_LORAS_OPTION,
     max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
-    output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; several prompts add _i."),
+    output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4 (an image card's: .png, .jpg or .webp too); several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
     """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
@@ -72,7 +73,7 @@ def generate(
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
-                guidance_scale=guidance_scale, height=height, width=width, num_frames=num_frames, seed=seed + i,
+                guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, height=height, width=width, num_frames=num_frames, seed=seed + i,
                 loras=chosen,
             )
             for i, text in enumerate(prompt)

@@ -121,14 +121,15 @@ class FluxLoop(TextToVideoLoop):
         return resolved
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
-        cfg = guidance_scale > 1
+        """`guidance_scale` is the embedded guidance (a value of the step, not a kind of it): the request
+        runs the one-branch kind, as the card's default does; a true-CFG kind compiles at its first use."""
         if self.components.text_encoder is not None:
-            text = {"prompt": "warmup", **({"negative_prompt": ""} if cfg else {})}
+            text = {"prompt": "warmup"}
         else:
-            embeds = {"prompt_embeds": torch.zeros(self.card.shapes.text_len, self.facts.text_dim),
-                      "pooled_prompt_embeds": torch.zeros(self.pooled_dim)}  # fmt: skip
-            text = {**embeds, **({f"negative_{k}": v for k, v in embeds.items()} if cfg else {})}
-        return Request(**text, true_cfg_scale=guidance_scale, num_inference_steps=steps, height=height, width=width, seed=0)
+            text = {"prompt_embeds": torch.zeros(self.card.shapes.text_len, self.facts.text_dim),
+                    "pooled_prompt_embeds": torch.zeros(self.pooled_dim)}  # fmt: skip
+        guidance = {"guidance_scale": guidance_scale} if self.guidance_embeds else {}
+        return Request(**text, **guidance, num_inference_steps=steps, height=height, width=width, seed=0)
 
     # -- init ------------------------------------------------------------------------------------------
 

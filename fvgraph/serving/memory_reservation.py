@@ -74,14 +74,16 @@ class MemoryModel:
         vae = loop.components.vae.config
         self.dit_bytes = loop.components.transformer.dtype.itemsize
         self.inner = dit.num_attention_heads * dit.attention_head_dim
-        self.ffn = dit.ffn_dim
-        self.layers = dit.num_layers
-        self.patch = tuple(dit.patch_size)
+        # Wan's configs name the FFN width; FLUX's blocks are 4x wide and come as double + single stream.
+        self.ffn = dit.get("ffn_dim") or 4 * self.inner
+        self.layers = dit.num_layers + dit.get("num_single_layers", 0)
+        self.patch = engine.facts.patch_size
         self.channels = loop.latent_channels
         self.temporal_scale, self.spatial_scale = loop.temporal_scale, loop.spatial_scale
         self.text_len, self.text_dim = card.shapes.text_len, engine.facts.text_dim
         self.carry = len(loop.sampler.initial_carry(torch.zeros(1)))
-        self.vae_top = vae.base_dim * vae.dim_mult[0]
+        # The decoder's channels at full resolution: Wan's VAE config, or an image VAE's first level.
+        self.vae_top = vae.base_dim * vae.dim_mult[0] if "base_dim" in vae else vae.block_out_channels[0]
         cpu = loop.components.device.type == "cpu"
         self.vae_bytes_per_channel = VAE_CPU_BYTES_PER_CHANNEL if cpu else VAE_LIVE_MAPS * 4
         self.vae_fixed = VAE_CPU_FIXED_BYTES if cpu else 0

@@ -53,6 +53,8 @@ class _Body(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0)
     guidance_scale_2: float | None = Field(default=None, ge=0.0, le=30.0, description="Two-expert cards: the low-noise expert's.")
+    true_cfg_scale: float | None = Field(default=None, ge=0.0, le=30.0,
+                                         description="FLUX / Qwen-Image cards: > 1 with negative_prompt runs classifier-free guidance.")
     seed: int | None = Field(default=None, ge=0, lt=SEED_RANGE)
     timeout: float | None = Field(default=None, gt=0, description="Seconds after which the request is cancelled.")
     cache: Any = Field(default=None, description="Step caching, as Request(cache=...) takes it (and checks it).")
@@ -62,7 +64,7 @@ class _Body(BaseModel):
     user: str | None = Field(default=None, max_length=256, description="The end user, for logs; accepted and reported.")
 
     _sent: SentAs = PrivateAttr(default_factory=dict)  # body field -> the field the client sent it as
-    _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "guidance_scale_2", "seed", "timeout",
+    _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "guidance_scale_2", "true_cfg_scale", "seed", "timeout",
                                      "width", "height", mode="before")(refuse_boolean)  # fmt: skip
 
 
@@ -230,7 +232,8 @@ def _request(body: _Body, card: ModelCard, request_id: str, max_prompt_chars: in
         refuse_deploy_time({"flow_shift": body.flow_shift, "boundary_ratio": body.boundary_ratio}, card)
         try:
             return Request(prompt=body.prompt, negative_prompt=body.negative_prompt, num_inference_steps=body.num_inference_steps,
-                           guidance_scale=body.guidance_scale, guidance_scale_2=body.guidance_scale_2, seed=body.seed,
+                           guidance_scale=body.guidance_scale, guidance_scale_2=body.guidance_scale_2,
+                           true_cfg_scale=body.true_cfg_scale, seed=body.seed,
                            cache=body.cache, request_id=request_id, loras=_loras(body.loras), **shape)  # fmt: skip
         except ValidationError as err:
             raise _rejected(err) from None

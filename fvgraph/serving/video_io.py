@@ -1,6 +1,6 @@
 """Writing generated frames to a file a person can open: .gif (Pillow) or .mp4 (PyAV, H.264 when its
 FFmpeg has it, MPEG-4 part 2 otherwise; faststart: the index before the frames, so it plays while it
-downloads).
+downloads), or, for a one-frame result (an image card's), .png, .jpg or .webp (Pillow).
 
 `check_video_output` checks a path's suffix, the frame rate and, for .mp4, that an encoder is there,
 so a command can refuse bad output options before it does any work.
@@ -15,6 +15,7 @@ from diffusers.utils import export_to_gif
 from PIL import Image
 
 VIDEO_SUFFIXES = (".gif", ".mp4")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
 def check_video_output(path: str | Path, fps: int) -> None:
@@ -22,8 +23,8 @@ def check_video_output(path: str | Path, fps: int) -> None:
     if isinstance(fps, bool) or not isinstance(fps, int) or fps < 1:
         raise ValueError(f"fps={fps!r} must be a whole number of frames per second, at least 1")
     suffix = Path(path).suffix.lower()
-    if suffix not in VIDEO_SUFFIXES:
-        raise ValueError(f"output path {path} must end in .gif or .mp4")
+    if suffix not in VIDEO_SUFFIXES + IMAGE_SUFFIXES:
+        raise ValueError(f"output path {path} must end in .gif or .mp4 (or, for an image, .png, .jpg or .webp)")
     if suffix == ".mp4":
         _mp4_codec()
 
@@ -45,13 +46,17 @@ def _mp4_codec() -> str:
 
 
 def write_video(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
-    """uint8 [T, H, W, 3] -> `path` (.gif or .mp4)."""
+    """uint8 [T, H, W, 3] -> `path` (.gif or .mp4; T = 1 also .png, .jpg or .webp)."""
     path = Path(path)
     if frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"frames must be uint8 [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
     check_video_output(path, fps)
+    if path.suffix.lower() in IMAGE_SUFFIXES and frames.shape[0] != 1:
+        raise ValueError(f"{path.name}: an image file holds one frame and this result has {frames.shape[0]}; write .gif or .mp4")
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.suffix.lower() == ".gif":
+    if path.suffix.lower() in IMAGE_SUFFIXES:
+        Image.fromarray(frames[0]).save(path)
+    elif path.suffix.lower() == ".gif":
         export_to_gif([Image.fromarray(frame) for frame in frames], str(path), fps=fps)
     else:
         _write_mp4(frames, path, fps)
