@@ -96,4 +96,23 @@ TINY_FLUX = ModelCard(
     quantization=QuantizationSpec(fp8_exclude=("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")),
 )  # fmt: skip
 
-CARDS = (TINY_FLUX, FLUX_1_DEV, FLUX_1_SCHNELL)
+# The default CPU workload of perf/bench_step.py for this family: FLUX's blocks at wan-cpu-bench's width
+# (4 heads of 128), 2 double- and 2 single-stream blocks, a 192x192 image (144 image + 64 text tokens):
+# about 8 GFLOP per step, compute rather than Python on a 2-core CPU in fp32. Seeded weights; its
+# outputs mean nothing, only their cost does.
+FLUX_CPU_BENCH = ModelCard.model_validate(
+    {
+        **TINY_FLUX.model_dump(),
+        "card_id": "flux-cpu-bench",
+        "components": _components(
+            {**FLUX_DEV_TRANSFORMER, "num_layers": 2, "num_single_layers": 2, "num_attention_heads": 4,
+             "joint_attention_dim": 256, "pooled_projection_dim": 64},
+            TINY_VAE, {**TINY_CLIP, "hidden_size": 64, "projection_dim": 64}, {**TINY_T5, "d_model": 256, "num_layers": 1},
+            {"model_max_length": 77}, {"model_max_length": 64}, "fp32",
+        ),
+        "shapes": ShapeRules(text_len=64, max_height=512, max_width=512, max_frames=1, default_height=192, default_width=192,
+                             default_frames=1),
+    }
+)  # fmt: skip
+
+CARDS = (TINY_FLUX, FLUX_1_DEV, FLUX_1_SCHNELL, FLUX_CPU_BENCH)

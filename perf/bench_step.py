@@ -4,9 +4,11 @@ beside fvgraph at each opt level, at batch 1 and at a batch of requests in locks
 
     python perf/bench_step.py                        # wan-cpu-bench on the CPU, -O0 -O1 -O3, batch 1 and 4
     python perf/bench_step.py --gpu                  # Wan 1.3B config, bf16, 480x832x33 and 256x256x17
+    python perf/bench_step.py --card flux-cpu-bench  # FLUX's blocks on the CPU, 192x192 (--gpu: flux.1-dev-bench, 1024x1024)
 
-A step is the whole CFG step: cond + uncond forward, guidance combine and the UniPC update. The
-diffusers cases run the body of WanPipeline's loop; at batch B they run B requests as one diffusers
+A Wan step is the whole CFG step: cond + uncond forward, guidance combine and the UniPC update; a
+FLUX step is FLUX.1-dev's: one forward with the embedded guidance and the Euler update. The
+diffusers cases run the body of the family's pipeline loop (perf/diffusers_baselines.py); at batch B they run B requests as one diffusers
 batch (same step, same guidance). fvgraph runs B requests through `Engine.submit` / `tick`, one tick
 per step, as served: admission and each request's first step (its prologue) are untimed, and no timed
 tick finishes a request. Compiles happen in the untimed warmup and are reported apart. Prints one JSON
@@ -24,11 +26,11 @@ import torch
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
-from fvgraph.perf.diffusers_baselines import BASELINES, baseline_transformer, diffusers_step_case, untouched_components
+from fvgraph.perf.diffusers_baselines import BASELINES, baseline_transformer, diffusers_step_case, flux_step_case, untouched_components
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 from fvgraph.request import Request
 
-GUIDANCE = 5.0
+GUIDANCE = 5.0  # Wan's CFG scale; FLUX.1-dev's embedded guidance is its card's default
 # CPU goals (issue: measurements a skeptic accepts): fvgraph -O1 against diffusers + regional compile.
 # At batch B the goal is read two ways, both reported: against diffusers batching the same B requests
 # (like for like), and against diffusers serving them one at a time (its pipeline's serving model).
@@ -73,8 +75,15 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     shapes, version = any_engine.card.shapes, any_engine.loop.components.weights_version
     g = torch.Generator().manual_seed(0)
     pe, ne = (torch.randn(shapes.text_len, any_engine.facts.text_dim, generator=g) for _ in range(2))
-    request = Request(prompt_embeds=pe, negative_prompt_embeds=ne, guidance_scale=GUIDANCE, height=height, width=width,
-                      num_frames=frames, seed=0, num_inference_steps=steps, output_type="latent")  # fmt: skip
+    flux = any_engine.card.family == "flux"
+    if flux:  # FLUX.1-dev's step: one branch, the guidance an input of the denoiser
+        guidance = any_engine.card.recipe.default_guidance_scale
+        pooled_dim = any_engine.loop.components.transformer.config.pooled_projection_dim
+        pooled = torch.randn(pooled_dim, generator=g)
+        text = dict(prompt_embeds=pe, pooled_prompt_embeds=pooled, guidance_scale=guidance)
+    else:
+        guidance, text = GUIDANCE, dict(prompt_embeds=pe, negative_prompt_embeds=ne, guidance_scale=GUIDANCE)
+    request = Request(**text, height=height, width=width, num_frames=frames, seed=0, num_inference_steps=steps, output_type="latent")
     resolved = request.resolve(any_engine.card, any_engine.facts)
     latents = [any_engine.loop.init(resolved.model_copy(update={"seed": i})).latents for i in range(batch)]
     dtype = any_engine.loop.components.transformer.dtype
@@ -89,8 +98,12 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
                 continue  # a second whole-model compile for little news: the regional compile covers batch B
             # each baseline and batch gets its own copy: a compiled copy keeps its batch-1 graph untouched
             transformer = baseline_transformer(kind, untouched_components(card, device, version))
-            cases.append(diffusers_step_case(f"diffusers_{kind}{suffix}", transformer, sampler, torch.cat(latents[:b]),
-                                             pe_d, ne_d, GUIDANCE, steps))  # fmt: skip
+            if flux:
+                cases.append(flux_step_case(f"diffusers_{kind}{suffix}", transformer, sampler, torch.cat(latents[:b]), pe_d,
+                                            pooled[None].to(device, dtype), guidance, steps, any_engine.loop.spatial_scale))  # fmt: skip
+            else:
+                cases.append(diffusers_step_case(f"diffusers_{kind}{suffix}", transformer, sampler, torch.cat(latents[:b]),
+                                                 pe_d, ne_d, GUIDANCE, steps))  # fmt: skip
         for (level, eb), engine in engines.items():  # -O0 runs a batch one request at a time: no -O0 at B
             if eb == b:
                 cases.append(fvgraph_case(f"fvgraph_O{level}{suffix}", engine, request, b))

@@ -5,13 +5,17 @@ card's weights (never the engine's module instances, whose forwards fvgraph may 
     compile_repeated_blocks diffusers' regional compile: `transformer.compile_repeated_blocks(fullgraph=True)`
     torch_compile           the whole transformer through `torch.compile(fullgraph=True)`
 
-A step is the body of WanPipeline's denoise loop: the cond and uncond transformer calls, the
-guidance combine and the scheduler's step, as `WanPipeline.__call__` runs them.
+A step is the body of the family's pipeline loop: WanPipeline's cond and uncond transformer calls,
+guidance combine and scheduler step (`diffusers_step_case`), or FluxPipeline's one transformer call on
+packed latents with the embedded guidance and its scheduler step (`flux_step_case`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from diffusers import FluxPipeline
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
 
 from fvgraph.cards import get_card
 from fvgraph.models.components import Components, load_components
@@ -65,6 +69,42 @@ def diffusers_step_case(name: str, transformer, sampler_spec, latents: torch.Ten
             uncond = transformer(hidden_states=x, timestep=timestep, encoder_hidden_states=ne, return_dict=False)[0]
             noise = uncond + guidance * (cond - uncond)
             state["latents"] = scheduler.step(noise, t, state["latents"], return_dict=False)[0]
+        state["i"] += 1
+
+    return Case(name, run, before)
+
+
+def flux_step_case(name: str, transformer, sampler_spec, latents: torch.Tensor, pe: torch.Tensor, pooled: torch.Tensor,
+                   guidance: float, num_steps: int, vae_spatial: int) -> Case:  # fmt: skip
+    """One FluxPipeline denoise step per run on `latents` [B, C, 1, h, w] (packed once, as the pipeline
+    holds them), with its shifted schedule, position ids and embedded guidance; restarts untimed."""
+    batch, channels, _, h, w = latents.shape
+    packed = FluxPipeline._pack_latents(latents[:, :, 0], batch, channels, h, w)
+    scheduler = diffusers_scheduler(sampler_spec)
+    config = scheduler.config
+    mu = calculate_shift(packed.shape[1], config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                         config.get("base_shift", 0.5), config.get("max_shift", 1.15))  # fmt: skip
+    dtype, device = pe.dtype, pe.device
+    img_ids = FluxPipeline._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
+    txt_ids = torch.zeros(pe.shape[1], 3, device=device, dtype=dtype)
+    pe, pooled = pe.expand(batch, -1, -1), pooled.expand(batch, -1)
+    embedded = torch.full([batch], guidance, device=device, dtype=torch.float32) if transformer.config.guidance_embeds else None
+    state = {"i": num_steps, "latents": packed}
+
+    def before():
+        if state["i"] == num_steps:
+            sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+            retrieve_timesteps(scheduler, num_steps, device, sigmas=sigmas, mu=mu)
+            state.update(i=0, latents=packed.to(dtype).clone())
+
+    def run():
+        t = scheduler.timesteps[state["i"]]
+        x = state["latents"]
+        with torch.no_grad():
+            noise = transformer(hidden_states=x, timestep=t.expand(batch).to(x.dtype) / 1000, guidance=embedded,
+                                pooled_projections=pooled, encoder_hidden_states=pe, txt_ids=txt_ids, img_ids=img_ids,
+                                return_dict=False)[0]  # fmt: skip
+            state["latents"] = scheduler.step(noise, t, x, return_dict=False)[0]
         state["i"] += 1
 
     return Case(name, run, before)
