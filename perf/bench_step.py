@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from fvgraph.contract.flops import flop_counter
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
@@ -64,6 +65,43 @@ def fvgraph_case(name: str, engine: Engine, request: Request, batch: int) -> Cas
     return Case(name, run, before)
 
 
+GEMM_CALLS = 20  # per timed run: one matmul of these sizes is too short to time alone
+
+
+def gemm_cases(shapes: list[tuple[int, int, int]], device: torch.device, dtype: torch.dtype) -> dict[str, tuple[Case, int]]:
+    """Per (M, K, N): a case of GEMM_CALLS matmuls [M, K] @ [K, N], and its FLOPs per run."""
+    cases = {}
+    for m, k, n in dict.fromkeys(shapes):
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+
+        def run(a=a, b=b):
+            for _ in range(GEMM_CALLS):
+                torch.mm(a, b)
+
+        name = f"gemm_{m}x{k}x{n}"
+        cases[name] = (Case(name, run), 2 * m * k * n * GEMM_CALLS)
+    return cases
+
+
+def step_gemm_shapes(engine: Engine, inputs: dict[str, torch.Tensor], branches: int) -> list[tuple[int, int, int]]:
+    """The denoiser's main GEMMs at batch 1: the tokens of every branch by the width, and by the MLP width."""
+    step = engine.loop.build_steps()[next(k for k, v in engine.loop.step_kinds.items() if v.per_inference_step)]
+    tokens, _, _ = step.attention_shape(inputs)
+    config = engine.loop.components.transformer.config
+    inner = config.num_attention_heads * config.attention_head_dim
+    ffn = config.get("ffn_dim") or 4 * inner
+    m = tokens * branches
+    return [(m, inner, inner), (m, inner, ffn), (m, ffn, inner)]
+
+
+def eager_step_flops(case: Case) -> int:
+    """FLOPs of one step of an eager diffusers case, counted by torch's flop counter."""
+    case.before()
+    with flop_counter() as counter:
+        case.run()
+    return int(counter.get_total_flops())
+
+
 def bench_shape(card: str, device: torch.device, height: int, width: int, frames: int, repeats: int, warmup: int,
                 levels: tuple[int, ...], batch: int, baselines: tuple[str, ...]) -> dict:  # fmt: skip
     steps = min(warmup + repeats + 2, 50)  # one request covers the warmup and the rounds when it can
@@ -90,7 +128,7 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     pe_d, ne_d = pe[None].to(device, dtype), ne[None].to(device, dtype)
     sampler = any_engine.card.recipe.sampler
 
-    cases = []
+    cases, flops = [], {}
     for b in sorted({1, batch}):
         suffix = "" if b == 1 else f"_b{b}"
         for kind in baselines:
@@ -107,7 +145,26 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
         for (level, eb), engine in engines.items():  # -O0 runs a batch one request at a time: no -O0 at B
             if eb == b:
                 cases.append(fvgraph_case(f"fvgraph_O{level}{suffix}", engine, request, b))
+    # FLOPs per step: diffusers' math counted once on an eager step (batch 1, scaled by the batch)
+    counted = cases[0] if cases[0].name == "diffusers_eager" else None
+    step_flops = eager_step_flops(counted) if counted is not None else None
+    branches = 1 if flux else 2
+    inputs = {"latents": latents[0], "prompt_embeds": pe_d}
+    gemms = gemm_cases(step_gemm_shapes(any_engine, inputs, branches), device, dtype)
+    cases += [case for case, _ in gemms.values()]
+    flops.update({name: f for name, (_, f) in gemms.items()})
     samples, warm = _run(cases, repeats, warmup, device)
+    for name in samples:  # the FLOPs each case executes per step
+        b = batch if name.endswith(f"_b{batch}") and batch > 1 else 1
+        if name.startswith("diffusers_") or name == "fvgraph_O0":
+            flops[name] = None if step_flops is None else step_flops * b
+        elif name.startswith("fvgraph_O"):
+            level = int(name.removeprefix("fvgraph_O").split("_")[0])
+            counts = [c.flops for c in engines[(level, b)].compiler.compiled_steps if c.flops is not None]
+            flops[name] = max(counts) if counts else None  # the denoise step: the other kinds run eager or are far smaller
+    gflops = {name: spread([flops[name] / v / 1e9 for v in s], 1.0, 1) for name, s in samples.items() if flops.get(name)}
+    gemm_peak = max(gflops[name]["median"] for name in gemms)
+    samples = {name: s for name, s in samples.items() if name not in gemms}
 
     per_step = {name: spread(s, 1e3) for name, s in samples.items()}
     per_request = {name: spread([v / batch for v in s], 1e3) for name, s in samples.items() if name.endswith(f"_b{batch}")}
@@ -119,7 +176,10 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
         f"per_request_step_ms_b{batch}": per_request, "speedup_per_round": speedups,
         "goals": {name: {"target": GOALS[name], "median": s["median"], "met_by_median": s["median"] >= GOALS[name],
                          "met_by_min": s["min"] >= GOALS[name]} for name, s in goals.items()},
-        "warmup_s_including_compile": {k: round(v, 2) for k, v in warm.items()},
+        "gflop_per_step": {name: round(f / 1e9, 3) for name, f in flops.items() if f and name in samples},
+        "gflops_per_s": gflops, "gemm_peak_gflops_per_s": gemm_peak,
+        "fraction_of_gemm_peak": {name: round(g["median"] / gemm_peak, 3) for name, g in gflops.items() if name in samples},
+        "warmup_s_including_compile": {k: round(v, 2) for k, v in warm.items() if k not in gemms},
         "fvgraph_passes_changed": {f"O{level}_b{b}": [s.passes_changed for s in e.compiler._compiled.values()]
                                    for (level, b), e in engines.items() if e.compiler is not None},
     }  # fmt: skip

@@ -5,7 +5,7 @@ import re
 
 import torch
 
-from fvgraph.loops.step_flops import flop_counter
+from fvgraph.contract.flops import flop_counter
 from fvgraph.request import Request
 from conftest import embeds
 

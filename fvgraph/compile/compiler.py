@@ -23,6 +23,7 @@ from torch.nn.attention import sdpa_kernel
 
 from fvgraph.compile.capture_cache import CacheEntry, CaptureCache
 from fvgraph.contract.counters import Counters
+from fvgraph.contract.flops import graph_flops
 from fvgraph.compile.graph_artifact import load_graph, load_in_child, save_graph, save_graph_in_child
 from fvgraph.kernels.attention import sdpa_backends
 from fvgraph.contract.plan import WorkPlan
@@ -100,6 +101,9 @@ class CompiledStep:
     # Functional collectives (op name -> count) in the graphs handed to the backend: a parallel
     # step's communication is part of its graph, not a call around it.
     collectives: dict[str, int] = field(default_factory=dict)
+    # FLOPs of one call of the step graph after the passes (hoisted work excluded: the prologue's is
+    # apart); None when not counted (loaded from the capture cache, or an op with no fake kernel).
+    flops: int | None = None
 
 
 class StepCompiler:
@@ -204,7 +208,7 @@ class StepCompiler:
             param_names=captured.param_names, input_names=captured.input_names,
             output_names=captured.output_names + ctx.extra_outputs, passes_changed=dict(ctx.changed),
             hoisted_like=[dict(shape=list(t.shape), stride=list(t.stride()), dtype=str(t.dtype)) for t in hoisted],
-            collectives=collective_counts(gm, ctx.prologue),
+            collectives=collective_counts(gm, ctx.prologue), flops=graph_flops(gm, base_args + hoisted),
         )  # fmt: skip
         compiled = None
         if self.cache is not None:
@@ -228,7 +232,7 @@ class StepCompiler:
         return CompiledStep(
             signature, step_fn, prologue_fn, list(step_parameters(step).values()), meta["input_names"],
             meta["output_names"], meta["passes_changed"], seconds, [_like(h, "meta") for h in meta["hoisted_like"]],
-            meta.get("collectives", {}),
+            meta.get("collectives", {}), meta.get("flops"),
         )  # fmt: skip
 
     # -- through the capture cache -----------------------------------------------------------------

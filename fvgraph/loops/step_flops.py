@@ -8,10 +8,7 @@ The step modules it runs are built on `meta_twin`s of the denoiser: the same cla
 parameter dtypes with no data, so the counting never calls the serving modules (their hooks, the
 eager projection cache) and allocates nothing.
 
-What is counted is what the flop counter counts: matmuls, convolutions and attention (2 FLOPs per
-multiply-add); elementwise work, norms and the sampler update count zero. On the CPU, SDPA runs as
-`_scaled_dot_product_flash_attention_for_cpu`, which torch 2.13's counter has no formula for; it is
-counted here with the counter's own SDPA formula, as the CUDA kernels are.
+What is counted is what the flop counter counts (fvgraph/contract/flops.py).
 """
 
 from __future__ import annotations
@@ -20,20 +17,8 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
-
+from fvgraph.contract.flops import flop_counter
 from fvgraph.contract.plan import ShapeSignature
-
-aten = torch.ops.aten
-
-
-def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
-    return sdpa_flop_count(query_shape, key_shape, value_shape)
-
-
-def flop_counter() -> FlopCounterMode:
-    """A FlopCounterMode that also counts the CPU SDPA kernel (see the module docstring)."""
-    return FlopCounterMode(display=False, custom_mapping={aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops})
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
