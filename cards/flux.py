@@ -115,4 +115,22 @@ FLUX_CPU_BENCH = ModelCard.model_validate(
     }
 )  # fmt: skip
 
-CARDS = (TINY_FLUX, FLUX_1_DEV, FLUX_1_SCHNELL, FLUX_CPU_BENCH)
+# The released FLUX.1-dev transformer with seeded random weights, beside tiny text encoders of the
+# real widths (CLIP pooled 768, one T5 layer of 4096) and the tiny VAE: what perf/gpu_check.sh times
+# when no checkpoint is at hand. Step time depends on shapes, not on weight values.
+FLUX_1_DEV_BENCH = ModelCard.model_validate(
+    {
+        **FLUX_CPU_BENCH.model_dump(),
+        "card_id": "flux.1-dev-bench",
+        "components": _components(
+            FLUX_DEV_TRANSFORMER, TINY_VAE, {**TINY_CLIP, "hidden_size": 768, "projection_dim": 768},
+            {**TINY_T5, "d_model": 4096, "d_kv": 64, "num_heads": 64, "d_ff": 1024, "num_layers": 1},
+            {"model_max_length": 77}, {"model_max_length": 512}, "bf16",
+        ),
+        "recipe": FLUX_1_DEV.recipe,
+        "shapes": FLUX_1_DEV.shapes,
+        "quantization": FLUX_1_DEV.quantization,
+    }
+)  # fmt: skip
+
+CARDS = (TINY_FLUX, FLUX_1_DEV, FLUX_1_SCHNELL, FLUX_CPU_BENCH, FLUX_1_DEV_BENCH)

@@ -4,7 +4,7 @@ beside fvgraph at each opt level, at batch 1 and at a batch of requests in locks
 
     python perf/bench_step.py                        # wan-cpu-bench on the CPU, -O0 -O1 -O3, batch 1 and 4
     python perf/bench_step.py --gpu                  # Wan 1.3B config, bf16, 480x832x33 and 256x256x17
-    python perf/bench_step.py --card flux-cpu-bench  # FLUX's blocks on the CPU, 192x192 (--gpu: flux.1-dev-bench, 1024x1024)
+    python perf/bench_step.py --card flux-cpu-bench  # FLUX's blocks on the CPU, 192x192 (GPU: --gpu --card flux.1-dev-bench --shapes 1024x1024x1)
 
 A Wan step is the whole CFG step: cond + uncond forward, guidance combine and the UniPC update; a
 FLUX step is FLUX.1-dev's: one forward with the embedded guidance and the Euler update. The
@@ -102,31 +102,69 @@ def eager_step_flops(case: Case) -> int:
     return int(counter.get_total_flops())
 
 
+class Workload:
+    """One shape's step on a card: the request fvgraph serves, its batch's initial latents, and the
+    same inputs on the device for the diffusers cases (FLUX.1-dev's step: one branch, the guidance an
+    input of the denoiser; Wan's: the CFG step at GUIDANCE)."""
+
+    def __init__(self, engine: Engine, device: torch.device, height: int, width: int, frames: int, steps: int, batch: int):
+        card, shapes = engine.card, engine.card.shapes
+        g = torch.Generator().manual_seed(0)
+        pe, ne = (torch.randn(shapes.text_len, engine.facts.text_dim, generator=g) for _ in range(2))
+        self.flux = card.family == "flux"
+        if self.flux:
+            self.guidance = card.recipe.default_guidance_scale
+            pooled = torch.randn(engine.loop.components.transformer.config.pooled_projection_dim, generator=g)
+            text = dict(prompt_embeds=pe, pooled_prompt_embeds=pooled, guidance_scale=self.guidance)
+        else:
+            self.guidance, text = GUIDANCE, dict(prompt_embeds=pe, negative_prompt_embeds=ne, guidance_scale=GUIDANCE)
+        self.request = Request(**text, height=height, width=width, num_frames=frames, seed=0, num_inference_steps=steps,
+                               output_type="latent")  # fmt: skip
+        resolved = self.request.resolve(card, engine.facts)
+        self.latents = [engine.loop.init(resolved.model_copy(update={"seed": i})).latents for i in range(batch)]
+        self.dtype = engine.loop.components.transformer.dtype
+        self.pe, self.ne = pe[None].to(device, self.dtype), ne[None].to(device, self.dtype)
+        self.pooled = pooled[None].to(device, self.dtype) if self.flux else None
+        self.engine, self.device, self.steps, self.card_id = engine, device, steps, card.card_id
+        self.branches = 1 if self.flux else 2
+
+    def diffusers_case(self, name: str, kind: str, batch: int) -> Case:
+        """Baseline `kind` on its own untouched copy of the weights (a compiled copy keeps its graph)."""
+        version = self.engine.loop.components.weights_version
+        transformer = baseline_transformer(kind, untouched_components(self.card_id, self.device, version))
+        sampler, latents = self.engine.card.recipe.sampler, torch.cat(self.latents[:batch])
+        if self.flux:
+            return flux_step_case(name, transformer, sampler, latents, self.pe, self.pooled, self.guidance, self.steps,
+                                  self.engine.loop.spatial_scale)  # fmt: skip
+        return diffusers_step_case(name, transformer, sampler, latents, self.pe, self.ne, GUIDANCE, self.steps)
+
+
+def bench_engine(card: str, device: torch.device, level: int, batch: int) -> Engine:
+    return Engine.from_card(card, device=device, opt_level=level, buckets=BucketSpec(batch_sizes=(batch,)),
+                            compile_config=CompileConfig(backend="inductor"))  # fmt: skip
+
+
+def step_workload(card: str, device: torch.device, level: int, batch: int, steps: int) -> dict[str, Case]:
+    """perf/profile_step.py's cases: diffusers eager and compile_repeated_blocks, fvgraph at `level`,
+    each at `batch`, on the card's default shape."""
+    engine = bench_engine(card, device, level, batch)
+    s = engine.card.shapes
+    work = Workload(engine, device, s.default_height, s.default_width, s.default_frames, steps, batch)
+    suffix = "" if batch == 1 else f"_b{batch}"
+    cases = {f"diffusers_{kind}{suffix}": work.diffusers_case(f"diffusers_{kind}{suffix}", kind, batch)
+             for kind in ("eager", "compile_repeated_blocks")}  # fmt: skip
+    cases[f"fvgraph_O{level}{suffix}"] = fvgraph_case(f"fvgraph_O{level}{suffix}", engine, work.request, batch)
+    return cases
+
+
 def bench_shape(card: str, device: torch.device, height: int, width: int, frames: int, repeats: int, warmup: int,
                 levels: tuple[int, ...], batch: int, baselines: tuple[str, ...]) -> dict:  # fmt: skip
     steps = min(warmup + repeats + 2, 50)  # one request covers the warmup and the rounds when it can
     # one engine per level and batch: a tick runs every request in its engine, so cases cannot share one
-    engines = {(level, b): Engine.from_card(card, device=device, opt_level=level, buckets=BucketSpec(batch_sizes=(b,)),
-                                            compile_config=CompileConfig(backend="inductor"))
-               for b in sorted({1, batch}) for level in levels if b == 1 or level > 0}  # fmt: skip
+    engines = {(level, b): bench_engine(card, device, level, b) for b in sorted({1, batch}) for level in levels if b == 1 or level > 0}
     any_engine = next(iter(engines.values()))
-    shapes, version = any_engine.card.shapes, any_engine.loop.components.weights_version
-    g = torch.Generator().manual_seed(0)
-    pe, ne = (torch.randn(shapes.text_len, any_engine.facts.text_dim, generator=g) for _ in range(2))
-    flux = any_engine.card.family == "flux"
-    if flux:  # FLUX.1-dev's step: one branch, the guidance an input of the denoiser
-        guidance = any_engine.card.recipe.default_guidance_scale
-        pooled_dim = any_engine.loop.components.transformer.config.pooled_projection_dim
-        pooled = torch.randn(pooled_dim, generator=g)
-        text = dict(prompt_embeds=pe, pooled_prompt_embeds=pooled, guidance_scale=guidance)
-    else:
-        guidance, text = GUIDANCE, dict(prompt_embeds=pe, negative_prompt_embeds=ne, guidance_scale=GUIDANCE)
-    request = Request(**text, height=height, width=width, num_frames=frames, seed=0, num_inference_steps=steps, output_type="latent")
-    resolved = request.resolve(any_engine.card, any_engine.facts)
-    latents = [any_engine.loop.init(resolved.model_copy(update={"seed": i})).latents for i in range(batch)]
-    dtype = any_engine.loop.components.transformer.dtype
-    pe_d, ne_d = pe[None].to(device, dtype), ne[None].to(device, dtype)
-    sampler = any_engine.card.recipe.sampler
+    work = Workload(any_engine, device, height, width, frames, steps, batch)
+    latents, dtype = work.latents, work.dtype
 
     cases, flops = [], {}
     for b in sorted({1, batch}):
@@ -134,23 +172,15 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
         for kind in baselines:
             if kind == "torch_compile" and b != 1:
                 continue  # a second whole-model compile for little news: the regional compile covers batch B
-            # each baseline and batch gets its own copy: a compiled copy keeps its batch-1 graph untouched
-            transformer = baseline_transformer(kind, untouched_components(card, device, version))
-            if flux:
-                cases.append(flux_step_case(f"diffusers_{kind}{suffix}", transformer, sampler, torch.cat(latents[:b]), pe_d,
-                                            pooled[None].to(device, dtype), guidance, steps, any_engine.loop.spatial_scale))  # fmt: skip
-            else:
-                cases.append(diffusers_step_case(f"diffusers_{kind}{suffix}", transformer, sampler, torch.cat(latents[:b]),
-                                                 pe_d, ne_d, GUIDANCE, steps))  # fmt: skip
+            cases.append(work.diffusers_case(f"diffusers_{kind}{suffix}", kind, b))
         for (level, eb), engine in engines.items():  # -O0 runs a batch one request at a time: no -O0 at B
             if eb == b:
-                cases.append(fvgraph_case(f"fvgraph_O{level}{suffix}", engine, request, b))
+                cases.append(fvgraph_case(f"fvgraph_O{level}{suffix}", engine, work.request, b))
     # FLOPs per step: diffusers' math counted once on an eager step (batch 1, scaled by the batch)
     counted = cases[0] if cases[0].name == "diffusers_eager" else None
     step_flops = eager_step_flops(counted) if counted is not None else None
-    branches = 1 if flux else 2
-    inputs = {"latents": latents[0], "prompt_embeds": pe_d}
-    gemms = gemm_cases(step_gemm_shapes(any_engine, inputs, branches), device, dtype)
+    inputs = {"latents": latents[0], "prompt_embeds": work.pe}
+    gemms = gemm_cases(step_gemm_shapes(any_engine, inputs, work.branches), device, dtype)
     cases += [case for case, _ in gemms.values()]
     flops.update({name: f for name, (_, f) in gemms.items()})
     samples, warm = _run(cases, repeats, warmup, device)

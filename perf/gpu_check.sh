@@ -21,15 +21,16 @@
 #   FVGRAPH_GPU_PART=lora        bash perf/gpu_check.sh  # bench_lora: the slot path at rank 32 vs no adapter, merged and peft; est. 480 s
 #   FVGRAPH_GPU_PART=distilled   bash perf/gpu_check.sh  # bench_distilled: s per request, 4-step distilled vs 50-step CFG base, 480x832x81, -O1, one round; est. 450 s (2 compiles + 2 base requests)
 #   FVGRAPH_GPU_PART=rollouts    bash perf/gpu_check.sh  # bench_rollouts: samples/s of engine.rollout K=8 vs a per-sample loop, 480x832x33, 10 CFG steps, -O2; est. 400 s (1 compile + 6 groups of 8)
+#   FVGRAPH_GPU_PART=flux_step   bash perf/gpu_check.sh  # bench_step on FLUX.1-dev's config (seeded, bf16), 1024x1024, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 500 s (12B seeded init + 2 compiles)
 #   FVGRAPH_GPU_PART=all         bash perf/gpu_check.sh  # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
-case " probe tests tests_loops aoti step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts all " in
+case " probe tests tests_loops aoti step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts all " in
   *" $PART "*) ;;
-  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts all" >&2; exit 2 ;;
+  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts all" >&2; exit 2 ;;
 esac
 # Before anything else: without the carried wheels every test stops at `import diffusers` (docs/gpu.md).
 if ! compgen -G "wheels/*.whl" >/dev/null; then
@@ -81,6 +82,7 @@ part tests && run pytest_gpu 480 "${PYTEST[@]}" -k "not capture_cache" "$REPO/te
 part tests_loops && run pytest_gpu_loops 520 "${PYTEST[@]}" "${LOOPS_TESTS[@]}"
 part aoti && run pytest_gpu_aoti 330 "${PYTEST[@]}" "${VERBOSE[@]}" -k capture_cache "$REPO/tests/test_gpu.py"
 part step && run bench_step 540 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3 --batch 1 --baselines eager,compile_repeated_blocks
+part flux_step && run bench_step_flux 570 python3 "$REPO"/perf/bench_step.py --gpu --card flux.1-dev-bench --shapes 1024x1024x1 --levels 1,2 --batch 1 --baselines eager,compile_repeated_blocks --repeats 10
 part serving && run bench_serving 420 python3 "$REPO"/perf/bench_serving.py --gpu --buckets 1 4 --requests 12 --repeats 1
 part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu
 part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
