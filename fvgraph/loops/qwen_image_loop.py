@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fvgraph.card import ModelCard
 from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.image_loop import ImageLoop
@@ -25,6 +26,7 @@ from fvgraph.loops.steps import VaeDecodeStep
 from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, T2VState
 from fvgraph.loops.t2v_state_check import EMBED_SLOTS
 from fvgraph.loops.taps import TapPoints
+from fvgraph.models.components import Components
 from fvgraph.request import Request
 
 # QwenImagePipeline.__init__'s prompt_template_encode, prompt_template_encode_start_idx and tokenizer_max_length.
@@ -75,6 +77,12 @@ class QwenImageLoop(ImageLoop):
     step_kinds = STEP_KINDS
     device_fields = (*ImageLoop.device_fields, "prompt_embeds_mask", "negative_prompt_embeds_mask")
     text_fields = ("prompt_embeds_mask", "negative_prompt_embeds_mask", "max_sequence_length")
+
+    def __init__(self, card: ModelCard, components: Components):
+        super().__init__(card, components)
+        # The step passes no guidance: diffusers' Qwen-Image timestep embedding takes none (its
+        # `guidance_embeds` path is unfinished there), so guidance_scale is refused whatever the config says.
+        self.guidance_embeds = False
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
         c = self.components
