@@ -117,6 +117,11 @@ class RecipeSpec(_Spec):
         "true_cfg_scale with a negative prompt (FLUX, Qwen-Image: there guidance_scale is the denoiser's embedded "
         "guidance input where its weights take one, as in diffusers' pipelines).",
     )
+    default_true_cfg_scale: float = Field(
+        default=1.0, ge=0.0,
+        description="With cfg_scale='true_cfg_scale': the scale a request with a negative prompt and no true_cfg_scale "
+        "runs (the pipeline's default: FluxPipeline 1.0, QwenImagePipeline 4.0); one without a negative prompt runs none.",
+    )
     boundary_ratio: float | None = Field(
         default=None, gt=0.0, lt=1.0,
         description="Two-expert models: timesteps >= this x the training timesteps run `transformer` (high "

@@ -84,6 +84,10 @@ class Request(BaseModel):
     pooled_prompt_embeds: torch.Tensor | None = Field(
         default=None, description="Cards with a pooled text input (FLUX): [dim] or [1, dim], passed with prompt_embeds.")
     negative_pooled_prompt_embeds: torch.Tensor | None = None
+    prompt_embeds_mask: torch.Tensor | None = Field(
+        default=None, description="Cards whose text embeddings carry a padding mask (Qwen-Image): [seq_len] or [1, seq_len], "
+        "1 where the denoiser attends to that token of prompt_embeds, 0 where it is padding (default: every token).")
+    negative_prompt_embeds_mask: torch.Tensor | None = None
     true_cfg_scale: float | None = Field(
         default=None, ge=0.0, le=30.0,
         description="FLUX and Qwen-Image cards: > 1 with a negative prompt runs classifier-free guidance, as diffusers' "
@@ -186,6 +190,11 @@ class Request(BaseModel):
     def _valid_pooled(cls, value, info):
         return _check_pooled(info.field_name, value)
 
+    @field_validator("prompt_embeds_mask", "negative_prompt_embeds_mask")
+    @classmethod
+    def _valid_mask(cls, value, info):
+        return _check_mask(info.field_name, value)
+
     @model_validator(mode="after")
     def _has_text(self) -> Request:
         if self.prompt is None and self.prompt_embeds is None:
@@ -197,6 +206,12 @@ class Request(BaseModel):
         for pooled, embeds in (("pooled_prompt_embeds", "prompt_embeds"), ("negative_pooled_prompt_embeds", "negative_prompt_embeds")):
             if (getattr(self, pooled) is None) != (getattr(self, embeds) is None) and getattr(self, pooled) is not None:
                 raise ValueError(f"{pooled} comes with {embeds}: pass both (or text)")
+        for mask, embeds in (("prompt_embeds_mask", "prompt_embeds"), ("negative_prompt_embeds_mask", "negative_prompt_embeds")):
+            value, tokens = getattr(self, mask), getattr(self, embeds)
+            if value is not None and tokens is None:
+                raise ValueError(f"{mask} masks {embeds}: pass {embeds} with it (text gets its mask from the tokenizer)")
+            if value is not None and value.shape[0] != tokens.shape[0]:
+                raise ValueError(f"{mask} has {value.shape[0]} entries, {embeds} {tokens.shape[0]} tokens: one entry per token")
         for second, first in (("prompt_2", "prompt"), ("negative_prompt_2", "negative_prompt")):
             if getattr(self, second) is not None and getattr(self, first) is None:
                 raise ValueError(f"{second} is the second text encoder's text beside {first}: pass {first} too")
@@ -266,11 +281,30 @@ def _resolve_cfg_scale(values: dict, request: Request, card: ModelCard) -> None:
             raise RequestRejected("true_cfg_scale", f"card {card.card_id!r} turns classifier-free guidance on with "
                                                     "guidance_scale > 1; leave true_cfg_scale unset")  # fmt: skip
         return
-    values["true_cfg_scale"] = 1.0 if request.true_cfg_scale is None else request.true_cfg_scale
     negative = request.negative_prompt is not None or request.negative_prompt_embeds is not None
+    # As diffusers' pipelines: the default scale guides only a request that brings a negative prompt.
+    default = card.recipe.default_true_cfg_scale if negative else 1.0
+    values["true_cfg_scale"] = default if request.true_cfg_scale is None else request.true_cfg_scale
     if values["true_cfg_scale"] > 1.0 and not negative:
         raise RequestRejected("true_cfg_scale", f"{values['true_cfg_scale']} > 1 runs classifier-free guidance against a "
                                                 "negative prompt: pass negative_prompt (or negative_prompt_embeds)")  # fmt: skip
+
+
+def _check_mask(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+    """A text padding mask as diffusers' pipelines take it (bool, integer or float 0/1), kept as int64 0/1."""
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.device.type == "meta" or value.layout != torch.strided:
+        raise ValueError(f"{name} must be a dense tensor holding data, got device {value.device.type} layout {value.layout}")
+    if value.dim() == 2 and value.shape[0] == 1:
+        value = value[0]
+    if value.dim() != 1 or value.is_complex():
+        raise ValueError(f"{name} must have shape [seq_len] or [1, seq_len] of 0/1 values, got {list(value.shape)} {value.dtype}")
+    if not ((value == 0) | (value == 1)).all():
+        raise ValueError(f"{name} must hold only 0 (padding) and 1 (a token the denoiser attends to)")
+    return value.detach().to(torch.int64)
 
 
 def _check_pooled(name: str, value: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,12 +1,9 @@
 """The FLUX.1 text-to-image loop: text_encode (CLIP pooled + T5) -> denoise x N -> vae_decode.
 
-It is the text-to-video loop with an image as a one-frame video, and what differs from Wan is what
-diffusers' FluxPipeline does differently: two text encoders (CLIP's pooled output and T5's sequence,
-used as given, at the request's `max_sequence_length`), the flow-matching Euler schedule shifted by
-the image's token count (ImageFlowEulerSampler), guidance as an input of the denoiser where the weights
-take one (FLUX.1-dev; none for schnell), and classifier-free guidance only as diffusers' `true_cfg_scale`
-with a negative prompt. Step caching, LoRA adapters and rollouts are not wired for this loop: requests
-for them are refused naming the field.
+An image loop (fvgraph/loops/image_loop.py: a one-frame video, the shifted image schedule, true CFG);
+what differs from Wan is what diffusers' FluxPipeline does differently: two text encoders (CLIP's
+pooled output and T5's sequence, used as given, at the request's `max_sequence_length`) and guidance
+as an input of the denoiser where the weights take one (FLUX.1-dev; none for schnell).
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ from torch import nn
 from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.flux_steps import FluxDenoiseStep, FluxTextEncodeStep, ImageVaeDecodeStep
-from fvgraph.loops.samplers import SamplerPlan
-from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, T2VState, TextToVideoLoop
+from fvgraph.loops.image_loop import ImageLoop
+from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, T2VState
 from fvgraph.loops.t2v_state_check import EMBED_SLOTS
 from fvgraph.loops.taps import TapPoints
 from fvgraph.models.components import Components
@@ -64,17 +61,15 @@ class FluxState(T2VState):
     guidance: float | None = None  # the denoiser's embedded guidance (None: the weights take none)
 
 
-class FluxLoop(TextToVideoLoop):
+class FluxLoop(ImageLoop):
     loop_id = "flux"
     state_type = FluxState
     step_kinds = STEP_KINDS
-    device_fields = (*TextToVideoLoop.device_fields, "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-    caches = False  # no step-caching sections for this family yet: requests with `cache` are refused
+    device_fields = (*ImageLoop.device_fields, "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
+    text_fields = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds", "max_sequence_length")
 
     def __init__(self, card: ModelCard, components: Components):
         super().__init__(card, components)
-        self.sections = None
-        self.guidance_embeds = bool(components.transformer.config.guidance_embeds)
         self.pooled_dim = int(components.transformer.config.pooled_projection_dim)
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
@@ -90,15 +85,6 @@ class FluxLoop(TextToVideoLoop):
     # -- requests ------------------------------------------------------------------------------------
 
     def check_request(self, request: Request) -> Request:
-        for name in ("loras", "rollout"):
-            if getattr(request, name) is not None:
-                raise RequestRejected(name, f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which has no {name} yet")
-        if not self.guidance_embeds and request.guidance_scale not in (None, self.card.recipe.default_guidance_scale):
-            raise RequestRejected("guidance_scale", f"{request.guidance_scale}: card {self.card.card_id!r}'s denoiser takes no "
-                                                    "guidance input (its weights are guidance-free); leave it unset, or use "
-                                                    "true_cfg_scale with a negative prompt")  # fmt: skip
-        if request.num_frames not in (None, 1):
-            raise RequestRejected("num_frames", f"{request.num_frames}: card {self.card.card_id!r} makes images (num_frames=1)")
         resolved = super().check_request(request)
         for embeds, pooled in POOLED.items():
             if getattr(resolved, embeds) is not None and getattr(resolved, pooled) is None:
@@ -110,14 +96,6 @@ class FluxLoop(TextToVideoLoop):
         if resolved.do_cfg and positive is not None and negative is not None and positive.shape != negative.shape:
             raise RequestRejected("negative_prompt_embeds", f"shape {list(negative.shape)} must equal prompt_embeds' "
                                                             f"{list(positive.shape)} (both branches run as one batch)")  # fmt: skip
-        return resolved
-
-    def _check_text_fields(self, request: Request) -> None:
-        return None  # every text field of diffusers' FluxPipeline is this loop's
-
-    def _check_caching(self, resolved: Request) -> Request:
-        if resolved.caching is not None:
-            raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which has no step caching yet")
         return resolved
 
     def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
@@ -133,14 +111,6 @@ class FluxLoop(TextToVideoLoop):
 
     # -- init ------------------------------------------------------------------------------------------
 
-    def planned(self, num_steps: int, state) -> SamplerPlan:
-        """The schedule shifted by the image's token count (from a request's size or a state's latents)."""
-        if isinstance(state, Request):
-            h, w = state.height // self.spatial_scale, state.width // self.spatial_scale
-        else:
-            h, w = state.latents.shape[-2:]
-        return self.sampler.plan(num_steps, (h // 2) * (w // 2))
-
     def _conditioning(self, request: Request, latents: torch.Tensor) -> dict:
         device = self.components.device
         pooled = {name: None if getattr(request, name) is None else getattr(request, name).view(1, -1).to(device, self.embed_dtype)
@@ -150,11 +120,6 @@ class FluxLoop(TextToVideoLoop):
         text_len = request.max_sequence_length if request.prompt_embeds is None else request.prompt_embeds.shape[0]
         guidance = float(request.guidance_scale) if self.guidance_embeds else None
         return {**pooled, "text_len": int(text_len), "guidance": guidance}
-
-    def init(self, request: Request) -> FluxState:
-        state = super().init(request)
-        state.guidance_scale = float(request.true_cfg_scale)  # the CFG combine's scale
-        return state
 
     def _padded(self, embeds: torch.Tensor | None) -> torch.Tensor | None:
         """[L, D] user embeddings -> [1, L, D]: FluxPipeline uses them as given (T5 pads with tokens, not zeros)."""

@@ -41,6 +41,9 @@ TEXT_ENCODE, DENOISE, DENOISE_CFG, VAE_DECODE = "text_encode", "denoise", "denoi
 # Inputs every denoise step of a request takes alike (DenoiseStep's arguments): a loop that adds
 # conditioning passes some of these constants (i2v: condition, image_embeds; ti2v: first_frame, frame_mask).
 CONDITIONING = ("condition", "image_embeds", "first_frame", "frame_mask")
+# Request text fields of the image pipelines (FLUX's second encoder and pooled text, Qwen-Image's masks).
+IMAGE_TEXT_FIELDS = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
+                     "prompt_embeds_mask", "negative_prompt_embeds_mask")  # fmt: skip
 
 
 def denoise_kind(name: str, cfg: bool, component: str = "transformer") -> StepKind:
@@ -134,6 +137,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
     pre_denoise_phases: tuple[str, ...] = ()  # phases a subclass adds before the first denoise step
     device_fields = ("latents", "fresh_noise", "prompt_embeds", "negative_prompt_embeds")  # moved by adopt()
     takes_image = False
+    text_fields: tuple[str, ...] = ()  # which of IMAGE_TEXT_FIELDS (and max_sequence_length) the loop takes
 
     def __init__(self, card: ModelCard, components: Components):
         self.card = card
@@ -187,12 +191,13 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
         return resolved
 
     def _check_text_fields(self, request: Request) -> None:
-        """Wan's denoiser takes one encoder's sequence at the card's length: the image families' text fields are refused."""
-        for name in ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds"):
-            if getattr(request, name) is not None:
-                raise RequestRejected(name, f"card {self.card.card_id!r} runs loop {self.loop_id!r}, whose denoiser takes "
-                                            "one text encoder's sequence; leave it unset")  # fmt: skip
-        if request.max_sequence_length not in (None, self.card.shapes.text_len):
+        """The image pipelines' text fields this loop does not take (`text_fields`) are refused; Wan's
+        denoiser takes one encoder's sequence at the card's length."""
+        for name in IMAGE_TEXT_FIELDS:
+            if name not in self.text_fields and getattr(request, name) is not None:
+                raise RequestRejected(name, f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which takes no "
+                                            f"{name}; leave it unset")  # fmt: skip
+        if "max_sequence_length" not in self.text_fields and request.max_sequence_length not in (None, self.card.shapes.text_len):
             raise RequestRejected("max_sequence_length", f"{request.max_sequence_length}: card {self.card.card_id!r} pads "
                                                          f"its text to {self.card.shapes.text_len} tokens; leave it unset")  # fmt: skip
 

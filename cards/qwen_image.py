@@ -1,0 +1,87 @@
+"""Qwen-Image text-to-image cards: the released `qwen-image` and the embedded `tiny-qwen-image`.
+
+diffusers' own classes throughout (QwenImageTransformer2DModel, AutoencoderKLQwenImage, and
+Qwen2.5-VL as the text encoder, read for its last hidden state), so a QwenImagePipeline folder loads
+as it is. The recipe is QwenImagePipeline's: 50 steps, classifier-free guidance as `true_cfg_scale`
+(4.0 by default, on when a negative prompt is given), text up to 512 tokens, and the scheduler config
+Qwen/Qwen-Image ships (scheduler/scheduler_config.json): the image pipelines' shifted Euler schedule
+with an exponential time shift between 0.5 and 0.9, stretched to end at sigma 0.02.
+"""
+
+from __future__ import annotations
+
+from fvgraph.card import ComponentSpec, ModelCard, ParitySpec, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules, Tolerance
+
+SCHEDULER = SamplerSpec(
+    name="flow_euler_image",
+    config={"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9,
+            "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02, "time_shift_type": "exponential"},
+)  # fmt: skip
+
+# The released transformer; perf/ builds randomly initialised models at this size.
+QWEN_IMAGE_TRANSFORMER = {
+    "patch_size": 2, "in_channels": 64, "out_channels": 16, "num_layers": 60, "attention_head_dim": 128,
+    "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
+}  # fmt: skip
+
+PARITY = ParitySpec(
+    tolerances={
+        "fp32": {"component": Tolerance(atol=1e-5, rtol=1e-4), "loop": Tolerance(atol=1e-4, rtol=1e-3)},
+        "bf16": {"component": Tolerance(atol=2e-2, rtol=2e-2), "loop": Tolerance(atol=8e-2, rtol=5e-2)},
+        "fp8": {"component": Tolerance(atol=1.5e-1, rtol=1e-1), "loop": Tolerance(atol=2.5e-1, rtol=1.5e-1)},
+    }
+)
+# FP8 leaves the embedders, the output norm and projection and the first and last blocks alone.
+EMBEDDERS = ("img_in", "txt_in", "txt_norm", "time_text_embed.*", "norm_out.*", "proj_out")
+
+
+def _components(dit: dict | None, vae: dict | None, text: dict | None, tokenizer: dict | None, dtype: str) -> dict:
+    spec = lambda kind, cls, folder, config, dt=dtype: ComponentSpec(kind=kind, cls=cls, subfolder=folder, config=config, dtype=dt)  # noqa: E731
+    return {
+        "transformer": spec("dit", "diffusers.QwenImageTransformer2DModel", "transformer", dit),
+        "vae": spec("vae", "diffusers.AutoencoderKLQwenImage", "vae", vae, "fp32"),  # decoded in fp32, as the other cards do
+        "text_encoder": spec("text_encoder", "transformers.Qwen2_5_VLForConditionalGeneration", "text_encoder", text),
+        "tokenizer": spec("tokenizer", "transformers.AutoTokenizer", "tokenizer", tokenizer),
+    }
+
+
+def _recipe(steps: int, precision: str = "bf16") -> RecipeSpec:
+    # guidance_scale is the denoiser's embedded guidance in diffusers' pipeline; Qwen-Image's weights take none.
+    return RecipeSpec(method="base", name="qwen-image", assumes_loop="qwen_image", sampler=SCHEDULER, default_steps=steps,
+                      allowed_steps=(1, 100), precision=precision, default_guidance_scale=1.0, cfg_scale="true_cfg_scale",
+                      default_true_cfg_scale=4.0)  # fmt: skip
+
+
+TEXT_LEN = 512  # QwenImagePipeline's max_sequence_length: the default and the most a request may ask for
+
+QWEN_IMAGE = ModelCard(
+    card_id="qwen-image", family="qwen_image", pipeline_class="QwenImagePipeline", loops=("qwen_image",), recipe=_recipe(50),
+    parity=PARITY, components=_components(None, None, None, None, "bf16"),
+    shapes=ShapeRules(text_len=TEXT_LEN, max_height=2048, max_width=2048, max_frames=1, default_height=1024, default_width=1024,
+                      default_frames=1),
+    quantization=QuantizationSpec(fp8_exclude=(*EMBEDDERS, "transformer_blocks.0.*",
+                                               f"transformer_blocks.{QWEN_IMAGE_TRANSFORMER['num_layers'] - 1}.*")),
+)  # fmt: skip
+
+TINY_TRANSFORMER = {**QWEN_IMAGE_TRANSFORMER, "num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2,
+                    "joint_attention_dim": 32, "axes_dims_rope": (4, 6, 6)}  # fmt: skip
+# The released VAE's layout (16 latent channels, 8x, its latents_mean / latents_std: the class defaults) at 8 channels.
+TINY_VAE = {"base_dim": 8, "z_dim": 16, "dim_mult": [1, 1, 1, 1], "num_res_blocks": 1, "temperal_downsample": [False, True, True]}
+# Qwen2.5-VL read as a text model only; the byte tokenizer's ids (pad 0, </s> 1) and a vision tower that never runs.
+TINY_TEXT_ENCODER = {
+    "text_config": {"vocab_size": 259, "hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
+                    "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1,
+                    "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}},
+    "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 16, "num_heads": 2, "out_hidden_size": 32},
+}  # fmt: skip
+
+TINY_QWEN_IMAGE = ModelCard(
+    card_id="tiny-qwen-image", family="qwen_image", pipeline_class="QwenImagePipeline", loops=("qwen_image",), parity=PARITY,
+    seed=0, components=_components(TINY_TRANSFORMER, TINY_VAE, TINY_TEXT_ENCODER, {"model_max_length": 1024}, "fp32"),
+    recipe=_recipe(8, precision="fp32"),
+    shapes=ShapeRules(text_len=TEXT_LEN, max_height=256, max_width=256, max_frames=1, default_height=64, default_width=64,
+                      default_frames=1),
+    quantization=QuantizationSpec(fp8_exclude=EMBEDDERS),
+)  # fmt: skip
+
+CARDS = (TINY_QWEN_IMAGE, QWEN_IMAGE)
