@@ -14,7 +14,8 @@ from diffusers import FluxPipeline
 from torch import nn
 
 from fvgraph.contract.denoise_update import guided, sampler_update
-from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.contract.markers import mark_request_constant
+from fvgraph.loops.image_steps import ImageDenoiseStep
 from fvgraph.loops.samplers import FlowEulerSampler
 from fvgraph.loops.taps import TapPoints
 
@@ -57,7 +58,7 @@ class FluxDenoiser(nn.Module):
         return (FluxPipeline._unpack_latents(out, *pixels, self.vae_spatial).unsqueeze(2),)
 
 
-class FluxDenoiseStep(nn.Module):
+class FluxDenoiseStep(ImageDenoiseStep):
     """One FLUX denoise step: the cond branch, the true-CFG uncond branch (when `cfg`), the combine
     `uncond + true_cfg_scale * (cond - uncond)` and the Euler update, as FluxPipeline's loop body."""
 
@@ -88,33 +89,16 @@ class FluxDenoiseStep(nn.Module):
         t = timestep.to(dtype) / 1000  # FluxPipeline: t.expand(B).to(latents.dtype) / 1000
         side = {} if guidance is None else {"guidance": mark_request_constant(guidance)}
         taps = {}
-        noise = self._denoise("cond", model_input, t, mark_request_constant(prompt_embeds),
-                              mark_request_constant(pooled_prompt_embeds), **side)  # fmt: skip
+        noise = self.branch("cond", hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
+                            pooled_projections=mark_request_constant(pooled_prompt_embeds), **side)  # fmt: skip
         taps["tap.noise.cond"] = noise
         if self.cfg:
-            uncond = self._denoise("uncond", model_input, t, mark_request_constant(negative_prompt_embeds),
-                                   mark_request_constant(negative_pooled_prompt_embeds), **side)  # fmt: skip
+            uncond = self.branch("uncond", hidden_states=model_input, timestep=t,
+                                 encoder_hidden_states=mark_request_constant(negative_prompt_embeds),
+                                 pooled_projections=mark_request_constant(negative_pooled_prompt_embeds), **side)  # fmt: skip
             noise = guided(noise, uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = uncond, noise
-        out = sampler_update(self.sampler, latents, noise, carry, coeffs)
-        if self.tap_points is not None:
-            out.update(taps)
-            out.update(self.tap_points.drain())
-        return out
-
-    def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
-        """(tokens, head_dim, dtype) of the joint attention: text plus packed image tokens."""
-        _, _, _, h, w = inputs["latents"].shape
-        config = self.denoiser.transformer.config
-        tokens = inputs["prompt_embeds"].shape[1] + (h // 2) * (w // 2)
-        return tokens, int(config.attention_head_dim), inputs["prompt_embeds"].dtype
-
-    def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states, pooled_projections, **extra):
-        inputs = dict(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-                      pooled_projections=pooled_projections, **extra)  # fmt: skip
-        marked = dict(zip(inputs, mark_branch_inputs(branch, "denoiser", **inputs)))
-        noise = self.denoiser(**marked, return_dict=False)[0]
-        return mark_branch_output(branch, "denoiser", noise)
+        return self.with_taps(sampler_update(self.sampler, latents, noise, carry, coeffs), taps)
 
 
 class ImageVaeDecodeStep(nn.Module):

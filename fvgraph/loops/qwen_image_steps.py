@@ -15,7 +15,8 @@ from diffusers import QwenImagePipeline
 from torch import nn
 
 from fvgraph.contract.denoise_update import guided, sampler_update
-from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.contract.markers import mark_request_constant
+from fvgraph.loops.image_steps import ImageDenoiseStep
 from fvgraph.loops.samplers import FlowEulerSampler
 from fvgraph.loops.taps import TapPoints
 
@@ -54,7 +55,7 @@ class QwenImageDenoiser(nn.Module):
         return (out,)
 
 
-class QwenImageDenoiseStep(nn.Module):
+class QwenImageDenoiseStep(ImageDenoiseStep):
     """One Qwen-Image denoise step, as QwenImagePipeline's loop body: the cond branch, the true-CFG
     uncond branch (when `cfg`), the combine `uncond + true_cfg_scale * (cond - uncond)` rescaled to the
     cond prediction's per-token norm, and the Euler update."""
@@ -85,11 +86,13 @@ class QwenImageDenoiseStep(nn.Module):
         model_input = latents.to(dtype)  # QwenImagePipeline's latents are in the text's dtype
         t = timestep.to(dtype) / 1000  # t.expand(B).to(latents.dtype), passed as timestep / 1000
         taps = {}
-        noise = self._denoise("cond", model_input, t, mark_request_constant(prompt_embeds), mark_request_constant(prompt_embeds_mask))
+        noise = self.branch("cond", hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
+                            encoder_hidden_states_mask=mark_request_constant(prompt_embeds_mask))  # fmt: skip
         taps["tap.noise.cond"] = noise
         if self.cfg:
-            uncond = self._denoise("uncond", model_input, t, mark_request_constant(negative_prompt_embeds),
-                                   mark_request_constant(negative_prompt_embeds_mask))  # fmt: skip
+            uncond = self.branch("uncond", hidden_states=model_input, timestep=t,
+                                 encoder_hidden_states=mark_request_constant(negative_prompt_embeds),
+                                 encoder_hidden_states_mask=mark_request_constant(negative_prompt_embeds_mask))  # fmt: skip
             combined = guided(noise, uncond, guidance_scale)
             cond_norm = torch.norm(noise, dim=-1, keepdim=True)
             noise_norm = torch.norm(combined, dim=-1, keepdim=True)
@@ -97,22 +100,4 @@ class QwenImageDenoiseStep(nn.Module):
             taps["tap.noise.uncond"], taps["tap.noise"] = uncond, noise
         _, _, _, h, w = latents.shape
         noise = QwenImagePipeline._unpack_latents(noise, h * self.vae_spatial, w * self.vae_spatial, self.vae_spatial)
-        out = sampler_update(self.sampler, latents, noise, carry, coeffs)
-        if self.tap_points is not None:
-            out.update(taps)
-            out.update(self.tap_points.drain())
-        return out
-
-    def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
-        """(tokens, head_dim, dtype) of the joint attention: text plus packed image tokens."""
-        _, _, _, h, w = inputs["latents"].shape
-        config = self.denoiser.transformer.config
-        tokens = inputs["prompt_embeds"].shape[1] + (h // 2) * (w // 2)
-        return tokens, int(config.attention_head_dim), inputs["prompt_embeds"].dtype
-
-    def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_mask):
-        inputs = dict(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-                      encoder_hidden_states_mask=encoder_hidden_states_mask)  # fmt: skip
-        marked = dict(zip(inputs, mark_branch_inputs(branch, "denoiser", **inputs)))
-        noise = self.denoiser(**marked, return_dict=False)[0]
-        return mark_branch_output(branch, "denoiser", noise)
+        return self.with_taps(sampler_update(self.sampler, latents, noise, carry, coeffs), taps)

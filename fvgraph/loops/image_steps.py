@@ -1,0 +1,37 @@
+"""What the image loops' denoise steps share (FLUX, Qwen-Image): a `denoiser` submodule called once
+per CFG branch between branch markers (so the CFG-fusion pass runs both as one call), the joint
+attention's shape, and the tap outputs of a parity run."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output
+
+
+class ImageDenoiseStep(nn.Module):
+    """Base of an image loop's denoise step; a subclass sets `denoiser` (a module wrapping the family's
+    transformer, every argument batched) and `tap_points`."""
+
+    denoiser: nn.Module
+    tap_points = None
+
+    def branch(self, branch: str, **inputs: torch.Tensor) -> torch.Tensor:
+        """One denoiser call on `branch` ("cond" / "uncond"), marked for the fusion pass (markers vanish in eager)."""
+        marked = dict(zip(inputs, mark_branch_inputs(branch, "denoiser", **inputs)))
+        return mark_branch_output(branch, "denoiser", self.denoiser(**marked, return_dict=False)[0])
+
+    def with_taps(self, out: dict[str, torch.Tensor], taps: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A parity variant's step also returns its predictions and block outputs as "tap.*"."""
+        if self.tap_points is not None:
+            out.update(taps)
+            out.update(self.tap_points.drain())
+        return out
+
+    def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
+        """(tokens, head_dim, dtype) of the joint attention: text plus packed image tokens."""
+        _, _, _, h, w = inputs["latents"].shape
+        config = self.denoiser.transformer.config
+        tokens = inputs["prompt_embeds"].shape[1] + (h // 2) * (w // 2)
+        return tokens, int(config.attention_head_dim), inputs["prompt_embeds"].dtype
