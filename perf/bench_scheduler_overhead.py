@@ -94,7 +94,7 @@ PHASES = {
     "hoisted_rows": [("runner", "_fill_hoisted")],
     "scatter": [("runner", "_scatter")],
     "host_outputs": [("fold_back", "copy_to_host")],
-    "finite_check": [("fold_back", "all_finite")],
+    "finite_check": [("fold_back", "all_finite"), ("graph_runner", "finite_rows")],
     "advance": [("loop", "advance")],
 }
 
@@ -111,7 +111,8 @@ def instrument(engine: Engine, watch: Stopwatch, phases: bool = False) -> None:
     engine.loop.finalize = watch.wrap("finalize", engine.loop.finalize)
     if phases:
         owners = {"scheduler": getattr(engine, "_scheduler", None), "loop": engine.loop, "runner": runner,
-                  "fold_back": sys.modules.get("fvgraph.engine.fold_back")}  # fmt: skip
+                  "fold_back": sys.modules.get("fvgraph.engine.fold_back"),
+                  "graph_runner": sys.modules.get("fvgraph.runtime.graph_runner")}  # fmt: skip
         for label, places in PHASES.items():
             for owner, name in places:
                 target = owners.get(owner)

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.runtime.graph_runner import GraphRunner, request_rows
+from fvgraph.runtime.batch_results import request_rows
+from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.compile.compiler import StepCompiler
 from fvgraph.contract.counters import Counters
 from fvgraph.contract.plan import StepResult, WorkPlan

@@ -28,6 +28,7 @@ from torch import nn
 
 from fvgraph.compile.compiler import CompiledStep, StepCompiler
 from fvgraph.contract.counters import Counters
+from fvgraph.runtime.batch_results import BatchResults, finite_rows, request_rows
 from fvgraph.runtime.graph_capture import capture_graph
 from fvgraph.contract.step_kind import Role
 from fvgraph.contract.plan import StepResult, WorkPlan
@@ -95,7 +96,7 @@ class GraphRunner:
             entry.pad_from = entry.bucket
 
     def run(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int,
-            lane: int = 0) -> list[StepResult]:  # fmt: skip
+            lane: int = 0) -> BatchResults:  # fmt: skip
         """Run `plans` (same signature, len <= bucket) as one batch; one result per plan. `slots` are
         the plans' requests' runtime slots, in plan order. Each `lane` has its own static buffers
         (and graph), sharing the compiled step."""
@@ -106,20 +107,26 @@ class GraphRunner:
         self._fill_inputs(entry, plans, owners)
         if entry.compiled.prologue_fn is not None:
             self._fill_hoisted(entry, slots, owners)
-        columns = [self._scatter(entry, plans, out) for out in self._replay(entry)]
-        return [dict(zip(entry.compiled.output_names, row)) for row in zip(*columns)]
+        return self._scatter(entry, plans, self._replay(entry))
 
-    def _scatter(self, entry: BucketGraph, plans: list[WorkPlan], out: torch.Tensor) -> list | tuple:
-        """One output, one value per request. An output that is an input buffer passed through (a
-        sampler's history shifting by one) is each request's own input tensor, as it came in: no copy.
+    def _scatter(self, entry: BucketGraph, plans: list[WorkPlan], outs: tuple[torch.Tensor, ...]) -> BatchResults:
+        """Each output, one value per request. An output that is an input buffer passed through (a
+        sampler's history shifting by one) is each request's own input tensor, as it came in: no copy,
+        and no finite check (a step produced it, checked then, or the loop made it at admission).
         Any other output a later run could overwrite (a graph's static output, an alias of a static
         argument) is copied out once per batch, not once per request, and each request gets a view."""
-        source = entry.input_at.get(out.data_ptr())
-        if source is not None and out.shape == source[1].shape and out.stride() == source[1].stride():
-            return [plan.inputs[source[0]] for plan in plans]
-        if entry.graph is not None or out.untyped_storage().data_ptr() in entry.storages:
-            out = out.clone()
-        return request_rows(out, entry.bucket, len(plans))
+        n, columns, batch = len(plans), [], {}
+        for name, out in zip(entry.compiled.output_names, outs):
+            source = entry.input_at.get(out.data_ptr())
+            if source is not None and out.shape == source[1].shape and out.stride() == source[1].stride():
+                columns.append([plan.inputs[source[0]] for plan in plans])
+                continue
+            if entry.graph is not None or out.untyped_storage().data_ptr() in entry.storages:
+                out = out.clone()
+            batch[name] = out
+            columns.append(request_rows(out, entry.bucket, n))
+        rows = [dict(zip(entry.compiled.output_names, row)) for row in zip(*columns)]
+        return BatchResults(rows, batch, entry.bucket, finite_rows(list(batch.values()), entry.bucket, n))
 
     # -- preparing a bucket --------------------------------------------------------------------------
 
@@ -236,12 +243,3 @@ class GraphRunner:
 def _changed_rows(owners: list, previous: list) -> list[int]:
     """Rows whose owner (a request's RequestSlot, None for padding) is not the one they held."""
     return [i for i, (owner, before) in enumerate(zip(owners, previous)) if owner is not before]
-
-
-def request_rows(out: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, ...]:
-    """The first n requests' rows of a batch's (copied-out) output, as views: row i for request i, or
-    rows i, bucket + i, ... when the output holds several rows per request branch-major (a fused-CFG
-    tap). One unbind rather than n slices: this runs for every output of every batch."""
-    if out.shape[0] == bucket:
-        return out[:n].unsqueeze(1).unbind(0)
-    return out.view(-1, bucket, *out.shape[1:])[:, :n].unbind(1)
