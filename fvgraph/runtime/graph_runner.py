@@ -59,6 +59,7 @@ class BucketGraph:
     constants: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     input_at: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)  # input buffers by data_ptr
     pad_from: int = 0  # the per-step buffers' rows from here on hold padding (bucket: none written yet)
+    staged: tuple = ()  # the (plans, slots) ids the buffers were filled for by stage(), not yet run
 
     def base_args(self) -> list[torch.Tensor]:
         """What the prologue takes: parameters, then the step inputs."""
@@ -99,15 +100,31 @@ class GraphRunner:
             lane: int = 0) -> BatchResults:  # fmt: skip
         """Run `plans` (same signature, len <= bucket) as one batch; one result per plan. `slots` are
         the plans' requests' runtime slots, in plan order. Each `lane` has its own static buffers
-        (and graph), sharing the compiled step."""
+        (and graph), sharing the compiled step. Buffers that stage() filled for these very plans are
+        replayed as they are."""
+        entry = self._entry(step, plans, slots, bucket, lane)
+        if entry.staged != _staged_key(plans, slots):
+            self._fill(entry, plans, slots)
+        entry.staged = ()
+        return self._scatter(entry, plans, self._replay(entry))
+
+    def stage(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int, lane: int = 0) -> None:
+        """Fill the static buffers for `plans` now, so that run() with the same plans and slots only
+        replays: the host prepares the next batch while the device still runs the one before (on
+        CUDA the copies queue behind that batch on the stream, so its buffers are not written early)."""
+        entry = self._entry(step, plans, slots, bucket, lane)
+        self._fill(entry, plans, slots)
+        entry.staged = _staged_key(plans, slots)
+
+    def _entry(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int, lane: int) -> BucketGraph:
         entry = self._graphs.get((plans[0].signature, bucket, lane))
-        if entry is None:
-            entry = self._prepare(step, plans, slots, bucket, lane)
-        owners = [*slots, *[None] * (bucket - len(plans))]
+        return entry if entry is not None else self._prepare(step, plans, slots, bucket, lane)
+
+    def _fill(self, entry: BucketGraph, plans: list[WorkPlan], slots: list[RequestSlot]) -> None:
+        owners = [*slots, *[None] * (entry.bucket - len(plans))]
         self._fill_inputs(entry, plans, owners)
         if entry.compiled.prologue_fn is not None:
             self._fill_hoisted(entry, slots, owners)
-        return self._scatter(entry, plans, self._replay(entry))
 
     def _scatter(self, entry: BucketGraph, plans: list[WorkPlan], outs: tuple[torch.Tensor, ...]) -> BatchResults:
         """Each output, one value per request. An output that is an input buffer passed through (a
@@ -238,6 +255,10 @@ class GraphRunner:
         entry.graph.replay()
         self.counters.replays += 1
         return entry.outputs
+
+
+def _staged_key(plans: list[WorkPlan], slots: list[RequestSlot]) -> tuple:
+    return (*map(id, plans), *map(id, slots))
 
 
 def _changed_rows(owners: list, previous: list) -> list[int]:
