@@ -4,6 +4,7 @@
     python perf/bench_scheduler_overhead.py --gpu      # CUDA, -O2: the step is a CUDA graph replay
     python perf/bench_scheduler_overhead.py --against-commit SHA   # A/B: SHA's tree vs this one, one run
     python perf/bench_scheduler_overhead.py --phases   # also the overhead by phase, us per batch
+    python perf/bench_scheduler_overhead.py --idle --gpu   # device idle between replays, serial vs run-ahead (perf/replay_idle.py)
 
 Runs a mix of requests at the smallest shape (1 frame, 32x32: the step is kept short, since it is
 subtracted; different seeds, guidance scales and step counts; 16 in flight, batch buckets 1/2/4/8)
@@ -42,7 +43,7 @@ def _perf_module(name: str):
     return module
 
 
-method, commit_tree = _perf_module("method"), _perf_module("commit_tree")
+method, commit_tree, replay_idle = _perf_module("method"), _perf_module("commit_tree"), _perf_module("replay_idle")
 emit, paired_ratio, provenance, spread, sync = method.emit, method.paired_ratio, method.provenance, method.spread, method.sync
 
 
@@ -243,9 +244,28 @@ def against_commit(args: argparse.Namespace, device: torch.device, backend: str)
     })  # fmt: skip
 
 
+def idle(args: argparse.Namespace, device: torch.device) -> None:
+    """--idle: one line per bucket (perf/replay_idle.py)."""
+    args.idle_shape = args.idle_shape or ("256x256x17" if args.gpu else "32x32x1")
+    height, width, frames = (int(v) for v in args.idle_shape.split("x"))
+
+    def mix(n: int, engine) -> list:
+        from fvgraph.request import Request
+
+        g = torch.Generator().manual_seed(0)
+        embeds = lambda: torch.randn(engine.card.shapes.text_len, engine.facts.text_dim, generator=g)  # noqa: E731
+        return [Request(prompt_embeds=embeds(), negative_prompt_embeds=embeds(), seed=i, guidance_scale=3.0 + i % 4,
+                        num_inference_steps=args.steps, num_frames=frames, height=height, width=width, output_type="latent")
+                for i in range(n)]  # fmt: skip
+
+    for bucket in args.idle_buckets:
+        emit(replay_idle.idle_line(args, bucket, device, _engine_api(), method, mix))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--card", default="wan-cpu-bench", help="the card whose step the engine serves")
+    parser.add_argument("--card", help="the card whose step the engine serves (default: wan-cpu-bench; with --idle --gpu "
+                                       f"{method.GPU_CARD})")  # fmt: skip
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of the mix (per side with --against-commit)")
@@ -258,6 +278,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phases", action="store_true",
                         help="also time the overhead by phase (scheduling, next(), static inputs, hoisted rows, scatter, "
                              "host outputs, finite check, advance, other), in us per batch")  # fmt: skip
+    parser.add_argument("--idle", action="store_true", help="device idle time between replays, serial vs run-ahead, per bucket")
+    parser.add_argument("--idle-buckets", type=int, nargs="+", default=[1, 4, 8], help="with --idle: one engine per bucket")
+    parser.add_argument("--idle-shape", help="with --idle: HxWxF (default 256x256x17 with --gpu, else 32x32x1)")
+    parser.add_argument("--idle-backend", default="inductor", choices=("inductor", "aot_eager"), help="with --idle: the step's backend")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -265,6 +289,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--repeats={args.repeats} must be >= 1")
     backend = args.backend or ("aot_eager" if args.gpu else "inductor")
     device = torch.device("cuda" if args.gpu else "cpu")
+    args.card = args.card or (method.GPU_CARD if args.idle and args.gpu else "wan-cpu-bench")
+    if args.idle:
+        return idle(args, device)
     if args.worker:
         return worker(args, backend, device)
     if args.against_commit:

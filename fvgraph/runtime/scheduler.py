@@ -7,6 +7,10 @@ larger than the biggest batch bucket is split into lanes. Requests at different 
 guidance scales, seeds and step counts fall into one group: those are [B] tensors, not shapes. A step
 whose kind `continues` (the first launch of a step its loop splits in two) has its request's next
 step grouped again in the same tick (`continue_within_tick`), once the engine ran it.
+
+`tick()` is `commit(plan())`: `plan` works the tick out without changing the scheduler, so an engine
+running ahead (fvgraph/engine/run_ahead.py) can plan and stage the next tick before the last batch
+is settled, and plan it again when a submit, cancel or failure came in between (`version`).
 """
 
 from __future__ import annotations
