@@ -223,10 +223,11 @@ class GraphRunner:
             with torch.no_grad():
                 values = entry.compiled.prologue_fn(*entry.base_args())
             self.counters.prologue_runs += 1
+            # One copy per value for the whole group, each new request keeping views of its rows: the
+            # copies cost one op per hoisted value, not one per value and request.
+            kept = [v.clone().view(m, entry.bucket, *v.shape[1:]) for v, m in zip(values, entry.rows_per_request)]
             for i in missing:
-                slots[i].keep_hoisted(key, [
-                    v.view(m, entry.bucket, *v.shape[1:])[:, i].clone() for v, m in zip(values, entry.rows_per_request)
-                ])  # fmt: skip
+                slots[i].keep_hoisted(key, [k[:, i] for k in kept])
         # The scheduler keeps requests in their rows, so usually only the rows of requests that came
         # or went are copied; a request whose values were just computed is always copied.
         changed = sorted(set(_changed_rows(owners, entry.hoisted_for)) | set(missing))
