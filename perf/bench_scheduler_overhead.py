@@ -3,6 +3,8 @@
     python perf/bench_scheduler_overhead.py            # CPU, -O1, the inductor-compiled wan-cpu-bench step
     python perf/bench_scheduler_overhead.py --gpu      # CUDA, -O2: the step is a CUDA graph replay
     python perf/bench_scheduler_overhead.py --against-commit SHA   # A/B: SHA's tree vs this one, one run
+    python perf/bench_scheduler_overhead.py --phases   # also the overhead by phase, us per batch
+    python perf/bench_scheduler_overhead.py --idle --gpu   # device idle between replays, serial vs run-ahead (perf/replay_idle.py)
 
 Runs a mix of requests at the smallest shape (1 frame, 32x32: the step is kept short, since it is
 subtracted; different seeds, guidance scales and step counts; 16 in flight, batch buckets 1/2/4/8)
@@ -41,23 +43,30 @@ def _perf_module(name: str):
     return module
 
 
-method, commit_tree = _perf_module("method"), _perf_module("commit_tree")
+method, commit_tree, replay_idle = _perf_module("method"), _perf_module("commit_tree"), _perf_module("replay_idle")
 emit, paired_ratio, provenance, spread, sync = method.emit, method.paired_ratio, method.provenance, method.spread, method.sync
 
 
 class Stopwatch:
-    """Seconds spent inside wrapped callables, summed per label."""
+    """Seconds spent inside wrapped callables, per label, each exclusive of the wrapped calls nested in
+    it (the prologue inside filling the hoisted rows, next() inside a scheduler tick), so the labels
+    add up to the time spent in all of them."""
 
     def __init__(self):
         self.seconds: dict[str, float] = defaultdict(float)
+        self._nested: list[float] = []  # per open wrapped call: seconds spent in calls nested in it
 
     def wrap(self, label: str, fn):
-        def timed(*args):
+        def timed(*args, **kwargs):
             began = time.perf_counter()
+            self._nested.append(0.0)
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             finally:
-                self.seconds[label] += time.perf_counter() - began
+                elapsed = time.perf_counter() - began
+                self.seconds[label] += elapsed - self._nested.pop()
+                if self._nested:
+                    self._nested[-1] += elapsed
 
         timed.stopwatch = self
         return timed
@@ -76,8 +85,24 @@ def request_mix(n: int, steps: int, text_len: int, text_dim: int, seed: int = 0)
     ]
 
 
-def instrument(engine: Engine, watch: Stopwatch) -> None:
-    """Route the step, the prologues, admission and finalize through the stopwatch."""
+SUBTRACTED = ("step", "start", "finalize")  # timed apart and not overhead: the step, admission, finalize
+# --phases: where the time outside the step goes. Each label's callables, by (owner, attribute), are
+# wrapped where the tree has them (an older or newer tree may lack some); "other" is what is left.
+PHASES = {
+    "schedule": [("scheduler", "tick"), ("scheduler", "continue_within_tick")],
+    "next": [("loop", "next")],
+    "static_inputs": [("runner", "_fill_inputs")],
+    "hoisted_rows": [("runner", "_fill_hoisted")],
+    "scatter": [("runner", "_scatter")],
+    "host_outputs": [("fold_back", "copy_to_host")],
+    "finite_check": [("fold_back", "all_finite"), ("graph_runner", "finite_rows")],
+    "advance": [("loop", "advance")],
+}
+
+
+def instrument(engine: Engine, watch: Stopwatch, phases: bool = False) -> None:
+    """Route the step, the prologues, admission and finalize through the stopwatch; with `phases`, also
+    the callables of every PHASES label."""
     runner = engine.executor.runner
     runner._replay = watch.wrap("step", runner._replay)
     for entry in runner._graphs.values():  # the per-request prologue is compiled model work too
@@ -85,6 +110,15 @@ def instrument(engine: Engine, watch: Stopwatch) -> None:
             entry.compiled.prologue_fn = watch.wrap("step", entry.compiled.prologue_fn)
     engine.start = watch.wrap("start", engine.start)
     engine.loop.finalize = watch.wrap("finalize", engine.loop.finalize)
+    if phases:
+        owners = {"scheduler": getattr(engine, "_scheduler", None), "loop": engine.loop, "runner": runner,
+                  "fold_back": sys.modules.get("fvgraph.engine.fold_back"),
+                  "graph_runner": sys.modules.get("fvgraph.runtime.graph_runner")}  # fmt: skip
+        for label, places in PHASES.items():
+            for owner, name in places:
+                target = owners.get(owner)
+                if target is not None and hasattr(target, name):
+                    setattr(target, name, watch.wrap(label, getattr(target, name)))
 
 
 def _engine_api():
@@ -118,7 +152,7 @@ class Bench:
         self.engine.warmup(self.mix()[:1])
         self.engine.generate(self.mix())  # every lane's buffers exist before timing
         self.watch = Stopwatch()
-        instrument(self.engine, self.watch)
+        instrument(self.engine, self.watch, getattr(args, "phases", False))
 
     def mix(self) -> list:
         return request_mix(self.args.requests, self.args.steps, self.engine.card.shapes.text_len, self.text_dim)
@@ -133,16 +167,31 @@ class Bench:
         wall = time.perf_counter() - began
         assert all(r.ok for r in results), [r.error for r in results if not r.ok]
         done = self.engine.counters.since(before)
-        outside = wall - sum(self.watch.seconds.values())
-        return dict(batches=done["batches"], request_steps=done["compiled_steps"], outside=outside,
-                    step=self.watch.seconds["step"], start=self.watch.seconds["start"])  # fmt: skip
+        seconds = self.watch.seconds
+        outside = wall - sum(seconds[label] for label in SUBTRACTED)
+        run = dict(batches=done["batches"], request_steps=done["compiled_steps"], outside=outside,
+                   step=seconds["step"], start=seconds["start"])  # fmt: skip
+        if self.args.phases:
+            run["phases"] = {label: seconds[label] for label in PHASES}
+            run["phases"]["other"] = outside - sum(run["phases"].values())
+        return run
 
 
 def figures(runs: list[dict], requests: int) -> dict:
     us = lambda what, per: spread([run[what] / run[per] for run in runs], 1e6, 1)  # noqa: E731
     return {"batches": runs[0]["batches"], "request_steps": runs[0]["request_steps"],
             "overhead_us_per_batch": us("outside", "batches"), "overhead_us_per_request_step": us("outside", "request_steps"),
-            "step_us_per_batch": us("step", "batches"), "start_us_per_request": spread([r["start"] / requests for r in runs], 1e6, 1)}  # fmt: skip
+            "step_us_per_batch": us("step", "batches"), "start_us_per_request": spread([r["start"] / requests for r in runs], 1e6, 1),
+            **phase_figures(runs)}  # fmt: skip
+
+
+def phase_figures(runs: list[dict]) -> dict:
+    """With --phases: each phase's us per batch. The wrappers cost about a microsecond per call, which
+    that run's overhead includes: the headline overhead comes from a run without --phases."""
+    if "phases" not in runs[0]:
+        return {}
+    per_batch = lambda label: spread([run["phases"][label] / run["batches"] for run in runs], 1e6, 1)  # noqa: E731
+    return {"phases_us_per_batch": {label: per_batch(label) for label in runs[0]["phases"]}}
 
 
 def worker(args: argparse.Namespace, backend: str, device: torch.device) -> None:
@@ -169,7 +218,8 @@ def against_commit(args: argparse.Namespace, device: torch.device, backend: str)
 
     sha = commit_tree.resolve_commit(args.against_commit)
     forwarded = ["--card", args.card, "--requests", str(args.requests), "--steps", str(args.steps), "--backend", backend,
-                 "--batch-sizes", *map(str, args.batch_sizes), *(["--gpu"] if args.gpu else [])]  # fmt: skip
+                 "--batch-sizes", *map(str, args.batch_sizes), *(["--gpu"] if args.gpu else []),
+                 *(["--phases"] if args.phases else [])]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fvgraph-ab-") as tmp:
         trees = {"base": commit_tree.materialize(sha, Path(tmp)), "this": commit_tree.REPO}
         workers, engines = {}, {}
@@ -194,9 +244,28 @@ def against_commit(args: argparse.Namespace, device: torch.device, backend: str)
     })  # fmt: skip
 
 
+def idle(args: argparse.Namespace, device: torch.device) -> None:
+    """--idle: one line per bucket (perf/replay_idle.py)."""
+    args.idle_shape = args.idle_shape or ("256x256x17" if args.gpu else "32x32x1")
+    height, width, frames = (int(v) for v in args.idle_shape.split("x"))
+
+    def mix(n: int, engine) -> list:
+        from fvgraph.request import Request
+
+        g = torch.Generator().manual_seed(0)
+        embeds = lambda: torch.randn(engine.card.shapes.text_len, engine.facts.text_dim, generator=g)  # noqa: E731
+        return [Request(prompt_embeds=embeds(), negative_prompt_embeds=embeds(), seed=i, guidance_scale=3.0 + i % 4,
+                        num_inference_steps=args.steps, num_frames=frames, height=height, width=width, output_type="latent")
+                for i in range(n)]  # fmt: skip
+
+    for bucket in args.idle_buckets:
+        emit(replay_idle.idle_line(args, bucket, device, _engine_api(), method, mix))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--card", default="wan-cpu-bench", help="the card whose step the engine serves")
+    parser.add_argument("--card", help="the card whose step the engine serves (default: wan-cpu-bench; with --idle --gpu "
+                                       f"{method.GPU_CARD})")  # fmt: skip
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs of the mix (per side with --against-commit)")
@@ -206,6 +275,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="the step's compile backend, timed apart either way (default: inductor on CPU, "
                              "aot_eager on a GPU, where a replay costs the same whatever compiled it)")  # fmt: skip
     parser.add_argument("--against-commit", metavar="SHA", help="also run the mix on this commit's tree, interleaved (A/B)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time the overhead by phase (scheduling, next(), static inputs, hoisted rows, scatter, "
+                             "host outputs, finite check, advance, other), in us per batch")  # fmt: skip
+    parser.add_argument("--idle", action="store_true", help="device idle time between replays, serial vs run-ahead, per bucket")
+    parser.add_argument("--idle-buckets", type=int, nargs="+", default=[1, 4, 8], help="with --idle: one engine per bucket")
+    parser.add_argument("--idle-shape", help="with --idle: HxWxF (default 256x256x17 with --gpu, else 32x32x1)")
+    parser.add_argument("--idle-backend", default="inductor", choices=("inductor", "aot_eager"), help="with --idle: the step's backend")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker-root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -213,6 +289,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--repeats={args.repeats} must be >= 1")
     backend = args.backend or ("aot_eager" if args.gpu else "inductor")
     device = torch.device("cuda" if args.gpu else "cpu")
+    args.card = args.card or (method.GPU_CARD if args.idle and args.gpu else "wan-cpu-bench")
+    if args.idle:
+        return idle(args, device)
     if args.worker:
         return worker(args, backend, device)
     if args.against_commit:

@@ -22,15 +22,16 @@
 #   FVGRAPH_GPU_PART=distilled   bash perf/gpu_check.sh  # bench_distilled: s per request, 4-step distilled vs 50-step CFG base, 480x832x81, -O1, one round; est. 450 s (2 compiles + 2 base requests)
 #   FVGRAPH_GPU_PART=rollouts    bash perf/gpu_check.sh  # bench_rollouts: samples/s of engine.rollout K=8 vs a per-sample loop, 480x832x33, 10 CFG steps, -O2; est. 400 s (1 compile + 6 groups of 8)
 #   FVGRAPH_GPU_PART=flux_step   bash perf/gpu_check.sh  # bench_step on FLUX.1-dev's config (seeded, bf16), 1024x1024, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 500 s (12B seeded init + 2 compiles)
+#   FVGRAPH_GPU_PART=run_ahead   bash perf/gpu_check.sh  # device idle between replays, serial vs run-ahead: Wan 1.3B config, 256x256x17, -O2, buckets 1, 4, 8; est. 420 s
 #   FVGRAPH_GPU_PART=all         bash perf/gpu_check.sh  # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
-case " probe tests tests_loops aoti step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts all " in
+case " probe tests tests_loops aoti step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead all " in
   *" $PART "*) ;;
-  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts all" >&2; exit 2 ;;
+  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead all" >&2; exit 2 ;;
 esac
 # Before anything else: without the carried wheels every test stops at `import diffusers` (docs/gpu.md).
 if ! compgen -G "wheels/*.whl" >/dev/null; then
@@ -91,6 +92,9 @@ part coldstart_b48 && run bench_coldstart_b48 540 python3 "$REPO"/perf/bench_col
 part lora && run bench_lora 540 python3 "$REPO"/perf/bench_lora.py --gpu --ranks 32 --batch 1 --repeats 10
 part distilled && run bench_distilled 540 python3 "$REPO"/perf/bench_distilled.py --gpu --repeats 1
 part rollouts && run bench_rollouts 540 python3 "$REPO"/perf/bench_rollouts.py --gpu --repeats 2
+for b in 1 4 8; do  # one engine (one inductor compile of the 1.3B step) per bucket, each in its own limit
+  part run_ahead && run bench_replay_idle_b$b 180 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu --idle --idle-buckets $b --steps 12 --repeats 3
+done
 part cache && run bench_projection_cache 150 python3 "$REPO"/perf/bench_projection_cache.py --gpu
 part http && run bench_http 540 python3 "$REPO"/perf/bench_http.py --gpu --repeats 1 --startup-timeout 240
 # The step-caching method under test: FVGRAPH_CACHE_METHOD (default magcache; the issue's target is teacache at 0.08).

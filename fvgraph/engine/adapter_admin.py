@@ -54,6 +54,7 @@ class AdapterAdmin:
         if self._running_steps:
             raise RuntimeError(f"Engine.{what}() was called from inside a callback of a running tick: "
                                "adapters change between ticks, after the callback returns")  # fmt: skip
+        self.drain()  # a batch running ahead reads the slots it was launched with
 
     def _live_states(self) -> list:
         return [*self._scheduler.waiting, *self._scheduler.running]

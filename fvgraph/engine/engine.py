@@ -36,6 +36,7 @@ from fvgraph.engine.adapter_admin import AdapterAdmin
 from fvgraph.engine.builder import build_engine_parts
 from fvgraph.engine.fold_back import fold_back
 from fvgraph.engine.rollouts import RolloutAdmin
+from fvgraph.engine.run_ahead import Launched, RunAhead
 from fvgraph.engine.weight_sync import WeightSync
 from fvgraph.engine.parts import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
@@ -56,9 +57,9 @@ StepCallback = Callable[[LoopState, str], None]
 ResultCallback = Callable[[LoopState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
 
 
-class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
+class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
     def __init__(self, card: ModelCard, loop: Loop, executor: EagerExecutor | CompiledExecutor,
-                 opt_level: int, counters: Counters, buckets: BucketSpec, max_running: int):  # fmt: skip
+                 opt_level: int, counters: Counters, buckets: BucketSpec, max_running: int, run_ahead: bool = False):  # fmt: skip
         self.card = card
         self.buckets = buckets
         self.max_running = max_running
@@ -76,6 +77,11 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
         self._warming, self._warm_progress = None, None
         self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
         self._running_steps = False  # a tick or step is under way: its callbacks may not drive the engine
+        # Prepare the next batch before reading the last one back (fvgraph/engine/run_ahead.py).
+        self.run_ahead = run_ahead
+        self._launched: Launched | None = None  # launched and advanced, not yet settled
+        # Called once per tick before it is committed; running ahead, after its first batch was staged.
+        self.before_commit: Callable[[], None] | None = None
 
     @property
     def facts(self) -> ModelFacts:
@@ -111,6 +117,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
         loras: dict[str, str | Path] | None = None,
         merge_loras: dict[str, float] | None = None,
         lora_slots: LoraSlots | None = None,
+        run_ahead: bool | None = None,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -128,6 +135,8 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
         `dtype` ("fp32", "bf16", "fp16", a torch dtype) and `recipe` (fvgraph/card_choices.py) choose over the
         card. `loras` (name -> local file): adapters requests choose with `Request.loras`, fused when named
         in `merge_loras` (a LoRA distill's recipe adapter is: docs/recipes.md); `lora_slots` sizes the slots.
+        `run_ahead` (None: on CUDA only): the host prepares the next batch while the device runs the last
+        one, with the same results as the serial order (fvgraph/engine/run_ahead.py).
         """
         card = chosen_card(get_card(card) if isinstance(card, str) else card, dtype, recipe)
         switches = EngineSwitches(
@@ -138,7 +147,8 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
             adapters=engine_adapter_setup(card, loras, merge_loras, lora_slots),
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)  # with its worker ranks when parallel
-        engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running)
+        ahead = parts.loop.components.device.type == "cuda" if run_ahead is None else run_ahead
+        engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running, ahead)
         engine.projection_cache, engine.adapters = parts.projection_cache, parts.adapters
         return engine
 
@@ -149,6 +159,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
 
     def close(self) -> None:
         """Release what the engine holds beyond memory: a parallel engine's worker processes."""
+        self.drain()
         self.executor.close()
 
     # -- one request at a time -------------------------------------------------------------------
@@ -164,6 +175,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
 
     def step(self, state: LoopState, on_step: StepCallback | None = None) -> bool:
         """Run the request's next step. Returns False once the loop is done."""
+        self.drain()
         plan = self.loop.next(state)
         if isinstance(plan, Done):
             return False
@@ -251,6 +263,13 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
         self._in_flight[request.request_id] = time.perf_counter()
         return request.request_id
 
+    def drain(self) -> None:
+        """Settle the batch a tick left running ahead (its requests' failures and on_step); a no-op
+        serially. What reads or changes the engine's requests or weights outside a tick calls it."""
+        if self._launched is not None:
+            with torch.compiler.set_stance(self._stance()), self._not_reentrant("drain"):
+                self._settle_launched()
+
     def has_work(self) -> bool:
         """Whether some submitted request has not come back from tick() yet."""
         return bool(self._in_flight)
@@ -293,7 +312,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
         try:
             with torch.compiler.set_stance(self._stance()):  # entered once per call: it costs ~50 us
                 while pending:
-                    if not self._scheduler.has_work():
+                    if not self._scheduler.has_work() and self._launched is None:
                         raise RuntimeError(f"requests {sorted(pending)} neither ran nor ended")  # a bug, never a hang
                     self._tick(on_step, on_result, "generate")
                     for result in self._take_results(pending):
@@ -325,7 +344,14 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
             self._tick_once(on_step, on_result)
 
     def _tick_once(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
-        tick = self._scheduler.tick()
+        ahead = self._ahead(on_result)
+        if ahead:
+            tick = self._planned_ahead()
+        else:
+            self._settle_launched()
+            if self.before_commit is not None:
+                self.before_commit()
+            tick = self._scheduler.tick()
         for state, err in tick.failed:
             log.error("request %s failed planning its next step: %r", state.request_id, err)
             self._slots.release(state)
@@ -346,19 +372,27 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
         while groups:  # a step of a kind that `continues` has its request's next step run in this tick too
             continuing = []
             for group in groups:
+                if ahead and self._runs_ahead(group):
+                    self._launch_ahead(group, on_step)  # settles the group launched before it
+                    continue
+                self._settle_launched()
                 failed = self._run_group(group.members, on_step, on_result, group.lane)
-                for state, err in failed:
-                    self._scheduler.remove([state])
-                    self._slots.release(state)
-                    self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings),
-                                      error=repr(err)))  # fmt: skip
+                self._fail(failed)
                 if self.loop.step_kinds[group.members[0][1].kind].continues:
                     gone = {id(state) for state, _ in failed}
                     continuing += [state for state, _ in group.members if id(state) not in gone]
             groups = self._scheduler.continue_within_tick(continuing) if continuing else []
 
+    def _fail(self, failed: list[tuple[LoopState, Exception]]) -> None:
+        """Requests whose step failed leave the batch (their rows go to the last ones) with a failed result."""
+        for state, err in failed:
+            self._scheduler.remove([state])
+            self._slots.release(state)
+            self._done(Result(state.request_id, "failed", seed=state.seed, timings=dict(state.timings), error=repr(err)))
+
     def _abandon(self, ids: set[str]) -> None:
         """Drop these requests wherever they are (waiting, running, ended): nobody will take their results."""
+        self._launched = None  # its requests were advanced; their results are this call's, dropped with it
         self._scheduler.abandon(ids)
         self._outbox = [r for r in self._outbox if r.request_id not in ids]
         for request_id in ids:
@@ -389,12 +423,16 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync):
             with self._math:
                 results = self.executor.run_batch(plans, slots, lane)
         except Exception as err:  # one request's failure must not take the others down
-            if len(group) > 1:  # retry alone, so only the request at fault fails
-                return [failure for member in group for failure in self._run_group([member], on_step, on_result)]
-            state, plan = group[0]
-            log.exception("request %s failed at %s step %d", state.request_id, plan.kind, plan.step_index)
-            return [(state, err)]
+            return self._retry_alone(group, on_step, on_result, err)
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
         elapsed = time.perf_counter() - began - compiled_for_it
         return fold_back(self.loop, group, results, elapsed, compiled_for_it, on_step, on_result)
 
+    def _retry_alone(self, group: list[tuple[LoopState, WorkPlan]], on_step: StepCallback | None,
+                     on_result: ResultCallback | None, err: Exception) -> list[tuple]:  # fmt: skip
+        """A group whose batch raised: each member run alone, so only the request at fault fails."""
+        if len(group) > 1:
+            return [failure for member in group for failure in self._run_group([member], on_step, on_result)]
+        state, plan = group[0]
+        log.exception("request %s failed at %s step %d", state.request_id, plan.kind, plan.step_index, exc_info=err)
+        return [(state, err)]

@@ -46,6 +46,7 @@ class WeightSync:
                 self.cancel(request_id)
         while self._scheduler.has_work():  # finished or stopped at a step boundary; their results wait in the outbox
             self._tick(None, None, "update_weights")
+        self.drain()
         with torch.no_grad():
             for target, value in targets:
                 target.copy_(value)

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from fvgraph.runtime.buckets import BucketSpec
-from fvgraph.runtime.graph_runner import GraphRunner, request_rows
+from fvgraph.runtime.batch_results import request_rows
+from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.compile.compiler import StepCompiler
 from fvgraph.contract.counters import Counters
 from fvgraph.contract.plan import StepResult, WorkPlan
@@ -35,6 +36,9 @@ class EagerExecutor:
 
     def close(self) -> None:
         """Release what the executor holds beyond memory (nothing, here)."""
+
+    def stage(self, plans: list[WorkPlan], slots: list[RequestSlot], lane: int = 0) -> None:
+        """Prepare a later run_batch of these plans ahead (nothing to prepare when running eagerly)."""
 
     def __init__(self, steps: dict[str, nn.Module], counters: Counters, padded: BucketSpec | None = None):
         self.steps = steps
@@ -107,6 +111,15 @@ class CompiledExecutor:
         self.counters.compiled_steps += len(plans)
         self.counters.batches += 1
         return results
+
+    def stage(self, plans: list[WorkPlan], slots: list[RequestSlot], lane: int = 0) -> None:
+        """Fill the static buffers a later run_batch of the same plans and slots replays (GraphRunner.stage);
+        plans that would run eagerly have nothing to stage."""
+        first = plans[0]
+        if not self.compiler.wants(first.kind) or first.pixel_shape is not None and not self._has_graphs(first.pixel_shape):
+            return
+        with torch.no_grad():
+            self.runner.stage(self.steps[first.kind], plans, slots, self.buckets.batch_for(len(plans)), lane)
 
     def prepare(self, plan: WorkPlan, on_bucket: Callable[[int], None] | None = None) -> None:
         """Compile (and capture) `plan`'s signature at every batch bucket, largest first, so the

@@ -1,7 +1,8 @@
 """Whether a step's outputs are finite: garbage (NaN, Inf) must fail its request, not come back ok.
 
-Each output is reduced on its own device (`isfinite().all()`, one small kernel) and the whole group's
-flags are read back together at the step boundary, so a group costs one host sync, not one per tensor.
+A batch from the graph runner carries its rows' flags, reduced on the device over each batch output
+once when it ran (fvgraph/runtime/batch_results.py); reading them is the group's one host sync. Results
+of the eager path, one per plan, are reduced tensor by tensor on their device and read together.
 """
 
 from __future__ import annotations
@@ -9,10 +10,13 @@ from __future__ import annotations
 import torch
 
 from fvgraph.contract.plan import StepResult
+from fvgraph.runtime.batch_results import BatchResults
 
 
 def all_finite(results: list[StepResult]) -> list[bool]:
     """Per result: True when every floating-point output holds only finite values."""
+    if isinstance(results, BatchResults):
+        return results.finite_flags()
     if not results:
         return []
     flags = []

@@ -28,6 +28,7 @@ from torch import nn
 
 from fvgraph.compile.compiler import CompiledStep, StepCompiler
 from fvgraph.contract.counters import Counters
+from fvgraph.runtime.batch_results import BatchResults, finite_rows, request_rows
 from fvgraph.runtime.graph_capture import capture_graph
 from fvgraph.contract.step_kind import Role
 from fvgraph.contract.plan import StepResult, WorkPlan
@@ -58,6 +59,7 @@ class BucketGraph:
     constants: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     input_at: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)  # input buffers by data_ptr
     pad_from: int = 0  # the per-step buffers' rows from here on hold padding (bucket: none written yet)
+    staged: tuple = ()  # the (plans, slots) ids the buffers were filled for by stage(), not yet run
 
     def base_args(self) -> list[torch.Tensor]:
         """What the prologue takes: parameters, then the step inputs."""
@@ -95,31 +97,53 @@ class GraphRunner:
             entry.pad_from = entry.bucket
 
     def run(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int,
-            lane: int = 0) -> list[StepResult]:  # fmt: skip
+            lane: int = 0) -> BatchResults:  # fmt: skip
         """Run `plans` (same signature, len <= bucket) as one batch; one result per plan. `slots` are
         the plans' requests' runtime slots, in plan order. Each `lane` has its own static buffers
-        (and graph), sharing the compiled step."""
+        (and graph), sharing the compiled step. Buffers that stage() filled for these very plans are
+        replayed as they are."""
+        entry = self._entry(step, plans, slots, bucket, lane)
+        if entry.staged != _staged_key(plans, slots):
+            self._fill(entry, plans, slots)
+        entry.staged = ()
+        return self._scatter(entry, plans, self._replay(entry))
+
+    def stage(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int, lane: int = 0) -> None:
+        """Fill the static buffers for `plans` now, so that run() with the same plans and slots only
+        replays: the host prepares the next batch while the device still runs the one before (on
+        CUDA the copies queue behind that batch on the stream, so its buffers are not written early)."""
+        entry = self._entry(step, plans, slots, bucket, lane)
+        self._fill(entry, plans, slots)
+        entry.staged = _staged_key(plans, slots)
+
+    def _entry(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int, lane: int) -> BucketGraph:
         entry = self._graphs.get((plans[0].signature, bucket, lane))
-        if entry is None:
-            entry = self._prepare(step, plans, slots, bucket, lane)
-        owners = [*slots, *[None] * (bucket - len(plans))]
+        return entry if entry is not None else self._prepare(step, plans, slots, bucket, lane)
+
+    def _fill(self, entry: BucketGraph, plans: list[WorkPlan], slots: list[RequestSlot]) -> None:
+        owners = [*slots, *[None] * (entry.bucket - len(plans))]
         self._fill_inputs(entry, plans, owners)
         if entry.compiled.prologue_fn is not None:
             self._fill_hoisted(entry, slots, owners)
-        columns = [self._scatter(entry, plans, out) for out in self._replay(entry)]
-        return [dict(zip(entry.compiled.output_names, row)) for row in zip(*columns)]
 
-    def _scatter(self, entry: BucketGraph, plans: list[WorkPlan], out: torch.Tensor) -> list | tuple:
-        """One output, one value per request. An output that is an input buffer passed through (a
-        sampler's history shifting by one) is each request's own input tensor, as it came in: no copy.
+    def _scatter(self, entry: BucketGraph, plans: list[WorkPlan], outs: tuple[torch.Tensor, ...]) -> BatchResults:
+        """Each output, one value per request. An output that is an input buffer passed through (a
+        sampler's history shifting by one) is each request's own input tensor, as it came in: no copy,
+        and no finite check (a step produced it, checked then, or the loop made it at admission).
         Any other output a later run could overwrite (a graph's static output, an alias of a static
         argument) is copied out once per batch, not once per request, and each request gets a view."""
-        source = entry.input_at.get(out.data_ptr())
-        if source is not None and out.shape == source[1].shape and out.stride() == source[1].stride():
-            return [plan.inputs[source[0]] for plan in plans]
-        if entry.graph is not None or out.untyped_storage().data_ptr() in entry.storages:
-            out = out.clone()
-        return request_rows(out, entry.bucket, len(plans))
+        n, columns, batch = len(plans), [], {}
+        for name, out in zip(entry.compiled.output_names, outs):
+            source = entry.input_at.get(out.data_ptr())
+            if source is not None and out.shape == source[1].shape and out.stride() == source[1].stride():
+                columns.append([plan.inputs[source[0]] for plan in plans])
+                continue
+            if entry.graph is not None or out.untyped_storage().data_ptr() in entry.storages:
+                out = out.clone()
+            batch[name] = out
+            columns.append(request_rows(out, entry.bucket, n))
+        rows = [dict(zip(entry.compiled.output_names, row)) for row in zip(*columns)]
+        return BatchResults(rows, batch, entry.bucket, finite_rows(list(batch.values()), entry.bucket, n))
 
     # -- preparing a bucket --------------------------------------------------------------------------
 
@@ -199,10 +223,11 @@ class GraphRunner:
             with torch.no_grad():
                 values = entry.compiled.prologue_fn(*entry.base_args())
             self.counters.prologue_runs += 1
+            # One copy per value for the whole group, each new request keeping views of its rows: the
+            # copies cost one op per hoisted value, not one per value and request.
+            kept = [v.clone().view(m, entry.bucket, *v.shape[1:]) for v, m in zip(values, entry.rows_per_request)]
             for i in missing:
-                slots[i].keep_hoisted(key, [
-                    v.view(m, entry.bucket, *v.shape[1:])[:, i].clone() for v, m in zip(values, entry.rows_per_request)
-                ])  # fmt: skip
+                slots[i].keep_hoisted(key, [k[:, i] for k in kept])
         # The scheduler keeps requests in their rows, so usually only the rows of requests that came
         # or went are copied; a request whose values were just computed is always copied.
         changed = sorted(set(_changed_rows(owners, entry.hoisted_for)) | set(missing))
@@ -233,15 +258,10 @@ class GraphRunner:
         return entry.outputs
 
 
+def _staged_key(plans: list[WorkPlan], slots: list[RequestSlot]) -> tuple:
+    return (*map(id, plans), *map(id, slots))
+
+
 def _changed_rows(owners: list, previous: list) -> list[int]:
     """Rows whose owner (a request's RequestSlot, None for padding) is not the one they held."""
     return [i for i, (owner, before) in enumerate(zip(owners, previous)) if owner is not before]
-
-
-def request_rows(out: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, ...]:
-    """The first n requests' rows of a batch's (copied-out) output, as views: row i for request i, or
-    rows i, bucket + i, ... when the output holds several rows per request branch-major (a fused-CFG
-    tap). One unbind rather than n slices: this runs for every output of every batch."""
-    if out.shape[0] == bucket:
-        return out[:n].unsqueeze(1).unbind(0)
-    return out.view(-1, bucket, *out.shape[1:])[:, :n].unbind(1)

@@ -7,6 +7,10 @@ larger than the biggest batch bucket is split into lanes. Requests at different 
 guidance scales, seeds and step counts fall into one group: those are [B] tensors, not shapes. A step
 whose kind `continues` (the first launch of a step its loop splits in two) has its request's next
 step grouped again in the same tick (`continue_within_tick`), once the engine ran it.
+
+`tick()` is `commit(plan())`: `plan` works the tick out without changing the scheduler, so an engine
+running ahead (fvgraph/engine/run_ahead.py) can plan and stage the next tick before the last batch
+is settled, and plan it again when a submit, cancel or failure came in between (`version`).
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ class Tick:
     cancelled: list[LoopState] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)
     failed: list[tuple[LoopState, Exception]] = field(default_factory=list)  # their loop could not plan a step
+    # What the scheduler holds once the tick is committed, and its version when the tick was planned.
+    running: list[LoopState] = field(default_factory=list)
+    waiting: deque[LoopState] = field(default_factory=deque)
+    version: int = 0
 
 
 class Scheduler:
@@ -47,17 +55,25 @@ class Scheduler:
         self.waiting: deque[LoopState] = deque()
         self.running: list[LoopState] = []
         self.cancel_requested: set[str] = set()
+        # Bumped by every change from outside a tick (a submit, a cancel, a removal): a tick planned
+        # ahead at an older version must be planned again before it is committed.
+        self.version = 0
+        # This round's answers of next(), by id(state); the state is held so its id cannot be reused.
+        self._asked: dict[int, tuple[LoopState, WorkPlan | Done | Exception]] = {}
 
     def submit(self, state: LoopState) -> None:
         self.waiting.append(state)
+        self.version += 1
 
     def cancel(self, request_id: str) -> None:
         """Takes effect at the next step boundary; the other requests are not disturbed."""
         self.cancel_requested.add(request_id)
+        self.version += 1
 
     def ended(self, request_id: str) -> None:
         """The request has its result: a cancel asked for it no longer applies (its id may come again)."""
         self.cancel_requested.discard(request_id)
+        self.version += 1
 
     def abandon(self, ids: set[str]) -> None:
         """Drop these requests wherever they are, waiting or running, and forget their cancels."""
@@ -72,46 +88,55 @@ class Scheduler:
         """Take these requests out of the running list. Each hole is filled by the last running request
         rather than closed up, so every other request keeps its place, and with it its row in the
         batch (the graph runner then refills only the rows whose request changed)."""
-        gone_ids = {id(state) for state in gone}
-        i = 0
-        while i < len(self.running):
-            if id(self.running[i]) in gone_ids:
-                last = self.running.pop()
-                if i < len(self.running):
-                    self.running[i] = last  # checked again at i: it may be leaving too
-            else:
-                i += 1
+        self.running = _without(self.running, gone)
+        self.version += 1
 
     def tick(self) -> Tick:
-        tick = Tick()
+        return self.commit(self.plan())
+
+    def plan(self) -> Tick:
+        """What a tick does now, changing nothing: cancels dropped, waiting requests admitted FIFO while
+        there is room, every running loop's next step, grouped. Each loop is asked once per round
+        (`next` is asked again only after the tick is committed), so a tick planned ahead of a change
+        can be planned again."""
+        tick, running, waiting = Tick(version=self.version), list(self.running), deque(self.waiting)
         if self.cancel_requested:
-            tick.cancelled = [s for s in self.waiting if s.request_id in self.cancel_requested]
-            for state in tick.cancelled:
-                self.waiting.remove(state)
-            running_cancelled = [s for s in self.running if s.request_id in self.cancel_requested]
-            self.remove(running_cancelled)
+            tick.cancelled = [s for s in waiting if s.request_id in self.cancel_requested]
+            waiting = deque(s for s in waiting if s.request_id not in self.cancel_requested)
+            running_cancelled = [s for s in running if s.request_id in self.cancel_requested]
+            running = _without(running, running_cancelled)
             tick.cancelled += running_cancelled
-        while self.waiting and len(self.running) < self.max_running:
-            self.running.append(self.waiting.popleft())
-        plans = []
-        for state in self.running:
-            try:
-                plans.append(self.loop.next(state))
-            except Exception as err:  # one request's loop cannot go on: it fails alone, the tick goes on
-                tick.failed.append((state, err))
-                plans.append(None)
-        if tick.failed:
-            kept = [(state, plan) for state, plan in zip(self.running, plans) if plan is not None]
-            self.remove([state for state, _ in tick.failed])
-            plan_of = {id(state): plan for state, plan in kept}
-            plans = [plan_of[id(state)] for state in self.running]
-        tick.finished = [state for state, plan in zip(self.running, plans) if isinstance(plan, Done)]
+        while waiting and len(running) < self.max_running:
+            running.append(waiting.popleft())
+        plans = [self._next(state) for state in running]
+        tick.failed = [(state, plan) for state, plan in zip(running, plans) if isinstance(plan, Exception)]
+        if tick.failed:  # one request's loop cannot go on: it fails alone, the tick goes on
+            running = _without(running, [state for state, _ in tick.failed])
+        tick.finished = [state for state in running if isinstance(self._asked[id(state)][1], Done)]
         if tick.finished:  # their rows are refilled by the last running requests
-            plan_of = {id(state): plan for state, plan in zip(self.running, plans)}
-            self.remove(tick.finished)
-            plans = [plan_of[id(state)] for state in self.running]
-        tick.groups = self._grouped(list(zip(self.running, plans)))
+            running = _without(running, tick.finished)
+        tick.running, tick.waiting = running, waiting
+        tick.groups = self._grouped([(state, self._asked[id(state)][1]) for state in running])
         return tick
+
+    def commit(self, tick: Tick) -> Tick:
+        """Make `tick` (planned at the current version) the scheduler's state; the next round asks anew."""
+        if tick.version != self.version:
+            raise RuntimeError(f"a tick planned at version {tick.version} committed at {self.version}: plan it again")
+        self.running, self.waiting = tick.running, tick.waiting
+        self._asked = {}
+        return tick
+
+    def _next(self, state: LoopState) -> WorkPlan | Done | Exception:
+        known = self._asked.get(id(state))
+        if known is not None:
+            return known[1]
+        try:
+            asked = self.loop.next(state)
+        except Exception as err:
+            asked = err
+        self._asked[id(state)] = (state, asked)
+        return asked
 
     def continue_within_tick(self, states: list[LoopState]) -> list[Group]:
         """The next steps of requests whose last step continues in the same tick (StepKind.continues),
@@ -130,3 +155,18 @@ class Scheduler:
                 groups.append(Group(same[start : start + size], lane))
                 start += size
         return groups
+
+
+def _without(running: list[LoopState], gone: list[LoopState]) -> list[LoopState]:
+    """`running` less `gone`, each hole filled by the last request (see Scheduler.remove)."""
+    gone_ids = {id(state) for state in gone}
+    running = list(running)
+    i = 0
+    while i < len(running):
+        if id(running[i]) in gone_ids:
+            last = running.pop()
+            if i < len(running):
+                running[i] = last  # checked again at i: it may be leaving too
+        else:
+            i += 1
+    return running
