@@ -9,11 +9,13 @@ Each start is a fresh Python process that builds an engine, warms every batch bu
 request:
 - cold_jit: no capture cache; inductor compiles in process (what a start without warmup costs);
 - cold: an empty capture cache, filled by this start (AOTInductor packages);
-- warm: the same capture cache, read by a new process.
+- warm: the same capture cache, read by a new process (`--warm-starts N`: N of them, one after the
+  other, each a new process; a warm start is cheap next to the cold start that filled the cache).
 Every start gets an empty inductor cache of its own, so nothing comes from torch's caches: only the
 capture cache is shared. Prints one JSON line per card (starting with fvgraph.perf.method's
 provenance) with each start's seconds as min / median / max over `--repeats` runs of the whole
-sequence; `warm_over_cold` is the per-repeat ratio the goal is about, with the same spread. Each
+sequence; `warm_over_cold` is the ratio the goal is about, each warm start over the cold start of
+its repeat, with the same spread. Each
 start's `phases` say where its seconds went (the last repeat): `imports` (spawn to fvgraph's engine
 imported), `engine` (the engine built: weights initialized, capture cache opened) and `warmup`
 (every bucket compiled or loaded, and the request served).
@@ -22,6 +24,7 @@ imported), `engine` (the engine built: weights initialized, capture cache opened
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -82,11 +85,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-cold-jit", action="store_true", help="Leave out the start without capture cache.")
     parser.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per start.")
     parser.add_argument("--repeats", type=int, default=1, help="Runs of the whole cold_jit / cold / warm sequence.")
+    parser.add_argument("--warm-starts", type=int, default=1, help="Warm starts after each cold start.")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        raise SystemExit(f"--repeats={args.repeats} must be >= 1")
+    if args.repeats < 1 or args.warm_starts < 1:
+        raise SystemExit(f"--repeats={args.repeats} and --warm-starts={args.warm_starts} must be >= 1")
     for card in args.card or ([GPU_CARD] if args.gpu else CPU_CARDS):
         emit(bench_card(card, args))
+
+
+def repeated(values: list[float], times: int) -> list[float]:
+    """Each repeat's value once per warm start of that repeat, to pair with the warm starts."""
+    return [v for v in values for _ in range(times)]
 
 
 def bench_card(card: str, args: argparse.Namespace) -> dict:
@@ -111,14 +120,15 @@ def bench_card(card: str, args: argparse.Namespace) -> dict:
                 runs["cold_jit"].append(start({**child, "cache_dir": None}, scratch, args.timeout))
             cache_dir = str(scratch / "capture_cache")
             runs["cold"].append(start({**child, "cache_dir": cache_dir}, scratch, args.timeout))
-            runs["warm"].append(start({**child, "cache_dir": cache_dir}, scratch, args.timeout))
+            runs["warm"] += [start({**child, "cache_dir": cache_dir}, scratch, args.timeout) for _ in range(args.warm_starts)]
     seconds = {name: [r["seconds_to_first_result"] for r in rs] for name, rs in runs.items() if rs}
+    per_warm_start = functools.partial(repeated, times=args.warm_starts)
     report = {**provenance("coldstart", torch.device(child["device"])), **{k: child[k] for k in ("card", "opt_level", "buckets")},
-              "shape": [frames, height, width], "seconds_to_first_result": {k: spread(v) for k, v in seconds.items()},
+              "shape": [frames, height, width], "warm_starts": args.warm_starts, "seconds_to_first_result": {k: spread(v) for k, v in seconds.items()},
               "counters": {name: rs[-1] for name, rs in runs.items() if rs},
-              "warm_over_cold": paired_ratio(seconds["warm"], seconds["cold"])}  # fmt: skip
+              "warm_over_cold": paired_ratio(seconds["warm"], per_warm_start(seconds["cold"]))}  # fmt: skip
     if "cold_jit" in seconds:
-        report["warm_over_cold_jit"] = paired_ratio(seconds["warm"], seconds["cold_jit"])
+        report["warm_over_cold_jit"] = paired_ratio(seconds["warm"], per_warm_start(seconds["cold_jit"]))
     return report
 
 
