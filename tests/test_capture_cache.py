@@ -26,9 +26,16 @@ from fvgraph.compile.signature import RuntimeFactors
 REQUEST = dict(prompt="a red fox", num_inference_steps=2, guidance_scale=4.0, height=32, width=32, num_frames=5, seed=3)
 SHAPE = "5x32x32"
 
-# A process that serves REQUEST from a capture cache and reports its counters and latents.
+# A process that serves REQUEST from a capture cache and reports its counters and latents. With
+# "forbid", inductor's compilers, g++ and inductor's CPU ISA probe raise in it: a warm start needs none.
 SERVE = """
 import json, sys, torch
+if sys.argv[5] == "forbid":
+    import torch._inductor.compile_fx, torch._inductor.cpp_builder, torch._inductor.cpu_vec_isa
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a warm start ran an inductor compile, g++ or the CPU ISA probe")
+    torch._inductor.compile_fx.compile_fx = torch._inductor.aoti_compile_and_package = forbidden
+    torch._inductor.cpp_builder.CppBuilder.build = torch._inductor.cpu_vec_isa.VecISA.check_build = forbidden
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
@@ -47,13 +54,13 @@ def engine(cache_dir, backend="aot_eager", buckets=(1,)) -> Engine:
                             compile_config=CompileConfig(backend=backend), buckets=BucketSpec(batch_sizes=buckets))  # fmt: skip
 
 
-def serve_in_fresh_process(cache_dir, backend, tmp_path, inductor_dir=None) -> tuple[dict, torch.Tensor]:
+def serve_in_fresh_process(cache_dir, backend, tmp_path, inductor_dir=None, forbid_compiling=False) -> tuple[dict, torch.Tensor]:
     env = dict(os.environ)
     if inductor_dir is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
     out = tmp_path / "latents.pt"
-    done = subprocess.run([sys.executable, "-c", SERVE, str(cache_dir), backend, str(out), json.dumps(REQUEST)],
-                          capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
+    args = [str(cache_dir), backend, str(out), json.dumps(REQUEST), "forbid" if forbid_compiling else "allow"]
+    done = subprocess.run([sys.executable, "-c", SERVE, *args], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), torch.load(out)
 
@@ -63,14 +70,20 @@ def step_artifacts(cache_dir) -> list[Path]:
 
 
 def test_a_fresh_process_serves_from_the_cache_with_zero_compiles(tmp_path):
-    """inductor: the warm process loads the AOTInductor packages, with an empty inductor cache of its own."""
+    """inductor: the warm process loads the AOTInductor packages, with an empty inductor cache of its
+    own, and runs no compiler at all: not inductor, not g++, not inductor's CPU ISA probe (which
+    builds programs with g++ when a package is opened with aoti_load_package); it writes nothing
+    into its inductor cache."""
     cold = engine(tmp_path / "cache", backend="inductor")
     [result] = cold.warmup([Request(**REQUEST)])
     assert cold.counters.compiles == 1 and cold.counters.cache_stores == 1  # the CFG denoise step at batch 1
 
-    counters, latents = serve_in_fresh_process(tmp_path / "cache", "inductor", tmp_path, inductor_dir=tmp_path / "ind")
+    inductor_dir = tmp_path / "ind"
+    counters, latents = serve_in_fresh_process(tmp_path / "cache", "inductor", tmp_path, inductor_dir, forbid_compiling=True)
     assert counters["compiles"] == 0 and counters["cache_hits"] == 1 and counters["compiled_steps"] == 2
+    assert counters["cache_rejects"] == 0
     torch.testing.assert_close(latents, result.latents, rtol=0, atol=0)  # the very same compiled code
+    assert [p for p in inductor_dir.rglob("*") if p.is_file()] == []
     assert verify(tmp_path / "cache") == []
 
 
@@ -117,21 +130,23 @@ def test_a_corrupted_artifact_is_detected_rebuilt_and_the_result_is_unchanged(wa
     assert verify(cache_dir) == [] and not artifact.exists()  # rebuilt under a new content hash
 
 
-def test_a_changed_runtime_factor_is_not_served_and_says_which(warm_cache, monkeypatch, caplog):
+@pytest.mark.parametrize(("factor", "value"), [("torch", "0.0.0-other"), ("cpu_isa", "aarch64 SVE256 -")])
+def test_a_changed_runtime_factor_is_not_served_and_says_which(warm_cache, monkeypatch, caplog, factor, value):
+    """A cache built by another torch, or on a CPU with another vector ISA, is rebuilt, never loaded."""
     cache_dir, _ = warm_cache
-    other_torch = dataclasses.replace(RuntimeFactors.current(torch.device("cpu")), torch="0.0.0-other")
-    monkeypatch.setattr(RuntimeFactors, "current", classmethod(lambda cls, device: other_torch))
+    other_runtime = dataclasses.replace(RuntimeFactors.current(torch.device("cpu")), **{factor: value})
+    monkeypatch.setattr(RuntimeFactors, "current", classmethod(lambda cls, device: other_runtime))
     other = engine(cache_dir)
     with caplog.at_level(logging.WARNING, "fvgraph.compile.capture_cache"), other.counters.expect(compiles=1, cache_hits=0):
         assert other.generate([Request(**REQUEST)])[0].ok
-    assert "torch: " in caplog.text and "0.0.0-other" in caplog.text
+    assert f"{factor}: " in caplog.text and value in caplog.text
     assert len(list(cache_dir.glob("*/manifest.json"))) == 2  # one directory per process identity
 
 
 # -- CaptureCache itself: fingerprints, foreign entries, truncation (no compiling) ---------------------
 
 FINGERPRINT = dict(card_id="tiny-wan", weights_version="w1", opt_level=1, pass_pipeline="p1", backend="inductor",
-                   mode="default", torch="2.13.0", triton="3.7.0", cuda=None, gpu=None)  # fmt: skip
+                   mode="default", torch="2.13.0", triton="3.7.0", cuda=None, gpu=None, cpu_isa="x86_64 AVX2 avx2")  # fmt: skip
 FACTORS = dict(step_kind="denoise_cfg", batch=1, runtime=dict(torch="2.13.0"))
 
 

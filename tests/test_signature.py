@@ -1,6 +1,8 @@
 """The CompileCache signature: every factor changes the key; equal inputs give equal keys anywhere."""
 
 import dataclasses
+import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -9,13 +11,13 @@ import pytest
 import torch
 
 from fvgraph.contract.plan import ShapeSignature
-from fvgraph.compile.signature import RuntimeFactors, StepSignature
+from fvgraph.compile.signature import RuntimeFactors, StepSignature, cpu_isa
 
 BASE = dict(
     card_id="tiny-wan", weights_version="abc", component="transformer", loop="t2v", step_kind="denoise_cfg",
     shape=ShapeSignature("denoise_cfg", (("latents", (16, 2, 8, 8), "float32"), ("timestep", (), "int64"))),
     batch=1, precision="fp32", pass_pipeline="p1", backend="inductor", mode="default",
-    runtime=RuntimeFactors(torch="2.13.0", triton=None, cuda=None, gpu=None),
+    runtime=RuntimeFactors(torch="2.13.0", triton=None, cuda=None, gpu=None, cpu_isa="x86_64 AVX2 avx2"),
 )  # fmt: skip
 
 CHANGES = {
@@ -30,7 +32,7 @@ CHANGES = {
     "pass_pipeline": "p2",
     "backend": "aot_eager",
     "mode": "max-autotune-no-cudagraphs",
-    "runtime": RuntimeFactors(torch="2.11.0", triton=None, cuda=None, gpu=None),
+    "runtime": RuntimeFactors(torch="2.11.0", triton=None, cuda=None, gpu=None, cpu_isa="x86_64 AVX2 avx2"),
     "attention": "CUDNN_ATTENTION,FLASH_ATTENTION",
     "parallel": "cfg2xulysses1:rank1",
     "adapters": "lora-slots:4x64/2:0123456789ab",
@@ -49,11 +51,26 @@ def test_changing_one_factor_changes_the_key(factor):
     assert [line.split(":")[0] for line in changed.diff(base)] == [factor]
 
 
-@pytest.mark.parametrize("field", ["triton", "cuda", "gpu"])
+@pytest.mark.parametrize("field", ["triton", "cuda", "gpu", "cpu_isa"])
 def test_each_runtime_factor_changes_the_key(field):
     base = StepSignature(**BASE)
     runtime = dataclasses.replace(base.runtime, **{field: "x"})
     assert dataclasses.replace(base, runtime=runtime).key() != base.key()
+
+
+def test_the_cpu_isa_is_read_without_compiling_and_follows_aten_cpu_capability(tmp_path):
+    """A process held to a lower ISA (ATEN_CPU_CAPABILITY=default) has another cpu_isa, so another
+    fingerprint: it never loads a library built for the full ISA. Reading it builds nothing."""
+    code = ("import torch._inductor.cpp_builder as b\n"
+            "b.CppBuilder.build = lambda self: (_ for _ in ()).throw(AssertionError('g++ ran'))\n"
+            "from fvgraph.compile.signature import cpu_isa; print(cpu_isa())")  # fmt: skip
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    full = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout.strip()
+    lowered = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**env, "ATEN_CPU_CAPABILITY": "default"}).stdout.strip()  # fmt: skip
+    assert full == cpu_isa() and full.split()[0] == platform.machine()
+    assert lowered.split()[1] == "DEFAULT"
+    assert lowered != full or full.split()[1] == "DEFAULT"  # this CPU vectorizes: holding it back shows
 
 
 def test_key_is_stable_across_processes():

@@ -32,7 +32,7 @@ def cache_ls(
     for cache in caches:
         fp = cache.fingerprint
         title = (f"{cache.dir.name}: {fp.get('card_id')} -O{fp.get('opt_level')} {fp.get('backend')} torch {fp.get('torch')} "
-                 f"gpu {fp.get('gpu')} passes {fp.get('pass_pipeline')}")  # fmt: skip
+                 f"gpu {fp.get('gpu')} cpu {fp.get('cpu_isa')} passes {fp.get('pass_pipeline')}")  # fmt: skip
         table = Table(title=title)
         for column in ("signature", "step", "batch", "latents", "MB", "compile s", "capture s"):
             table.add_column(column)

@@ -22,7 +22,6 @@ same code as the one that warmed the cache.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import pickle
 import signal
@@ -61,24 +60,32 @@ def load_graph(path: Path, backend: str, device: torch.device, compile_fn: Calla
     backend on the loaded graph (example_args may be meta tensors shaped like the real inputs)."""
     log.info("loading the %s artifact %s on %s", backend, path, device)
     if backend == "inductor":
-        # run_single_threaded: no locking around a run, which CUDA graph capture needs (and a
-        # GraphRunner never runs one graph from two threads).
-        options = {"run_single_threaded": True}
-        if "device_index" in inspect.signature(torch._inductor.aoti_load_package).parameters:
-            options["device_index"] = device.index if device.type == "cuda" and device.index is not None else -1
-        return torch._inductor.aoti_load_package(str(path), **options)
+        return open_package(path, device.index if device.type == "cuda" and device.index is not None else -1)
     gm = torch.export.load(str(path)).module()
     return compile_fn(gm, example_args or [])
+
+
+def open_package(path: Path, device_index: int) -> GraphFn:
+    """The AOTInductor package at `path`, opened by torch's package loader directly.
+
+    `aoti_load_package` would first compare the device facts the package records with this
+    process's, only to log a warning on a mismatch; on every device those include inductor's CPU
+    ISA, `pick_vec_isa()`, which builds and loads probe programs with g++ (about 8 s on a 2-core
+    machine with an empty inductor cache, most of a warm start). A capture cache never offers a
+    package built for another CPU (its fingerprint holds `cpu_isa`), so the check is skipped, the way
+    `torch._inductor.package.load_package` opens a package without metadata."""
+    from torch._inductor.package.package import AOTICompiledModel
+
+    # run_single_threaded: no locking around a run, which CUDA graph capture needs (and a
+    # GraphRunner never runs one graph from two threads). One runner, as aoti_load_package makes.
+    return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", True, 1, device_index))
 
 
 def probe_load(path: Path, backend: str) -> None:
     """Load the artifact at `path` as a serving process would, and drop it; raises when it will not
     load (a file whose hash checks out can still fail to load: a library it links against changed)."""
     if backend == "inductor":
-        options = {"run_single_threaded": True}
-        if "device_index" in inspect.signature(torch._inductor.aoti_load_package).parameters:
-            options["device_index"] = 0 if torch.cuda.is_available() else -1
-        torch._inductor.aoti_load_package(str(path), **options)
+        open_package(path, 0 if torch.cuda.is_available() else -1)
     else:
         torch.export.load(str(path)).module()
 

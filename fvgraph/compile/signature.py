@@ -12,6 +12,7 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,17 @@ def _triton_version() -> str | None:
         return None
 
 
+def cpu_isa() -> str:
+    """The host CPU's vector ISA as torch reads it from the CPU itself, e.g. `x86_64 AVX512 avx2+avx512`:
+    the architecture, ATen's dispatch capability (ATEN_CPU_CAPABILITY lowers it) and, on x86, the
+    extensions inductor chooses its ISA from. An AOTInductor library holds host code built for one
+    ISA (all of it on a CPU), and one built for AVX-512 dies of SIGILL on a CPU without it. Nothing is
+    compiled to find this (inductor's own pick_vec_isa builds probe programs with g++)."""
+    from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+    return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} {'+'.join(x86_isa_checker()) or '-'}"
+
+
 @dataclass(frozen=True)
 class RuntimeFactors:
     """The toolchain and device: what a compiled artifact was built with and for."""
@@ -34,11 +46,12 @@ class RuntimeFactors:
     triton: str | None
     cuda: str | None
     gpu: str | None
+    cpu_isa: str  # see cpu_isa(): the host code of every artifact is built for it
 
     @classmethod
     def current(cls, device: torch.device) -> RuntimeFactors:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        return cls(torch.__version__, _triton_version(), torch.version.cuda, gpu)
+        return cls(torch.__version__, _triton_version(), torch.version.cuda, gpu, cpu_isa())
 
 
 @dataclass(frozen=True)
