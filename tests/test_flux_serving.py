@@ -1,5 +1,5 @@
 """tiny-flux through the user-facing surfaces: `fvgraph generate` writes a PNG, `fvgraph warmup`
-prepares its buckets, and the official openai client's images.generate(model="tiny-flux", n=2) gets
+prepares its buckets, `fvgraph parity` runs one-frame requests, and the official openai client's images.generate(model="tiny-flux", n=2) gets
 the two images the engine makes for those seeds."""
 
 from __future__ import annotations
@@ -35,6 +35,12 @@ def test_warmup_prepares_the_flux_buckets(tmp_path):
     result = CliRunner().invoke(app, ["warmup", "--card", "tiny-flux", "-O", "1", "--compile-backend", "aot_eager",
                                       "--buckets", "1,2", "--cache-dir", str(tmp_path / "cache"), "--steps", "1"])  # fmt: skip
     assert result.exit_code == 0, result.output
+
+
+def test_parity_runs_on_an_image_card_with_one_frame():
+    result = CliRunner().invoke(app, ["parity", "--card", "tiny-flux", "-O", "1", "--compile-backend", "aot_eager", "--steps", "2"])
+    assert result.exit_code == 0, result.output
+    assert "passed" in result.output
 
 
 @pytest.fixture(scope="module")

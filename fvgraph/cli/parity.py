@@ -21,7 +21,7 @@ def parity(
     disable_pass: list[str] = typer.Option([], "--disable-pass"),
     prompt: list[str] = typer.Option(["a red fox running through fresh snow", "waves at dusk"], "--prompt", "-p"),
     num_inference_steps: Optional[int] = typer.Option(None, "--steps", help="Default 4, or a distilled recipe's own count."),
-    num_frames: int = typer.Option(5, "--frames"),
+    num_frames: Optional[int] = typer.Option(None, "--frames", help="Default 5, or 1 on an image card."),
     device: Optional[str] = typer.Option(None),
     report: Optional[Path] = typer.Option(None, help="Write the JSON-lines report here."),
     cache: Optional[str] = typer.Option(None, "--cache", help="Step caching on both sides (METHOD[:k=v,...]); with "
@@ -54,6 +54,7 @@ def parity(
         from fvgraph.cards import get_card
 
         recipe = get_card(card).recipe  # a distilled recipe fixes its steps and takes no guidance
+        num_frames = num_frames or min(5, get_card(card).shapes.max_frames)
         steps = num_inference_steps or (recipe.default_steps if recipe.step_distilled else 4)
         requests = [
             Request(prompt=text, seed=i, guidance_scale=None if recipe.cfg_distilled else 5.0 - i, num_inference_steps=steps,
