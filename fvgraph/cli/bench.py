@@ -16,7 +16,7 @@ BENCHMARKS = {
     "step": "bench_step", "serving": "bench_serving", "scheduler": "bench_scheduler_overhead",
     "projection-cache": "bench_projection_cache", "coldstart": "bench_coldstart", "kernels": "bench_kernels",
     "http": "bench_http", "interceptors": "bench_interceptors", "lora": "bench_lora", "distilled": "bench_distilled",
-    "rollouts": "bench_rollouts",
+    "rollouts": "bench_rollouts", "profile-step": "profile_step",
 }  # fmt: skip
 
 
