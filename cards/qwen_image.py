@@ -10,7 +10,8 @@ with an exponential time shift between 0.5 and 0.9, stretched to end at sigma 0.
 
 from __future__ import annotations
 
-from fvgraph.card import ComponentSpec, ModelCard, ParitySpec, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules, Tolerance
+from fvgraph.cards.wan import PARITY as WAN_PARITY
+from fvgraph.card import ComponentSpec, ModelCard, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules
 
 SCHEDULER = SamplerSpec(
     name="flow_euler_image",
@@ -24,13 +25,7 @@ QWEN_IMAGE_TRANSFORMER = {
     "num_attention_heads": 24, "joint_attention_dim": 3584, "guidance_embeds": False, "axes_dims_rope": (16, 56, 56),
 }  # fmt: skip
 
-PARITY = ParitySpec(
-    tolerances={
-        "fp32": {"component": Tolerance(atol=1e-5, rtol=1e-4), "loop": Tolerance(atol=1e-4, rtol=1e-3)},
-        "bf16": {"component": Tolerance(atol=2e-2, rtol=2e-2), "loop": Tolerance(atol=8e-2, rtol=5e-2)},
-        "fp8": {"component": Tolerance(atol=1.5e-1, rtol=1e-1), "loop": Tolerance(atol=2.5e-1, rtol=1.5e-1)},
-    }
-)
+PARITY = WAN_PARITY  # the Wan cards' bounds (measured on tiny-wan) until this family's own are measured
 # FP8 leaves the embedders, the output norm and projection and the first and last blocks alone.
 EMBEDDERS = ("img_in", "txt_in", "txt_norm", "time_text_embed.*", "norm_out.*", "proj_out")
 

@@ -16,7 +16,7 @@ from torch import nn
 from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.flux_steps import FluxDenoiseStep, FluxTextEncodeStep, ImageVaeDecodeStep
-from fvgraph.loops.image_loop import ImageLoop
+from fvgraph.loops.image_loop import ImageLoop, image_denoise_kind
 from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, T2VState
 from fvgraph.loops.t2v_state_check import EMBED_SLOTS
 from fvgraph.loops.taps import TapPoints
@@ -31,10 +31,7 @@ def flux_denoise_kind(name: str, cfg: bool) -> StepKind:
     texts = ("prompt_embeds", "pooled_prompt_embeds", "guidance")
     if cfg:
         texts += ("negative_prompt_embeds", "negative_pooled_prompt_embeds", "guidance_scale")
-    return StepKind(name, component="transformer", phase="denoise", compiled=True, per_inference_step=True,
-                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP,
-                            **dict.fromkeys(texts, Role.CONSTANT)},
-                    outputs={"latents": Role.RESULT})  # fmt: skip
+    return image_denoise_kind(name, texts)
 
 
 STEP_KINDS = {

@@ -10,10 +10,20 @@ for them are refused naming the field.
 from __future__ import annotations
 
 from fvgraph.card import ModelCard
+from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.samplers import SamplerPlan
 from fvgraph.loops.t2v_loop import T2VState, TextToVideoLoop
 from fvgraph.models.components import Components
 from fvgraph.request import Request, RequestRejected
+
+
+def image_denoise_kind(name: str, constants: tuple[str, ...]) -> StepKind:
+    """An image loop's denoise kind: latents, timestep and Euler row per step; `constants` (texts,
+    pooled texts or masks, guidance) the same at every step of the request."""
+    return StepKind(name, component="transformer", phase="denoise", compiled=True, per_inference_step=True,
+                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP,
+                            **dict.fromkeys(constants, Role.CONSTANT)},
+                    outputs={"latents": Role.RESULT})  # fmt: skip
 
 
 class ImageLoop(TextToVideoLoop):

@@ -20,7 +20,7 @@ from torch import nn
 from fvgraph.card import ModelCard
 from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
-from fvgraph.loops.image_loop import ImageLoop
+from fvgraph.loops.image_loop import ImageLoop, image_denoise_kind
 from fvgraph.loops.qwen_image_steps import QwenImageDenoiseStep, QwenTextEncodeStep
 from fvgraph.loops.steps import VaeDecodeStep
 from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, T2VState
@@ -44,10 +44,7 @@ def qwen_denoise_kind(name: str, cfg: bool) -> StepKind:
     texts = ("prompt_embeds", "prompt_embeds_mask")
     if cfg:
         texts += ("negative_prompt_embeds", "negative_prompt_embeds_mask", "guidance_scale")
-    return StepKind(name, component="transformer", phase="denoise", compiled=True, per_inference_step=True,
-                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP,
-                            **dict.fromkeys(texts, Role.CONSTANT)},
-                    outputs={"latents": Role.RESULT})  # fmt: skip
+    return image_denoise_kind(name, texts)
 
 
 STEP_KINDS = {
