@@ -53,6 +53,9 @@ def serve_ray(
     max_body_bytes: int = typer.Option(16 << 20, help="Larger request bodies get 413."),
     cache_methods: Optional[str] = CACHE_METHODS_OPTION,
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="FRAMESxHEIGHTxWIDTH each replica compiles before /ready (repeatable; with --cache-dir, default: the card's shape)."),
+    allowed_origins: list[str] = typer.Option([], "--allowed-origins", help="A web origin (scheme://host[:port]) whose pages may call the API (CORS; repeatable; '*': any). Without it: no CORS headers."),
+    playground: bool = typer.Option(True, "--playground/--no-playground", help="Serve the playground page at / (a browser form on the public API)."),
+    served_model_name: list[str] = typer.Option([], "--served-model-name", help="Another name `model` may give, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers or sora-2 (repeatable; the card id stays valid)."),
 ) -> None:
     """Serve the OpenAI videos and images API (as `fvgraph serve --port`) from N engine replicas on
     Ray Serve, routed and scaled by Ray Serve (docs/parallel.md, "Ray Serve replicas")."""
@@ -78,8 +81,10 @@ def serve_ray(
             engine_kwargs={"compile_config": compile_config(compile_backend, disable_pass), "enforce_eager": enforce_eager,
                            "cuda_graphs": not no_cudagraph, "max_running": max_running,
                            "cache_methods": parse_cache_methods(cache_methods)},
-            settings=_http_settings(card, api_key, max_body_bytes, retention_s, drain_timeout,
-                                    [parse_shape(text, "--warmup-shape") for text in warmup_shape], cache_dir is not None),
+            settings=_http_settings(card, [parse_shape(text, "--warmup-shape") for text in warmup_shape], cache_dir is not None,
+                                    served_model_name, checkpoint, api_key=api_key, max_body_bytes=max_body_bytes,
+                                    retention_s=retention_s, drain_timeout_s=drain_timeout,
+                                    allowed_origins=tuple(allowed_origins), playground=playground),
             memory_budget=None if memory_budget is None else parse_size(memory_budget, "--memory-budget"),
         )  # fmt: skip
         actor = {"num_cpus": replica_cpus, **({"num_gpus": replica_gpus} if replica_gpus else {})}
@@ -125,17 +130,19 @@ def _autoscaling(text: str) -> dict:
     return config
 
 
-def _http_settings(card_name: str, api_key, max_body_bytes, retention_s, drain_timeout_s, shapes, warm_default: bool):
-    """HttpSettings as `fvgraph serve --port` makes them (its warmup shapes included)."""
+def _http_settings(card_name: str, shapes, warm_default: bool, aliases: list[str], checkpoint: Optional[Path], **fields):
+    """HttpSettings as `fvgraph serve --port` makes them: its warmup shapes, the names `model` may
+    give (the card id, the aliases, the checkpoint's name), and `fields` as given."""
     from fvgraph.cards import get_card
     from fvgraph.serving.http_app import HttpSettings
     from fvgraph.serving.http_server import warmup_requests
+    from fvgraph.serving.model_names import ServedNames
 
     card = get_card(card_name)
     if warm_default and not shapes:
         shapes = [(card.shapes.default_frames, card.shapes.default_height, card.shapes.default_width)]
-    return HttpSettings(api_key=api_key, max_body_bytes=max_body_bytes, retention_s=retention_s,
-                        drain_timeout_s=drain_timeout_s, warmup=warmup_requests(card, shapes))  # fmt: skip
+    return HttpSettings(warmup=warmup_requests(card, shapes), model_names=ServedNames.of(card.card_id, aliases, checkpoint),
+                        **fields)  # fmt: skip
 
 
 def _absolute(path: Optional[Path]) -> Optional[str]:
