@@ -337,6 +337,23 @@ def test_framework_errors_are_openai_shaped_naming_what_the_client_sent(server):
         assert response.status_code == status and set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize("method, path, allowed", [
+    ("POST", "/health", "GET, HEAD"),  # a GET route answers HEAD as well
+    ("OPTIONS", "/health", "GET, HEAD"),  # answered only as a CORS preflight, with --allowed-origins
+    ("GET", "/v1/images/generations", "POST"),
+    ("PUT", "/v1/videos", "GET, HEAD, POST"),  # two routes on one path: list and create
+    ("PATCH", "/v1/videos/video_none", "DELETE, GET, HEAD"),
+    ("DELETE", "/v1/loras", "GET, HEAD, POST"),
+])  # fmt: skip
+def test_a_405_allows_every_method_routed_for_its_path_and_only_those(server, method, path, allowed):
+    _, url = server
+    refused = httpx.request(method, url + path, headers=HEADERS)
+    assert (refused.status_code, refused.headers["allow"]) == (405, allowed), refused.text
+    assert refused.json()["error"]["code"] == "method_not_allowed"
+    for listed in allowed.split(", "):  # each one listed reaches its endpoint (an empty body is a 400, an unknown id a 404)
+        assert httpx.request(listed, url + path, headers=HEADERS).status_code != 405, listed
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__(logging.ERROR)

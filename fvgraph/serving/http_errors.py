@@ -5,8 +5,8 @@ whole, `input_reference` for the upload) or is null where no field is at fault (
 This covers fvgraph's own refusals (RequestRejected, ApiError, QueueFull, EngineClosed,
 BodyTooLarge) and what the framework raises before an endpoint runs: a query parameter of the wrong
 type (FastAPI's RequestValidationError), a path or method that does not exist (Starlette's
-HTTPException). A client that hangs up mid-body (ClientDisconnect) is logged on one line, not as a
-traceback: there is nobody left to answer.
+HTTPException; a 405's Allow names every method routed for the path). A client that hangs up
+mid-body (ClientDisconnect) is logged on one line, not as a traceback: there is nobody left to answer.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import logging
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request as HttpRequest
+from starlette.routing import Match
 
 from fvgraph.request import RequestRejected
 from fvgraph.serving.admission import QueueFull
@@ -48,6 +49,17 @@ def api_param(field: str) -> str:
     return API_NAMES.get(top, top)
 
 
+def routed_methods(http: HttpRequest) -> str:
+    """A 405's Allow header: every method routed for the request's path. Starlette's own names the
+    methods of the first route whose path matches, and a path several routes serve (GET and POST
+    /v1/videos, GET and DELETE /v1/videos/{id}) has more."""
+    methods = set()
+    for route in http.app.router.routes:
+        if route.matches(http.scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def error_handlers(metrics: ServingMetrics) -> dict:
     """Each refusal as an OpenAI error body with its status, counted by reason."""
 
@@ -77,8 +89,11 @@ def error_handlers(metrics: ServingMetrics) -> dict:
 
     async def http_error(http, err: HTTPException):
         message = f"{http.method} {http.url.path}: {err.detail}"
+        headers = getattr(err, "headers", None)
+        if err.status_code == 405:
+            headers = {**(headers or {}), "Allow": routed_methods(http)}
         return JSONResponse(error_body(message, err.status_code, None, CODES.get(err.status_code)), err.status_code,
-                            headers=getattr(err, "headers", None))  # fmt: skip
+                            headers=headers)  # fmt: skip
 
     async def hung_up(http, _: ClientDisconnect):
         log.info("%s %s: the client hung up before its request body arrived", http.method, http.url.path)
