@@ -1,7 +1,7 @@
 """What a family provides for step caching, and what a caching state is between steps.
 
-Wan's sections, run in order, equal diffusers' WanTransformer3DModel forward bit for bit (the
-contract every caching method relies on); a request's caching state is one typed field of its loop
+Wan's and FLUX's sections, run in order, equal diffusers' WanTransformer3DModel and
+FluxTransformer2DModel forwards bit for bit (the contract every caching method relies on); a request's caching state is one typed field of its loop
 state that saves as plain values and is read back field by field, refusing what it could not have
 written."""
 
@@ -17,7 +17,8 @@ from fvgraph.models.wan_sections import WanSections
 from fvgraph.request import Request
 from conftest import embeds
 
-SECTIONS = ("embed", "first_block", "remaining_blocks", "project_out", "token_shape", "token_dtype", "attention_shape")
+SECTIONS = ("conditions", "embed", "first_block", "remaining_blocks", "stream", "project_out", "token_shape", "hidden_shape",
+            "token_dtype", "attention_shape")
 
 
 def test_wans_sections_in_order_equal_its_forward(tiny_engine):
@@ -30,12 +31,44 @@ def test_wans_sections_in_order_equal_its_forward(tiny_engine):
     timestep = torch.tensor([999.0, 500.0])
     with torch.no_grad():
         expected = transformer(latents, timestep, text, return_dict=False)[0]
-        tokens = sections.embed(latents, timestep, text)
+        tokens = sections.embed(latents, timestep, **sections.conditions({"prompt_embeds": text}, 0))
         hidden = sections.remaining_blocks(sections.first_block(tokens.hidden_states, tokens), tokens)
-        got = sections.project_out(hidden, tokens)
+        got = sections.project_out(sections.stream(hidden, tokens), tokens)
     assert torch.equal(got, expected)
-    assert sections.token_shape(latents[:1]) == (1, *tokens.hidden_states.shape[1:])
+    assert sections.token_shape(latents[:1]) == sections.hidden_shape(latents[:1], 16) == (1, *tokens.hidden_states.shape[1:])
     assert sections.token_dtype == tokens.hidden_states.dtype
+
+
+@pytest.mark.parametrize("guidance", [True, False], ids=["dev", "schnell"])
+def test_fluxs_sections_in_order_equal_its_forward(guidance):
+    """FluxPipeline's call of the transformer (packing, ids, t / 1000) and the forward, cut at its blocks."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from fvgraph.models.flux_sections import FluxSections
+
+    config = {**get_card("tiny-flux").components["transformer"].config, "guidance_embeds": guidance}
+    torch.manual_seed(0)
+    transformer = FluxTransformer2DModel(**config).eval()
+    sections = FluxSections(transformer, vae_spatial=8)
+    assert all(hasattr(sections, name) for name in SECTIONS)
+    latents = torch.randn(2, config["in_channels"] // 4, 1, 6, 8)  # one-frame latents, 12 packed tokens
+    inputs = {"negative_prompt_embeds": torch.randn(2, 5, config["joint_attention_dim"]),
+              "negative_pooled_prompt_embeds": torch.randn(2, config["pooled_projection_dim"])}  # fmt: skip
+    if guidance:
+        inputs["guidance"] = torch.tensor([3.5, 2.0])
+    timestep = torch.tensor([990.0, 400.0])
+    with torch.no_grad():
+        packed = FluxPipeline._pack_latents(latents[:, :, 0], 2, latents.shape[1], 6, 8)
+        img_ids = FluxPipeline._prepare_latent_image_ids(2, 3, 4, "cpu", torch.float32)
+        out = transformer(packed, inputs["negative_prompt_embeds"], inputs["negative_pooled_prompt_embeds"], timestep / 1000,
+                          img_ids, torch.zeros(5, 3), inputs.get("guidance"), return_dict=False)[0]  # fmt: skip
+        expected = FluxPipeline._unpack_latents(out, 48, 64, 8).unsqueeze(2)
+        tokens = sections.embed(latents, timestep, **sections.conditions(inputs, 1))
+        hidden = sections.remaining_blocks(sections.first_block(tokens.hidden_states, tokens), tokens)
+        got = sections.project_out(sections.stream(hidden, tokens), tokens)
+    assert torch.equal(got, expected)
+    assert sections.hidden_shape(latents[:1], 5) == (1, *hidden.shape[1:]) and hidden.shape[1] == 5 + 12
+    assert sections.token_shape(latents[:1]) == (1, *sections.stream(hidden, tokens).shape[1:])
 
 
 def test_every_caching_kind_derives_from_the_loops_denoise_kind_and_declares_what_it_adds():

@@ -13,9 +13,11 @@ launches per step, decided in between (fvgraph/caching/fb_cache.py decides on th
                                    branch, cond first: the two branches decide apart, as diffusers
                                    keeps a "cond" and an "uncond" cache context.
 
-The residuals are diffusers' (diffusers.hooks.first_block_cache, 0.42.1): the first block's is its
-output minus its input; the kept one is the last block's output minus the first block's output, and
-on reuse the blocks' output is the first block's output plus it. The second launch runs `embed`
+The residuals are diffusers' (diffusers.hooks.first_block_cache, 0.42.1), taken on the sections'
+stream (the blocks' `hidden_states`; FLUX's image tokens): the first block's is its output minus its
+input; the kept one is the last block's output minus the first block's output, and on reuse the
+blocks' output is the first block's output plus it. "first_b" is the first block's whole output
+(FLUX's text stream too), which the remaining blocks go on from. The second launch runs `embed`
 again (cheap next to the blocks, and equal bit for bit) rather than carrying the embeddings over.
 Every step is a pure tensor function, fixed at construction (which branches compute is the kind).
 """
@@ -33,12 +35,11 @@ from fvgraph.caching.sections_step import SectionsStep
 from fvgraph.caching.state import Fail, StepCachingState, TensorLayouts, check_tensor
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
-from fvgraph.contract.markers import mark_request_constant
 from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.contract.step_kind import Role, StepKind
 
 CHANGE = "first_block_change"  # the output the loop reads on the host
-FIRST_BLOCK_INPUTS = ("latents", "timestep", "prompt_embeds", "negative_prompt_embeds")
+UPDATE_INPUTS = ("coeffs", "guidance_scale", "fresh_noise")  # with the sampler's history: read by the update only
 # The first-block kind by cfg, and the after-first kind by (cfg, which branches compute).
 FIRST_BLOCK_KINDS = {cfg: f"denoise{'_cfg' if cfg else ''}_first_block" for cfg in (False, True)}
 AFTER_FIRST_KINDS = {
@@ -53,7 +54,7 @@ def step_kinds(denoise: Mapping[bool, StepKind]) -> dict[str, StepKind]:
         branches = range(2 if cfg else 1)
         base = denoise[cfg]
         kinds[name] = base.derived(
-            name, drop_inputs=tuple(n for n in base.inputs if n not in FIRST_BLOCK_INPUTS), drop_outputs=tuple(base.outputs),
+            name, drop_inputs=tuple(n for n in base.inputs if _update_only(n)), drop_outputs=tuple(base.outputs),
             inputs={f"first_kept_{b}": Role.CARRIED for b in branches},
             outputs={**{f"first_{b}": Role.CARRIED for b in branches}, CHANGE: Role.HOST},
             per_inference_step=False, continues=True,
@@ -66,6 +67,12 @@ def step_kinds(denoise: Mapping[bool, StepKind]) -> dict[str, StepKind]:
     return kinds
 
 
+def _update_only(name: str) -> bool:
+    """Whether a denoise input is read by the guidance combine and the sampler update alone (the first
+    launch, which runs no update, takes every other input: latents, timestep and what the sections read)."""
+    return name in UPDATE_INPUTS or name.startswith("carry_")
+
+
 def build_steps(sections: DenoiserSections, sampler: Sampler) -> dict[str, nn.Module]:
     steps: dict[str, nn.Module] = {kind: FirstBlockStep(sections, sampler, cfg) for cfg, kind in FIRST_BLOCK_KINDS.items()}
     steps.update({kind: AfterFirstBlockStep(sections, sampler, cfg, compute) for (cfg, compute), kind in AFTER_FIRST_KINDS.items()})
@@ -73,23 +80,22 @@ def build_steps(sections: DenoiserSections, sampler: Sampler) -> dict[str, nn.Mo
 
 
 class FirstBlockStep(SectionsStep):
-    """Per CFG branch the first block, and how its residual changed since the kept one (per row)."""
+    """Per CFG branch the first block, and how its residual on the stream changed since the kept one (per row)."""
 
     def forward(
         self,
         latents: torch.Tensor,  # [B, C, F, H, W] float32
         timestep: torch.Tensor,  # [B]
-        prompt_embeds: torch.Tensor,  # [B, L, D]
-        negative_prompt_embeds: torch.Tensor | None = None,
-        **kept: torch.Tensor,  # first_kept_0 (, first_kept_1): [B, S, D], zeros before the first full step
+        **inputs: torch.Tensor,  # the texts and what else the sections read; first_kept_0 (, first_kept_1):
+        # [B, S, D], zeros before the first full step
     ) -> dict[str, torch.Tensor]:
-        model_input = latents.to(prompt_embeds.dtype)
-        texts = (prompt_embeds, negative_prompt_embeds)
+        model_input = latents.to(inputs["prompt_embeds"].dtype)
+        s = self.sections
         out, changes = {}, []
         for b, _ in enumerate(self.branches):
-            tokens = self.sections.embed(model_input, timestep, mark_request_constant(texts[b]))
-            first = self.sections.first_block(tokens.hidden_states, tokens)
-            residual, previous = first - tokens.hidden_states, kept[f"first_kept_{b}"]
+            tokens = s.embed(model_input, timestep, **self.branch_conditions(inputs, b))
+            first = s.first_block(tokens.hidden_states, tokens)
+            residual, previous = s.stream(first, tokens) - s.stream(tokens.hidden_states, tokens), inputs[f"first_kept_{b}"]
             # diffusers' (residual - previous).abs().mean() and previous.abs().mean(), per request row
             changes.append(torch.stack([(residual - previous).abs().mean(dim=(1, 2)), previous.abs().mean(dim=(1, 2))], dim=-1))
             out[f"first_{b}"] = first
@@ -110,28 +116,27 @@ class AfterFirstBlockStep(SectionsStep):
         self,
         latents: torch.Tensor,  # [B, C, F, H, W] float32
         timestep: torch.Tensor,  # [B]
-        prompt_embeds: torch.Tensor,  # [B, L, D]
         coeffs: torch.Tensor,  # [B, num_coeffs]
-        negative_prompt_embeds: torch.Tensor | None = None,
-        guidance_scale: torch.Tensor | None = None,
-        **extra: torch.Tensor,  # carry_0..; first_b (the first block's output); kept_b for a reused branch
+        guidance_scale: torch.Tensor | None = None,  # [B] the CFG scale, when cfg
+        **inputs: torch.Tensor,  # the texts, ...; carry_0..; first_b (the first block's output); kept_b for a reused branch
     ) -> dict[str, torch.Tensor]:
         # 1. each branch: the remaining blocks (their residual kept) or the kept residual, then the output
-        model_input = latents.to(prompt_embeds.dtype)
-        texts = (prompt_embeds, negative_prompt_embeds)
+        model_input = latents.to(inputs["prompt_embeds"].dtype)
+        s = self.sections
         out, noises = {}, []
         for b, compute in enumerate(self.compute):
-            tokens = self.sections.embed(model_input, timestep, mark_request_constant(texts[b]))
-            first = extra[f"first_{b}"]
+            tokens = s.embed(model_input, timestep, **self.branch_conditions(inputs, b))
+            first = inputs[f"first_{b}"]
+            head = s.stream(first, tokens)
             if compute:
-                hidden = self.sections.remaining_blocks(first, tokens)
-                out[f"kept_{b}"] = hidden - first
-                out[f"first_kept_{b}"] = first - tokens.hidden_states
+                leaving = s.stream(s.remaining_blocks(first, tokens), tokens)
+                out[f"kept_{b}"] = leaving - head
+                out[f"first_kept_{b}"] = head - s.stream(tokens.hidden_states, tokens)
             else:
-                hidden = extra[f"kept_{b}"] + first  # diffusers' FBCHeadBlockHook: tail residual + head output
-            noises.append(self.sections.project_out(hidden, tokens))
+                leaving = inputs[f"kept_{b}"] + head  # diffusers' FBCHeadBlockHook: tail residual + head output
+            noises.append(s.project_out(leaving, tokens))
         # 2. the guidance combine and the sampler update
-        out.update(self.finish(latents, noises, guidance_scale, extra, coeffs))
+        out.update(self.finish(latents, noises, guidance_scale, inputs, coeffs))
         return out
 
 
@@ -152,7 +157,7 @@ class FirstBlockState(StepCachingState):
         """The first block, or (once it ran) the rest."""
         if not self.head:
             first_kept = self.first or [self.policy.zero_residual(inputs["latents"])] * (2 if cfg else 1)
-            first_inputs = {name: inputs[name] for name in FIRST_BLOCK_INPUTS if name in inputs}
+            first_inputs = {name: t for name, t in inputs.items() if not _update_only(name)}
             first_inputs.update({f"first_kept_{b}": t for b, t in enumerate(first_kept)})
             return FIRST_BLOCK_KINDS[cfg], first_inputs
         inputs.update({f"first_{b}": t for b, t in enumerate(self.head)})
@@ -179,12 +184,12 @@ class FirstBlockState(StepCachingState):
     def check(self, fail: Fail, cfg: bool, phase: str, layouts: TensorLayouts) -> None:
         super().check(fail, cfg, phase, layouts)
         branches = 2 if cfg else 1
-        for name in ("first", "head"):
+        for name, shape in (("first", layouts.tokens), ("head", layouts.blocks)):
             values = getattr(self, name)
             if len(values) not in (0, branches):
                 fail(f"caching.{name}", f"must hold 0 or {branches} tensors (one per CFG branch), got {len(values)}")
             for i, t in enumerate(values):
-                check_tensor(fail, f"caching.{name}[{i}]", t, layouts.tokens, layouts.token_dtype)
+                check_tensor(fail, f"caching.{name}[{i}]", t, shape, layouts.token_dtype)
         if len(self.compute) != len(self.head):
             fail("caching.compute", f"must hold one decision per tensor of caching.head ({len(self.head)}), got {len(self.compute)}")
         if self.head and (phase != "denoise" or any(not c and not self.kept for c in self.compute)):

@@ -22,7 +22,7 @@ from fvgraph.caching.sections_step import SectionsForward, SectionsStep
 from fvgraph.caching.state import StepCachingState
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
-from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output
 from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
 
@@ -62,25 +62,22 @@ class ResidualStep(SectionsStep):
         self,
         latents: torch.Tensor,  # [B, C, F, H, W] float32
         timestep: torch.Tensor,  # [B]
-        prompt_embeds: torch.Tensor,  # [B, L, D]
         coeffs: torch.Tensor,  # [B, num_coeffs]
-        negative_prompt_embeds: torch.Tensor | None = None,
-        guidance_scale: torch.Tensor | None = None,
-        **extra: torch.Tensor,  # sampler history carry_0..; on reuse, kept_0.. ([B, S, D] each)
+        guidance_scale: torch.Tensor | None = None,  # [B] the CFG scale, when cfg
+        **inputs: torch.Tensor,  # the texts and what else the sections read; carry_0..; on reuse kept_0.. ([B, S, D])
     ) -> dict[str, torch.Tensor]:
         # 1. each branch: blocks computed (residual kept) or skipped (residual reused)
-        model_input = latents.to(prompt_embeds.dtype)
-        texts = (prompt_embeds, negative_prompt_embeds)
+        model_input = latents.to(inputs["prompt_embeds"].dtype)
         noises, residuals = [], []
         for b, branch in enumerate(self.branches):
-            inputs = dict(hidden_states=model_input, timestep=timestep, encoder_hidden_states=mark_request_constant(texts[b]),
-                          **({"kept": extra[f"kept_{b}"]} if self.reuse else {}))  # fmt: skip
-            marked = dict(zip(inputs, mark_branch_inputs(branch, "denoiser", **inputs)))
+            call = dict(hidden_states=model_input, timestep=timestep, **({"kept": inputs[f"kept_{b}"]} if self.reuse else {}),
+                        **self.branch_conditions(inputs, b))  # fmt: skip
+            marked = dict(zip(call, mark_branch_inputs(branch, "denoiser", **call)))
             noise, residual = self.denoiser(**marked)
             noises.append(mark_branch_output(branch, "denoiser", noise, 0))
             residuals.append(mark_branch_output(branch, "denoiser", residual, 1))
         # 2. the guidance combine and the sampler update
-        out = self.finish(latents, noises, guidance_scale, extra, coeffs)
+        out = self.finish(latents, noises, guidance_scale, inputs, coeffs)
         if not self.reuse:
             out.update({f"kept_{b}": r for b, r in enumerate(residuals)})
         return out

@@ -7,36 +7,40 @@ call: each is a pure tensor function, like the plain denoise step.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
 from fvgraph.contract.denoise_update import Sampler, guided, sampler_update
 from fvgraph.contract.denoiser_sections import DenoiserSections
+from fvgraph.contract.markers import mark_request_constant
 
 BRANCHES = ("cond", "uncond")
 
 
 class SectionsForward(nn.Module):
-    """The denoiser run through its sections, returning (noise prediction, the blocks' residual). With
-    `kept` the blocks do not run: their output is their input plus `kept`, which is also the residual
-    returned. A module of its own so a step can mark its calls as CFG branches for the fusion pass."""
+    """The denoiser run through its sections, returning (noise prediction, the blocks' residual on the
+    stream). With `kept` the blocks do not run: the stream leaving them is the one entering them plus
+    `kept`, which is also the residual returned. A module of its own so a step can mark its calls as
+    CFG branches for the fusion pass."""
 
     def __init__(self, sections: DenoiserSections):
         super().__init__()
         self.sections = sections
 
-    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                kept: torch.Tensor | None = None, return_dict: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, kept: torch.Tensor | None = None,
+                return_dict: bool = False, **conditions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         # `return_dict`: the CFG fusion pass calls a branch's module as diffusers models are called
         s = self.sections
-        tokens = s.embed(hidden_states, timestep, encoder_hidden_states)
-        block_input = tokens.hidden_states
+        tokens = s.embed(hidden_states, timestep, **conditions)
+        entering = s.stream(tokens.hidden_states, tokens)
         if kept is None:
-            hidden = s.remaining_blocks(s.first_block(block_input, tokens), tokens)
-            residual = hidden - block_input
+            leaving = s.stream(s.remaining_blocks(s.first_block(tokens.hidden_states, tokens), tokens), tokens)
+            residual = leaving - entering
         else:
-            hidden, residual = block_input + kept, kept
-        return s.project_out(hidden, tokens), residual
+            leaving, residual = entering + kept, kept
+        return s.project_out(leaving, tokens), residual
 
 
 class SectionsStep(nn.Module):
@@ -49,9 +53,16 @@ class SectionsStep(nn.Module):
         self.cfg = cfg
         self.branches = BRANCHES[: 2 if cfg else 1]
 
+    def branch_conditions(self, inputs: Mapping[str, torch.Tensor], branch: int) -> dict[str, torch.Tensor]:
+        """What the sections' `embed` takes for CFG branch `branch` besides latents and timestep, each
+        marked as constant for the request (so -O1 hoists what the denoiser computes from it alone)."""
+        conditions = self.sections.conditions(inputs, branch)
+        return {name: mark_request_constant(t) for name, t in conditions.items() if t is not None}
+
     def finish(self, latents: torch.Tensor, noises: list[torch.Tensor], guidance_scale: torch.Tensor | None,
-               carry: dict[str, torch.Tensor], coeffs: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
-        """The guidance combine (when CFG) and the sampler update from each branch's noise prediction."""
+               carry: Mapping[str, torch.Tensor], coeffs: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The guidance combine (when CFG) and the sampler update from each branch's noise prediction
+        (`carry`: the step's inputs, of which the update reads the sampler's history)."""
         noise = guided(noises[0], noises[1], guidance_scale) if self.cfg else noises[0]
         return sampler_update(self.sampler, latents, noise, carry, coeffs)
 

@@ -31,9 +31,10 @@ Fail = Callable[[str, str], NoReturn]  # (field, rule): raises, naming the reque
 class TensorLayouts:
     """What the request's tensors look like on this engine, for the resume-time check of what is kept."""
 
-    tokens: tuple[int, ...]  # [1, S, D]: the denoiser's tokens for the request's latents
+    tokens: tuple[int, ...]  # [1, S, D]: the sections' stream for the request's latents (a kept residual)
     token_dtype: torch.dtype
     latents: tuple[int, ...]  # [1, C, F, h, w]
+    blocks: tuple[int, ...]  # [1, S', D]: the blocks' whole state (FLUX's text stream too)
 
 
 def zero_counts() -> dict[str, int]:

@@ -25,7 +25,7 @@ from fvgraph.caching.sections_step import SectionsForward, SectionsStep
 from fvgraph.caching.state import Fail, StepCachingState, TensorLayouts
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
-from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output
 from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
 
@@ -65,28 +65,26 @@ class TaylorStep(SectionsStep):
         self,
         latents: torch.Tensor,  # [B, C, F, H, W] float32
         timestep: torch.Tensor,  # [B]
-        prompt_embeds: torch.Tensor,  # [B, L, D]
         coeffs: torch.Tensor,  # [B, num_coeffs]
-        negative_prompt_embeds: torch.Tensor | None = None,
-        guidance_scale: torch.Tensor | None = None,
+        guidance_scale: torch.Tensor | None = None,  # [B] the CFG scale, when cfg
         taylor_coeffs: torch.Tensor | None = None,  # [B, orders] float32 when forecasting: d**k / k!
-        **extra: torch.Tensor,  # sampler history carry_0..; when forecasting, taylor_{b}_{k} ([B, C, F, H, W] each)
+        **inputs: torch.Tensor,  # the texts and what else the sections read; carry_0..; when forecasting,
+        # taylor_{b}_{k} ([B, C, F, H, W] each)
     ) -> dict[str, torch.Tensor]:
         # 1. each branch's noise prediction: the denoiser, or the Taylor series of its factors
-        dtype = prompt_embeds.dtype  # the denoiser's compute dtype (its input is cast to it)
-        texts = (prompt_embeds, negative_prompt_embeds)
+        dtype = inputs["prompt_embeds"].dtype  # the denoiser's compute dtype (its input is cast to it)
         noises = []
         for b, branch in enumerate(self.branches):
             if self.forecast:
-                noises.append(self._series([extra[f"taylor_{b}_{k}"] for k in range(taylor_coeffs.shape[1])], taylor_coeffs, dtype))
+                noises.append(self._series([inputs[f"taylor_{b}_{k}"] for k in range(taylor_coeffs.shape[1])], taylor_coeffs, dtype))
             else:  # marked as a CFG branch, as the plain step's: at -O1 the fusion pass runs both as one batch
-                inputs = dict(hidden_states=latents.to(dtype), timestep=timestep, encoder_hidden_states=mark_request_constant(texts[b]))
-                marked = dict(zip(inputs, mark_branch_inputs(branch, "denoiser", **inputs)))
+                call = dict(hidden_states=latents.to(dtype), timestep=timestep, **self.branch_conditions(inputs, b))
+                marked = dict(zip(call, mark_branch_inputs(branch, "denoiser", **call)))
                 noise, residual = self.denoiser(**marked)
                 noises.append(mark_branch_output(branch, "denoiser", noise, 0))
                 mark_branch_output(branch, "denoiser", residual, 1)  # unused: the fusion pass splits both outputs
         # 2. the guidance combine and the sampler update
-        out = self.finish(latents, noises, guidance_scale, extra, coeffs)
+        out = self.finish(latents, noises, guidance_scale, inputs, coeffs)
         if not self.forecast:
             out.update({f"features_{b}": n for b, n in enumerate(noises)})
         return out

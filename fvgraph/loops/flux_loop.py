@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fvgraph.caching.methods import caching_step_kinds, caching_steps
 from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.flux_steps import FluxDenoiseStep, FluxTextEncodeStep, ImageVaeDecodeStep
@@ -21,6 +22,7 @@ from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE
 from fvgraph.loops.t2v_state_check import EMBED_SLOTS
 from fvgraph.loops.taps import TapPoints
 from fvgraph.models.components import Components
+from fvgraph.models.flux_sections import FluxSections
 from fvgraph.card import ModelCard
 from fvgraph.request import Request, RequestRejected
 
@@ -34,14 +36,16 @@ def flux_denoise_kind(name: str, cfg: bool) -> StepKind:
     return image_denoise_kind(name, texts)
 
 
+DENOISE_KINDS = {False: flux_denoise_kind(DENOISE, cfg=False), True: flux_denoise_kind(DENOISE_CFG, cfg=True)}
 STEP_KINDS = {
     TEXT_ENCODE: StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode",
                           inputs={"input_ids": Role.STEP, "input_ids_2": Role.STEP},
                           outputs={"pooled": Role.RESULT, "embeds": Role.RESULT}),
-    DENOISE: flux_denoise_kind(DENOISE, cfg=False),
-    DENOISE_CFG: flux_denoise_kind(DENOISE_CFG, cfg=True),
+    DENOISE: DENOISE_KINDS[False],
+    DENOISE_CFG: DENOISE_KINDS[True],
     VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
                          outputs={"video": Role.RESULT}),
+    **caching_step_kinds(DENOISE_KINDS),  # a request with step caching (fvgraph/caching/), on FluxSections
 }  # fmt: skip
 POOLED = {"prompt_embeds": "pooled_prompt_embeds", "negative_prompt_embeds": "negative_pooled_prompt_embeds"}
 
@@ -62,22 +66,29 @@ class FluxLoop(ImageLoop):
     loop_id = "flux"
     state_type = FluxState
     step_kinds = STEP_KINDS
+    caches = True
+    # TeaCache's FLUX signal is the first block's modulated input, known only once the step runs: not
+    # the timestep-only signal the TeaCache here plans ahead from
+    served_cache_methods = ("magcache", "taylorseer", "fbcache")
     device_fields = (*ImageLoop.device_fields, "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
     text_fields = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds", "max_sequence_length")
 
     def __init__(self, card: ModelCard, components: Components):
         super().__init__(card, components)
         self.pooled_dim = int(components.transformer.config.pooled_projection_dim)
+        self.sections = FluxSections(components.transformer, self.spatial_scale)  # what step caching runs on
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
         c = self.components
-        tap_points = TapPoints(c.transformer) if taps else None
-        steps = {kind: FluxDenoiseStep(c.transformer, self.sampler, cfg, self.spatial_scale, tap_points)
-                 for kind, cfg in ((DENOISE, False), (DENOISE_CFG, True))}  # fmt: skip
-        steps[VAE_DECODE] = ImageVaeDecodeStep(c.vae)
+        steps = {**self._denoise_steps(c.transformer, TapPoints(c.transformer) if taps else None), VAE_DECODE: ImageVaeDecodeStep(c.vae)}
         if c.text_encoder is not None:
             steps[TEXT_ENCODE] = FluxTextEncodeStep(c.text_encoder, c.text_encoder_2)
         return {kind: step.to(c.device).eval() for kind, step in steps.items()}
+
+    def _denoise_steps(self, transformer: nn.Module, tap_points: TapPoints | None = None) -> dict[str, nn.Module]:
+        plain = {kind: FluxDenoiseStep(transformer, self.sampler, cfg, self.spatial_scale, tap_points)
+                 for kind, cfg in ((DENOISE, False), (DENOISE_CFG, True))}  # fmt: skip
+        return {**plain, **caching_steps(FluxSections(transformer, self.spatial_scale), self.sampler)}
 
     # -- requests ------------------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ commutes exactly with the Euler update (the result equals stepping the packed la
 from __future__ import annotations
 
 import torch
-from diffusers import FluxPipeline
 from torch import nn
 
 from fvgraph.contract.denoise_update import guided, sampler_update
@@ -18,6 +17,7 @@ from fvgraph.contract.markers import mark_request_constant
 from fvgraph.loops.image_steps import ImageDenoiseStep
 from fvgraph.loops.samplers import FlowEulerSampler
 from fvgraph.loops.taps import TapPoints
+from fvgraph.models.flux_sections import pack, scheduler_time, unpack
 
 
 class FluxTextEncodeStep(nn.Module):
@@ -46,16 +46,11 @@ class FluxDenoiser(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 pooled_projections: torch.Tensor, guidance: torch.Tensor | None = None, return_dict: bool = False):  # fmt: skip
-        batch, channels, _, h, w = hidden_states.shape
-        dtype, device = encoder_hidden_states.dtype, encoder_hidden_states.device
-        packed = FluxPipeline._pack_latents(hidden_states[:, :, 0], batch, channels, h, w)
-        img_ids = FluxPipeline._prepare_latent_image_ids(batch, h // 2, w // 2, device, dtype)
-        txt_ids = torch.zeros(encoder_hidden_states.shape[1], 3, device=device, dtype=dtype)
+        packed, img_ids, txt_ids = pack(hidden_states, encoder_hidden_states)
         out = self.transformer(hidden_states=packed, timestep=timestep, guidance=guidance, pooled_projections=pooled_projections,
                                encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
                                return_dict=False)[0]  # fmt: skip
-        pixels = (h * self.vae_spatial, w * self.vae_spatial)
-        return (FluxPipeline._unpack_latents(out, *pixels, self.vae_spatial).unsqueeze(2),)
+        return (unpack(out, tuple(hidden_states.shape[-2:]), self.vae_spatial),)
 
 
 class FluxDenoiseStep(ImageDenoiseStep):
@@ -86,7 +81,7 @@ class FluxDenoiseStep(ImageDenoiseStep):
     ) -> dict[str, torch.Tensor]:
         dtype = prompt_embeds.dtype
         model_input = latents.to(dtype)
-        t = timestep.to(dtype) / 1000  # FluxPipeline: t.expand(B).to(latents.dtype) / 1000
+        t = scheduler_time(timestep, dtype)
         side = {} if guidance is None else {"guidance": mark_request_constant(guidance)}
         taps = {}
         noise = self.branch("cond", hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),

@@ -3,8 +3,8 @@
 The latents are [1, C, 1, h, w], so the runtime's latents, padding and finite checks are the video
 loops' own; the schedule is the image pipelines' Euler schedule shifted by the image's token count
 (ImageFlowEulerSampler); classifier-free guidance runs as diffusers' `true_cfg_scale` with a
-negative prompt. Step caching, LoRA adapters and rollouts are not wired for these loops: requests
-for them are refused naming the field.
+negative prompt. A loop with denoiser sections serves step caching (FLUX); LoRA adapters and
+rollouts are not wired for these loops: requests for them are refused naming the field.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def image_denoise_kind(name: str, constants: tuple[str, ...]) -> StepKind:
 
 
 class ImageLoop(TextToVideoLoop):
-    caches = False  # no step-caching sections for these families yet: requests with `cache` are refused
+    caches = False  # a family without denoiser sections: requests with `cache` are refused
 
     def __init__(self, card: ModelCard, components: Components):
         super().__init__(card, components)
@@ -47,9 +47,9 @@ class ImageLoop(TextToVideoLoop):
         return super().check_request(request)
 
     def _check_caching(self, resolved: Request) -> Request:
-        if resolved.caching is not None:
+        if resolved.caching is not None and not self.caches:
             raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which has no step caching yet")
-        return resolved
+        return super()._check_caching(resolved)
 
     def planned(self, num_steps: int, state) -> SamplerPlan:
         """The schedule shifted by the image's token count (from a request's size or a state's latents)."""

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output
+from fvgraph.models.flux_sections import packed_attention_shape
 
 
 class ImageDenoiseStep(nn.Module):
@@ -31,7 +32,4 @@ class ImageDenoiseStep(nn.Module):
 
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
         """(tokens, head_dim, dtype) of the joint attention: text plus packed image tokens."""
-        _, _, _, h, w = inputs["latents"].shape
-        config = self.denoiser.transformer.config
-        tokens = inputs["prompt_embeds"].shape[1] + (h // 2) * (w // 2)
-        return tokens, int(config.attention_head_dim), inputs["prompt_embeds"].dtype
+        return packed_attention_shape(self.denoiser.transformer, inputs)

@@ -102,7 +102,10 @@ def _check_caching(c: _Checker, state: LoopState, loop: Loop) -> None:
         c.fail("caching.settings", f"must be complete settings of a caching method, got method {settings.method!r} "
                                    f"missing {list(settings.missing_calibration())}")  # fmt: skip
     latents = tuple(state.latents.shape)
-    layouts = TensorLayouts(loop.sections.token_shape(state.latents), loop.sections.token_dtype, latents)
+    sections, text = loop.sections, state.prompt_embeds
+    text_tokens = int(text.shape[1]) if isinstance(text, torch.Tensor) and text.dim() == 3 else 0  # checked before
+    blocks = sections.hidden_shape(state.latents, text_tokens)
+    layouts = TensorLayouts(sections.token_shape(state.latents), sections.token_dtype, latents, blocks)
     caching.check(c.fail, state.cfg, state.phase, layouts)
 
 

@@ -16,10 +16,14 @@ functions of their inputs: running `embed` again in a later launch gives the sam
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 from torch import nn
+
+
+TEXTS = ("prompt_embeds", "negative_prompt_embeds")  # the step input each CFG branch's text is
 
 
 class WanTokens(NamedTuple):
@@ -84,6 +88,9 @@ class WanSections(nn.Module):
         super().__init__()
         self.transformer = transformer
 
+    def conditions(self, inputs: Mapping[str, torch.Tensor], branch: int) -> dict[str, torch.Tensor]:
+        return {"encoder_hidden_states": inputs[TEXTS[branch]]}
+
     def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
               encoder_hidden_states_image: torch.Tensor | None = None) -> WanTokens:  # fmt: skip
         return embed(self.transformer, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
@@ -96,12 +103,18 @@ class WanSections(nn.Module):
             hidden = block(hidden, tokens.encoder_hidden_states, tokens.timestep_proj, tokens.rotary_emb)
         return hidden
 
-    def project_out(self, hidden: torch.Tensor, tokens: WanTokens) -> torch.Tensor:
-        return project_out(self.transformer, hidden, tokens)
+    def stream(self, hidden: torch.Tensor, tokens: WanTokens) -> torch.Tensor:
+        return hidden  # the blocks carry the video tokens only (text is a condition of each block)
+
+    def project_out(self, stream: torch.Tensor, tokens: WanTokens) -> torch.Tensor:
+        return project_out(self.transformer, stream, tokens)
 
     def token_shape(self, latents: torch.Tensor) -> tuple[int, int, int]:
         config = self.transformer.config
         return 1, _tokens(config, latents), config.num_attention_heads * config.attention_head_dim
+
+    def hidden_shape(self, latents: torch.Tensor, text_tokens: int) -> tuple[int, int, int]:
+        return self.token_shape(latents)
 
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
         return wan_attention_shape(self.transformer, inputs)
