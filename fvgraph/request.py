@@ -49,22 +49,32 @@ def refuse_boolean(value: Any, info: ValidationInfo) -> Any:
     return value
 
 
-def _check_embeds(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
-    if value is None:
-        return None
+def _dense_tensor(name: str, value: object, dims: int, shape: str) -> torch.Tensor:
+    """`value` as a dense tensor holding data with `dims` dims (a leading batch of one dropped);
+    ValueError naming `name` and the expected `shape` otherwise."""
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.device.type == "meta" or value.layout != torch.strided:
         raise ValueError(f"{name} must be a dense tensor holding data, got device {value.device.type} layout {value.layout}")
-    if value.dim() == 3 and value.shape[0] == 1:
+    if value.dim() == dims + 1 and value.shape[0] == 1:
         value = value[0]
-    if value.dim() != 2:
-        raise ValueError(f"{name} must have shape [seq_len, dim] or [1, seq_len, dim], got {list(value.shape)}")
+    if value.dim() != dims:
+        raise ValueError(f"{name} must have shape {shape}, got {list(value.shape)} {value.dtype}")
+    return value
+
+
+def _finite_float(name: str, value: torch.Tensor) -> torch.Tensor:
     if not value.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor, got dtype {value.dtype}")
     if not torch.isfinite(value).all():
         raise ValueError(f"{name} contains NaN or Inf values")
     return value.detach()
+
+
+def _check_embeds(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
+    if value is None:
+        return None
+    return _finite_float(name, _dense_tensor(name, value, 2, "[seq_len, dim] or [1, seq_len, dim]"))
 
 
 class Request(BaseModel):
@@ -294,15 +304,8 @@ def _check_mask(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
     """A text padding mask as diffusers' pipelines take it (bool, integer or float 0/1), kept as int64 0/1."""
     if value is None:
         return None
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.device.type == "meta" or value.layout != torch.strided:
-        raise ValueError(f"{name} must be a dense tensor holding data, got device {value.device.type} layout {value.layout}")
-    if value.dim() == 2 and value.shape[0] == 1:
-        value = value[0]
-    if value.dim() != 1 or value.is_complex():
-        raise ValueError(f"{name} must have shape [seq_len] or [1, seq_len] of 0/1 values, got {list(value.shape)} {value.dtype}")
-    if not ((value == 0) | (value == 1)).all():
+    value = _dense_tensor(name, value, 1, "[seq_len] or [1, seq_len] of 0/1 values")
+    if value.is_complex() or not ((value == 0) | (value == 1)).all():
         raise ValueError(f"{name} must hold only 0 (padding) and 1 (a token the denoiser attends to)")
     return value.detach().to(torch.int64)
 
@@ -310,15 +313,7 @@ def _check_mask(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
 def _check_pooled(name: str, value: torch.Tensor | None) -> torch.Tensor | None:
     if value is None:
         return None
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.dim() == 2 and value.shape[0] == 1:
-        value = value[0]
-    if value.dim() != 1 or not value.is_floating_point() or value.device.type == "meta":
-        raise ValueError(f"{name} must be a floating-point tensor of shape [dim] or [1, dim], got {list(value.shape)} {value.dtype}")
-    if not torch.isfinite(value).all():
-        raise ValueError(f"{name} contains NaN or Inf values")
-    return value.detach()
+    return _finite_float(name, _dense_tensor(name, value, 1, "[dim] or [1, dim]"))
 
 
 def _check_geometry(values: dict, facts: ModelFacts, card_id: str) -> None:

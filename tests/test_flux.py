@@ -151,7 +151,7 @@ def test_compiled_flux_equals_eager_within_the_card_tolerance(level):
         (dict(width=4096), "width", "exceeds"),
         (dict(true_cfg_scale=4.0), "true_cfg_scale", "negative prompt"),
         (dict(num_frames=5), "num_frames", "makes images"),
-        (dict(cache="fbcache"), "cache", "no step caching"),
+        (dict(loras={"style": 1.0}), "loras", "which has no loras yet"),
         (dict(guidance_scale_2=2.0), "guidance_scale_2", "one denoiser expert"),
         (dict(max_sequence_length=64), "max_sequence_length", "exceeds"),
         (dict(prompt=None, prompt_embeds=torch.zeros(8, 32)), "pooled_prompt_embeds", "comes with"),

@@ -133,22 +133,14 @@ class FluxLoop(ImageLoop):
         """[L, D] user embeddings -> [1, L, D]: FluxPipeline uses them as given (T5 pads with tokens, not zeros)."""
         return None if embeds is None else embeds.unsqueeze(0).to(self.components.device, self.embed_dtype)
 
-    def _tokenize(self, state: FluxState, request: Request) -> bool:
-        texts = []
-        if state.prompt_embeds is None:
-            texts.append(("prompt_embeds", request.prompt, request.prompt_2 or request.prompt))
-        if state.cfg and state.negative_prompt_embeds is None:
-            negative = request.negative_prompt or ""
-            texts.append(("negative_prompt_embeds", negative, request.negative_prompt_2 or negative))
-        if not texts:
-            return False
+    def _tokenize(self, state: FluxState, request: Request, texts: list[tuple[str, str]]) -> None:
+        """CLIP ids of each text and T5 ids of its second text (`prompt_2`, else the text itself)."""
+        second = {"prompt_embeds": request.prompt_2, "negative_prompt_embeds": request.negative_prompt_2}
         clip, t5 = self.components.tokenizer, self.components.tokenizer_2
-        state.input_ids = clip([t[1] for t in texts], padding="max_length", max_length=clip.model_max_length,
+        state.input_ids = clip([text for _, text in texts], padding="max_length", max_length=clip.model_max_length,
                                truncation=True, return_tensors="pt").input_ids  # fmt: skip
-        state.input_ids_2 = t5([t[2] for t in texts], padding="max_length", max_length=state.text_len,
+        state.input_ids_2 = t5([second[slot] or text for slot, text in texts], padding="max_length", max_length=state.text_len,
                                truncation=True, return_tensors="pt").input_ids  # fmt: skip
-        state.encode_slots = [t[0] for t in texts]
-        return True
 
     # -- next / advance -----------------------------------------------------------------------------
 

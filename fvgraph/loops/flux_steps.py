@@ -59,12 +59,7 @@ class FluxDenoiseStep(ImageDenoiseStep):
 
     def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler, cfg: bool, vae_spatial: int,
                  tap_points: TapPoints | None = None):  # fmt: skip
-        super().__init__()
-        self.denoiser = FluxDenoiser(transformer, vae_spatial)
-        self.sampler = sampler
-        self.cfg = cfg
-        self.tap_points = tap_points  # parity runs only: block outputs as "tap.*" outputs
-        self.cfg_split = None  # no CFG-parallel plan for this loop
+        super().__init__(FluxDenoiser(transformer, vae_spatial), sampler, cfg, vae_spatial, tap_points)
 
     def forward(
         self,

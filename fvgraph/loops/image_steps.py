@@ -8,15 +8,24 @@ import torch
 from torch import nn
 
 from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output
+from fvgraph.loops.samplers import FlowEulerSampler
+from fvgraph.loops.taps import TapPoints
 from fvgraph.models.flux_sections import packed_attention_shape
 
 
 class ImageDenoiseStep(nn.Module):
-    """Base of an image loop's denoise step; a subclass sets `denoiser` (a module wrapping the family's
-    transformer, every argument batched) and `tap_points`."""
+    """Base of an image loop's denoise step: `denoiser` wraps the family's transformer (every argument
+    batched), then the sampler, whether the step runs true CFG, and the parity taps."""
 
-    denoiser: nn.Module
-    tap_points = None
+    def __init__(self, denoiser: nn.Module, sampler: FlowEulerSampler, cfg: bool, vae_spatial: int,
+                 tap_points: TapPoints | None = None):  # fmt: skip
+        super().__init__()
+        self.denoiser = denoiser
+        self.sampler = sampler
+        self.cfg = cfg
+        self.vae_spatial = vae_spatial
+        self.tap_points = tap_points  # parity runs only: block outputs as "tap.*" outputs
+        self.cfg_split = None  # no CFG-parallel plan for the image loops
 
     def branch(self, branch: str, **inputs: torch.Tensor) -> torch.Tensor:
         """One denoiser call on `branch` ("cond" / "uncond"), marked for the fusion pass (markers vanish in eager)."""

@@ -116,19 +116,10 @@ class QwenImageLoop(ImageLoop):
         """[L, D] user embeddings -> [1, L, D]; cut and padded with the other text once both are known."""
         return None if embeds is None else embeds.unsqueeze(0).to(self.components.device, self.embed_dtype)
 
-    def _tokenize(self, state: QwenImageState, request: Request) -> bool:
-        texts = []
-        if state.prompt_embeds is None:
-            texts.append(("prompt_embeds", request.prompt))
-        if state.cfg and state.negative_prompt_embeds is None:
-            texts.append(("negative_prompt_embeds", request.negative_prompt or ""))
-        if not texts:
-            return False
+    def _tokenize(self, state: QwenImageState, request: Request, texts: list[tuple[str, str]]) -> None:
         tokens = self.components.tokenizer([PROMPT_TEMPLATE.format(text) for _, text in texts], padding=True, truncation=True,
                                            max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_DROP, return_tensors="pt")  # fmt: skip
         state.input_ids, state.attention_mask = tokens.input_ids, tokens.attention_mask
-        state.encode_slots = [slot for slot, _ in texts]
-        return True
 
     def _phase_after_text(self, state: QwenImageState) -> str:
         """Every text is known here (encoded or given): cut each at max_sequence_length, pad both to one length."""

@@ -244,19 +244,26 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
             state.generator_state = generator.get_state()
             self._draw_fresh_noise(state)
         self._start_caching(state, request)
-        if not self._tokenize(state, request):
+        texts = self._texts_to_encode(state, request)
+        if texts:
+            self._tokenize(state, request, texts)
+            state.encode_slots = [slot for slot, _ in texts]
+        else:  # every text came as embeddings
             state.phase = self._phase_after_text(state)
         return state
 
-    def _tokenize(self, state: T2VState, request: Request) -> bool:
-        """The texts still to encode as state.input_ids (positive first); False when every text came as embeddings."""
+    @staticmethod
+    def _texts_to_encode(state: T2VState, request: Request) -> list[tuple[str, str]]:
+        """(embedding slot, text) of each text still to encode, positive first."""
         texts = []
         if state.prompt_embeds is None:
             texts.append(("prompt_embeds", request.prompt))
         if state.cfg and state.negative_prompt_embeds is None:
             texts.append(("negative_prompt_embeds", request.negative_prompt or ""))
-        if not texts:
-            return False
+        return texts
+
+    def _tokenize(self, state: T2VState, request: Request, texts: list[tuple[str, str]]) -> None:
+        """`texts` (slot, text) as the text-encode step's inputs on `state`."""
         tokens = self.components.tokenizer(
             [prompt_clean(text) for _, text in texts],
             padding="max_length",
@@ -267,8 +274,6 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
             return_tensors="pt",
         )
         state.input_ids, state.attention_mask = tokens.input_ids, tokens.attention_mask
-        state.encode_slots = [slot for slot, _ in texts]
-        return True
 
     def _conditioning(self, request: Request, latents: torch.Tensor) -> dict:
         """Extra state fields a subclass loop derives from the request (none for text-to-video)."""
