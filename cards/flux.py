@@ -10,7 +10,7 @@ schedule). The scheduler configs are those the releases ship (scheduler/schedule
 from __future__ import annotations
 
 from fvgraph.cards.wan import PARITY as WAN_PARITY
-from fvgraph.card import ComponentSpec, ModelCard, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules
+from fvgraph.card import ComponentSpec, ModelCard, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules, TeaCacheCoefficients
 
 DEV_SCHEDULER = SamplerSpec(
     name="flow_euler_image",
@@ -25,6 +25,10 @@ FLUX_DEV_TRANSFORMER = {
     "num_attention_heads": 24, "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
     "axes_dims_rope": (16, 56, 56),
 }  # fmt: skip
+
+# TeaCache's polynomial for FLUX.1-dev (ali-vilab/TeaCache, TeaCache4FLUX/teacache_flux.py): fitted on
+# the relative L1 change of the first block's modulated input of the image tokens.
+TEACACHE_DEV = TeaCacheCoefficients(modulated_input=(4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01))
 
 PARITY = WAN_PARITY  # the Wan cards' bounds (measured on tiny-wan) until this family's own are measured
 
@@ -48,9 +52,11 @@ def _components(dit: dict | None, vae: dict | None, clip: dict | None, t5: dict 
     }
 
 
-def _recipe(name: str, sampler: SamplerSpec, steps: int, guidance: float, precision: str = "bf16") -> RecipeSpec:
+def _recipe(name: str, sampler: SamplerSpec, steps: int, guidance: float, precision: str = "bf16",
+            teacache: TeaCacheCoefficients | None = None) -> RecipeSpec:  # fmt: skip
     return RecipeSpec(method="base", name=name, assumes_loop="flux", sampler=sampler, default_steps=steps, allowed_steps=(1, 100),
-                      precision=precision, default_guidance_scale=guidance, cfg_scale="true_cfg_scale")  # fmt: skip
+                      precision=precision, default_guidance_scale=guidance, cfg_scale="true_cfg_scale",
+                      teacache_coefficients=teacache)  # fmt: skip
 
 
 IMAGE_SHAPES = dict(max_height=2048, max_width=2048, max_frames=1, default_height=1024, default_width=1024, default_frames=1)
@@ -63,7 +69,7 @@ def _released(card_id: str, recipe: RecipeSpec, text_len: int) -> ModelCard:
                      quantization=_fp8_exclusions(FLUX_DEV_TRANSFORMER["num_layers"], FLUX_DEV_TRANSFORMER["num_single_layers"]))  # fmt: skip
 
 
-FLUX_1_DEV = _released("flux.1-dev", _recipe("flux.1-dev", DEV_SCHEDULER, 28, 3.5), text_len=512)
+FLUX_1_DEV = _released("flux.1-dev", _recipe("flux.1-dev", DEV_SCHEDULER, 28, 3.5, teacache=TEACACHE_DEV), text_len=512)
 FLUX_1_SCHNELL = _released("flux.1-schnell", _recipe("flux.1-schnell", SCHNELL_SCHEDULER, 4, 0.0), text_len=256)
 
 TINY_TEXT_LEN = 32
@@ -85,7 +91,7 @@ TINY_FLUX = ModelCard(
     card_id="tiny-flux", family="flux", pipeline_class="FluxPipeline", loops=("flux",), parity=PARITY, seed=0,
     components=_components(TINY_TRANSFORMER, TINY_VAE, TINY_CLIP, TINY_T5, {"model_max_length": 77},
                            {"model_max_length": TINY_TEXT_LEN}, "fp32"),
-    recipe=_recipe("flux.1-dev", DEV_SCHEDULER, 8, 3.5, precision="fp32"),
+    recipe=_recipe("flux.1-dev", DEV_SCHEDULER, 8, 3.5, precision="fp32", teacache=TEACACHE_DEV),  # dev's: tiny-flux is its architecture
     shapes=ShapeRules(text_len=TINY_TEXT_LEN, max_height=256, max_width=256, max_frames=1, default_height=64, default_width=64,
                       default_frames=1),
     quantization=QuantizationSpec(fp8_exclude=("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")),

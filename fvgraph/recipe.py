@@ -72,8 +72,21 @@ class TeaCacheCoefficients(_Spec):
     """TeaCache's published polynomial for a model (highest power first, as numpy.poly1d takes it),
     one per signal: it maps the relative L1 change of that signal to the change of the model output."""
 
-    timestep_embedding: tuple[float, ...] = Field(min_length=1, description="For the timestep embedding (use_ret_steps=False).")
-    timestep_projection: tuple[float, ...] = Field(min_length=1, description="For the timestep projection (use_ret_steps=True).")
+    timestep_embedding: tuple[float, ...] | None = Field(
+        default=None, min_length=1, description="For Wan's timestep embedding (use_ret_steps=False)."
+    )
+    timestep_projection: tuple[float, ...] | None = Field(
+        default=None, min_length=1, description="For Wan's timestep projection (use_ret_steps=True)."
+    )
+    modulated_input: tuple[float, ...] | None = Field(
+        default=None, min_length=1, description="For the first block's modulated input of the image tokens (FLUX)."
+    )
+
+    @model_validator(mode="after")
+    def _some_signal(self) -> TeaCacheCoefficients:
+        if all(getattr(self, name) is None for name in type(self).model_fields):
+            raise ValueError(f"teacache_coefficients: give the polynomial of at least one signal ({', '.join(type(self).model_fields)})")
+        return self
 
 
 class RecipeAdapter(_Spec):

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 from torch import nn
 
-from fvgraph.caching import fb_cache_steps, residual_steps, taylor_steps
+from fvgraph.caching import fb_cache_steps, residual_steps, taylor_steps, tea_probe_steps
 from fvgraph.caching.fb_cache import FirstBlockCacheSettings
 from fvgraph.caching.mag_cache import MagCacheSettings
 from fvgraph.caching.settings import NO_CACHE, CacheSettings, NoCache, parse_cache_text
@@ -37,7 +37,7 @@ METHODS: dict[str, type[CacheSettings]] = {
 
 
 # Each family: its step kinds (derived from the loop's denoise kinds), its step modules, its state type.
-STEP_FAMILIES = (residual_steps, taylor_steps, fb_cache_steps)
+STEP_FAMILIES = (residual_steps, taylor_steps, fb_cache_steps, tea_probe_steps)
 
 
 def settings_type(method: str) -> type[CacheSettings]:

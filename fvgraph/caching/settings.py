@@ -17,8 +17,9 @@ name the state type they start (`state_type`) and build the request's policy:
 
 A policy whose schedule is known ahead reads no tensor between steps: MagCache's follows from its
 settings; TeaCache's from the request's timesteps and the denoiser's condition embedder, which the
-loop hands over in a PolicyContext. A data-dependent policy (FBCache) decides per CFG branch
-instead (`decide_branches`), between the two launches its state runs each step as.
+loop hands over in a PolicyContext. A data-dependent policy (FBCache; TeaCache on FLUX) decides
+instead from what a step's first launch measured (`decide_branches`), between the two launches its
+state runs each step as.
 
 The same settings are spelled three ways: a dict (`{"method": "magcache", "threshold": 0.1}`), the
 text `METHOD[:k=v,...]` (`magcache:threshold=0.1`, each value read as JSON, else as a string: what
@@ -106,6 +107,11 @@ class CacheSettings(BaseModel):
     def check_steps(self, num_inference_steps: int) -> tuple[str, str] | None:
         """(field, message) when these settings cannot serve a request of that many steps, else None."""
         return None
+
+    def for_sections(self, sections: Any) -> CacheSettings:
+        """These settings with what they take from the denoiser family's sections filled in
+        (DenoiserSections; TeaCache's signal); ValueError naming the field when they cannot run there."""
+        return self
 
     def check_card(self, card: Any) -> tuple[str, str] | None:
         """(field, message) when these settings cannot serve a request on that card, else None."""

@@ -32,6 +32,11 @@ class DenoiserTokens(Protocol):
 
 
 class DenoiserSections(Protocol):
+    # What TeaCache's published decision for the family reads: "timestep" (the timestep embedding,
+    # known before the run: Wan) or "modulated_input" (the first block's modulated input, known only
+    # once the step runs: FLUX, which then has `modulated_input(tokens)`).
+    teacache_signal: str
+
     def conditions(self, inputs: Mapping[str, torch.Tensor], branch: int) -> dict[str, Any]:
         """`embed`'s keyword arguments besides the latents and timestep for CFG branch `branch` (0 cond,
         1 uncond), taken from a denoise step's inputs (the texts and whatever else the family's
@@ -49,6 +54,10 @@ class DenoiserSections(Protocol):
         ...
 
     def project_out(self, stream: torch.Tensor, tokens: DenoiserTokens) -> torch.Tensor: ...
+
+    def modulated_input(self, tokens: DenoiserTokens) -> torch.Tensor:
+        """[B, S, D]: the first block's modulated input of the stream (where `teacache_signal` names it)."""
+        ...
 
     def token_shape(self, latents: torch.Tensor) -> tuple[int, int, int]:
         """[1, S, D]: the stream's shape for batch-1 `latents` (what a kept residual is)."""

@@ -67,9 +67,6 @@ class FluxLoop(ImageLoop):
     state_type = FluxState
     step_kinds = STEP_KINDS
     caches = True
-    # TeaCache's FLUX signal is the first block's modulated input, known only once the step runs: not
-    # the timestep-only signal the TeaCache here plans ahead from
-    served_cache_methods = ("magcache", "taylorseer", "fbcache")
     device_fields = (*ImageLoop.device_fields, "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
     text_fields = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds", "max_sequence_length")
 

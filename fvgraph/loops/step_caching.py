@@ -55,6 +55,13 @@ class StepCaching:
         if not self.caches:
             raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
                                            "runs on single-expert text-to-video loops only")  # fmt: skip
+        try:
+            settings = resolved.caching.for_sections(self.sections)
+        except ValueError as err:
+            field, _, rule = str(err).partition(": ")
+            raise RequestRejected(field, rule) from None
+        if settings is not resolved.caching:
+            resolved = resolved.model_copy(update={"cache": settings})
         if problem := resolved.caching.check_card(self.card):
             raise RequestRejected(*problem)
         if resolved.caching.missing_calibration():

@@ -55,6 +55,8 @@ class FluxTokens(NamedTuple):
 class FluxSections(nn.Module):
     """FLUX's DenoiserSections, bound to one transformer (no weight copy)."""
 
+    teacache_signal = "modulated_input"  # TeaCache4FLUX measures the first block's modulated input at each call
+
     def __init__(self, transformer: nn.Module, vae_spatial: int):
         super().__init__()
         self.transformer = transformer
@@ -90,6 +92,12 @@ class FluxSections(nn.Module):
 
     def stream(self, hidden: torch.Tensor, tokens: FluxTokens) -> torch.Tensor:
         return hidden[:, tokens.text_tokens :]
+
+    def modulated_input(self, tokens: FluxTokens) -> torch.Tensor:
+        """[B, S, D]: the first block's `norm1` of the image tokens entering it, modulated by `temb`
+        (TeaCache4FLUX's `modulated_inp`, the signal its decision reads)."""
+        modulated, *_ = self.transformer.transformer_blocks[0].norm1(self.stream(tokens.hidden_states, tokens), emb=tokens.temb)
+        return modulated
 
     def project_out(self, stream: torch.Tensor, tokens: FluxTokens) -> torch.Tensor:
         """The forward after its block loop and FluxPipeline's unpacking: image tokens -> [B, C, 1, h, w]."""

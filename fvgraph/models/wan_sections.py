@@ -84,6 +84,8 @@ def project_out(transformer: nn.Module, hidden_states: torch.Tensor, tokens: Wan
 class WanSections(nn.Module):
     """Wan's DenoiserSections: the functions above, bound to one transformer (no weight copy)."""
 
+    teacache_signal = "timestep"  # TeaCache4Wan2.1 reads the timestep embedding: planned before the run
+
     def __init__(self, transformer: nn.Module):
         super().__init__()
         self.transformer = transformer
