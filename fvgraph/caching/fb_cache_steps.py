@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fvgraph.caching.sections_step import SectionsStep
+from fvgraph.caching.sections_step import SectionsStep, update_only
 from fvgraph.caching.state import Fail, StepCachingState, TensorLayouts, check_tensor
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
@@ -39,7 +39,6 @@ from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.contract.step_kind import Role, StepKind
 
 CHANGE = "first_block_change"  # the output the loop reads on the host
-UPDATE_INPUTS = ("coeffs", "guidance_scale", "fresh_noise")  # with the sampler's history: read by the update only
 # The first-block kind by cfg, and the after-first kind by (cfg, which branches compute).
 FIRST_BLOCK_KINDS = {cfg: f"denoise{'_cfg' if cfg else ''}_first_block" for cfg in (False, True)}
 AFTER_FIRST_KINDS = {
@@ -54,7 +53,7 @@ def step_kinds(denoise: Mapping[bool, StepKind]) -> dict[str, StepKind]:
         branches = range(2 if cfg else 1)
         base = denoise[cfg]
         kinds[name] = base.derived(
-            name, drop_inputs=tuple(n for n in base.inputs if _update_only(n)), drop_outputs=tuple(base.outputs),
+            name, drop_inputs=tuple(n for n in base.inputs if update_only(n)), drop_outputs=tuple(base.outputs),
             inputs={f"first_kept_{b}": Role.CARRIED for b in branches},
             outputs={**{f"first_{b}": Role.CARRIED for b in branches}, CHANGE: Role.HOST},
             per_inference_step=False, continues=True,
@@ -66,11 +65,6 @@ def step_kinds(denoise: Mapping[bool, StepKind]) -> dict[str, StepKind]:
         kinds[name] = denoise[cfg].derived(name, inputs={**carried, **kept_in}, outputs=kept_out)
     return kinds
 
-
-def _update_only(name: str) -> bool:
-    """Whether a denoise input is read by the guidance combine and the sampler update alone (the first
-    launch, which runs no update, takes every other input: latents, timestep and what the sections read)."""
-    return name in UPDATE_INPUTS or name.startswith("carry_")
 
 
 def build_steps(sections: DenoiserSections, sampler: Sampler) -> dict[str, nn.Module]:
@@ -157,7 +151,7 @@ class FirstBlockState(StepCachingState):
         """The first block, or (once it ran) the rest."""
         if not self.head:
             first_kept = self.first or [self.policy.zero_residual(inputs["latents"])] * (2 if cfg else 1)
-            first_inputs = {name: t for name, t in inputs.items() if not _update_only(name)}
+            first_inputs = {name: t for name, t in inputs.items() if not update_only(name)}
             first_inputs.update({f"first_kept_{b}": t for b, t in enumerate(first_kept)})
             return FIRST_BLOCK_KINDS[cfg], first_inputs
         inputs.update({f"first_{b}": t for b, t in enumerate(self.head)})

@@ -40,6 +40,12 @@ METHODS: dict[str, type[CacheSettings]] = {
 STEP_FAMILIES = (residual_steps, taylor_steps, fb_cache_steps, tea_probe_steps)
 
 
+def step_families(teacache_signal: str) -> tuple:
+    """The families a denoiser family runs: TeaCache's probe launch only where its signal is measured
+    in the step ("modulated_input", DenoiserSections.teacache_signal), not planned ahead ("timestep")."""
+    return STEP_FAMILIES if teacache_signal == "modulated_input" else STEP_FAMILIES[:-1]
+
+
 def settings_type(method: str) -> type[CacheSettings]:
     return METHODS[method]
 
@@ -61,14 +67,16 @@ def enabled_methods(names: Iterable[str] | None) -> tuple[str, ...]:
     return tuple(method for method in METHODS if method in names)
 
 
-def caching_step_kinds(denoise: Mapping[bool, StepKind]) -> dict[str, StepKind]:
-    """Every kind a caching method adds, from the loop's plain denoise kind by CFG (False / True)."""
-    return {name: kind for family in STEP_FAMILIES for name, kind in family.step_kinds(denoise).items()}
+def caching_step_kinds(denoise: Mapping[bool, StepKind], teacache_signal: str) -> dict[str, StepKind]:
+    """Every kind a caching method adds, from the loop's plain denoise kind by CFG (False / True), for
+    a denoiser whose sections read TeaCache's `teacache_signal`."""
+    return {name: kind for family in step_families(teacache_signal) for name, kind in family.step_kinds(denoise).items()}
 
 
 def caching_steps(sections: DenoiserSections, sampler: Sampler) -> dict[str, nn.Module]:
     """The step module of every caching kind, on the family's denoiser sections (no weight copies)."""
-    return {name: step for family in STEP_FAMILIES for name, step in family.build_steps(sections, sampler).items()}
+    families = step_families(sections.teacache_signal)
+    return {name: step for family in families for name, step in family.build_steps(sections, sampler).items()}
 
 
 def warmup_variants(plan: WorkPlan) -> list[WorkPlan]:

@@ -22,7 +22,6 @@ from fvgraph.caching.sections_step import SectionsForward, SectionsStep
 from fvgraph.caching.state import StepCachingState
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
-from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output
 from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
 
@@ -69,13 +68,10 @@ class ResidualStep(SectionsStep):
         # 1. each branch: blocks computed (residual kept) or skipped (residual reused)
         model_input = latents.to(inputs["prompt_embeds"].dtype)
         noises, residuals = [], []
-        for b, branch in enumerate(self.branches):
-            call = dict(hidden_states=model_input, timestep=timestep, **({"kept": inputs[f"kept_{b}"]} if self.reuse else {}),
-                        **self.branch_conditions(inputs, b))  # fmt: skip
-            marked = dict(zip(call, mark_branch_inputs(branch, "denoiser", **call)))
-            noise, residual = self.denoiser(**marked)
-            noises.append(mark_branch_output(branch, "denoiser", noise, 0))
-            residuals.append(mark_branch_output(branch, "denoiser", residual, 1))
+        for b in range(len(self.branches)):
+            noise, residual = self.branch_call(b, model_input, timestep, inputs, inputs[f"kept_{b}"] if self.reuse else None)
+            noises.append(noise)
+            residuals.append(residual)
         # 2. the guidance combine and the sampler update
         out = self.finish(latents, noises, guidance_scale, inputs, coeffs)
         if not self.reuse:

@@ -14,9 +14,17 @@ from torch import nn
 
 from fvgraph.contract.denoise_update import Sampler, guided, sampler_update
 from fvgraph.contract.denoiser_sections import DenoiserSections
-from fvgraph.contract.markers import mark_request_constant
+from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
 
 BRANCHES = ("cond", "uncond")
+UPDATE_INPUTS = ("coeffs", "guidance_scale", "fresh_noise")  # with the sampler's history: read by the update only
+
+
+def update_only(name: str) -> bool:
+    """Whether a denoise input is read by the guidance combine and the sampler update alone: a launch
+    that runs no update (FBCache's first block, TeaCache's probe) takes every other input (latents,
+    timestep and what the sections read)."""
+    return name in UPDATE_INPUTS or name.startswith("carry_")
 
 
 class SectionsForward(nn.Module):
@@ -58,6 +66,16 @@ class SectionsStep(nn.Module):
         marked as constant for the request (so -O1 hoists what the denoiser computes from it alone)."""
         conditions = self.sections.conditions(inputs, branch)
         return {name: mark_request_constant(t) for name, t in conditions.items() if t is not None}
+
+    def branch_call(self, b: int, hidden_states: torch.Tensor, timestep: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+                    kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """CFG branch b's call of the step's `denoiser` (a SectionsForward) between branch markers, so
+        at -O1 the fusion pass runs the branches as one call: (noise prediction, residual), marked."""
+        branch = self.branches[b]
+        call = dict(hidden_states=hidden_states, timestep=timestep, **({} if kept is None else {"kept": kept}),
+                    **self.branch_conditions(inputs, b))  # fmt: skip
+        noise, residual = self.denoiser(**dict(zip(call, mark_branch_inputs(branch, "denoiser", **call))))
+        return mark_branch_output(branch, "denoiser", noise, 0), mark_branch_output(branch, "denoiser", residual, 1)
 
     def finish(self, latents: torch.Tensor, noises: list[torch.Tensor], guidance_scale: torch.Tensor | None,
                carry: Mapping[str, torch.Tensor], coeffs: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip

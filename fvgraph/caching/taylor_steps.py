@@ -25,7 +25,6 @@ from fvgraph.caching.sections_step import SectionsForward, SectionsStep
 from fvgraph.caching.state import Fail, StepCachingState, TensorLayouts
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
-from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output
 from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
 
@@ -74,15 +73,11 @@ class TaylorStep(SectionsStep):
         # 1. each branch's noise prediction: the denoiser, or the Taylor series of its factors
         dtype = inputs["prompt_embeds"].dtype  # the denoiser's compute dtype (its input is cast to it)
         noises = []
-        for b, branch in enumerate(self.branches):
+        for b in range(len(self.branches)):
             if self.forecast:
                 noises.append(self._series([inputs[f"taylor_{b}_{k}"] for k in range(taylor_coeffs.shape[1])], taylor_coeffs, dtype))
-            else:  # marked as a CFG branch, as the plain step's: at -O1 the fusion pass runs both as one batch
-                call = dict(hidden_states=latents.to(dtype), timestep=timestep, **self.branch_conditions(inputs, b))
-                marked = dict(zip(call, mark_branch_inputs(branch, "denoiser", **call)))
-                noise, residual = self.denoiser(**marked)
-                noises.append(mark_branch_output(branch, "denoiser", noise, 0))
-                mark_branch_output(branch, "denoiser", residual, 1)  # unused: the fusion pass splits both outputs
+            else:  # the residual is unused: the fusion pass splits both outputs
+                noises.append(self.branch_call(b, latents.to(dtype), timestep, inputs)[0])
         # 2. the guidance combine and the sampler update
         out = self.finish(latents, noises, guidance_scale, inputs, coeffs)
         if not self.forecast:

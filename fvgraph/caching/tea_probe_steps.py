@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fvgraph.caching.residual_steps import RESIDUAL_KINDS, kept_names
-from fvgraph.caching.sections_step import SectionsStep
+from fvgraph.caching.sections_step import SectionsStep, update_only
 from fvgraph.caching.state import Fail, StepCachingState, TensorLayouts, check_tensor
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
@@ -36,7 +36,6 @@ from fvgraph.contract.step_kind import Role, StepKind
 
 CHANGE = "tea_change"  # the output the loop reads on the host
 MODULATED, PREVIOUS = "tea_modulated_0", "tea_previous_0"
-UPDATE_INPUTS = ("coeffs", "guidance_scale", "fresh_noise")  # with the sampler's history: read by the update only
 PROBE_KINDS = {cfg: f"denoise{'_cfg' if cfg else ''}_tea_probe" for cfg in (False, True)}
 
 
@@ -46,16 +45,12 @@ def step_kinds(denoise: Mapping[bool, StepKind]) -> dict[str, StepKind]:
     for cfg, name in PROBE_KINDS.items():
         base = denoise[cfg]
         kinds[name] = base.derived(
-            name, drop_inputs=tuple(n for n in base.inputs if _update_only(n)), drop_outputs=tuple(base.outputs),
+            name, drop_inputs=tuple(n for n in base.inputs if update_only(n)), drop_outputs=tuple(base.outputs),
             inputs={PREVIOUS: Role.CARRIED}, outputs={MODULATED: Role.CARRIED, CHANGE: Role.HOST},
             per_inference_step=False, continues=True,
         )  # fmt: skip
     return kinds
 
-
-def _update_only(name: str) -> bool:
-    """Whether a denoise input is read by the guidance combine and the sampler update alone."""
-    return name in UPDATE_INPUTS or name.startswith("carry_")
 
 
 def build_steps(sections: DenoiserSections, sampler: Sampler) -> dict[str, nn.Module]:
@@ -97,7 +92,7 @@ class TeaProbeState(StepCachingState):
     def plan(self, cfg: bool, step_index: int, inputs: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
         """The probe, or (once it ran, and at the last step) the whole step, keeping or reusing."""
         if self._probes(step_index):
-            probe = {name: t for name, t in inputs.items() if not _update_only(name)}
+            probe = {name: t for name, t in inputs.items() if not update_only(name)}
             probe[PREVIOUS] = self.previous[0] if self.previous else self.policy.zero_signal(inputs["latents"])
             return PROBE_KINDS[cfg], probe
         reuse = self.compute == [False]

@@ -45,7 +45,7 @@ STEP_KINDS = {
     DENOISE_CFG: DENOISE_KINDS[True],
     VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
                          outputs={"video": Role.RESULT}),
-    **caching_step_kinds(DENOISE_KINDS),  # a request with step caching (fvgraph/caching/), on FluxSections
+    **caching_step_kinds(DENOISE_KINDS, FluxSections.teacache_signal),  # a request with step caching (fvgraph/caching/)
 }  # fmt: skip
 POOLED = {"prompt_embeds": "pooled_prompt_embeds", "negative_prompt_embeds": "negative_pooled_prompt_embeds"}
 

@@ -26,8 +26,6 @@ class StepCaching:
     """Reads the loop's card, components, facts, calibration store, enabled `cache_methods`,
     `_signatures`, `_flops`, `_denoise_steps` and `sections`."""
 
-    served_cache_methods: tuple[str, ...] | None = None  # the methods this loop's family runs (None: all)
-
     @property
     def caches(self) -> bool:
         """Whether this loop serves step caching: not with image conditioning or two experts."""
@@ -48,10 +46,6 @@ class StepCaching:
             return resolved
         if resolved.caching.method not in self.cache_methods:
             raise RequestRejected("cache", self._not_enabled(resolved.caching.method))
-        served = self.served_cache_methods
-        if served is not None and resolved.caching.method not in served:
-            raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which serves step caching "
-                                           f"by {', '.join(served)}, not {resolved.caching.method!r}")  # fmt: skip
         if not self.caches:
             raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
                                            "runs on single-expert text-to-video loops only")  # fmt: skip

@@ -66,7 +66,7 @@ STEP_KINDS = {
     DENOISE_CFG: DENOISE_KINDS[True],
     VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
                          outputs={"video": Role.RESULT}),
-    **caching_step_kinds(DENOISE_KINDS),  # a request with step caching (fvgraph/caching/)
+    **caching_step_kinds(DENOISE_KINDS, WanSections.teacache_signal),  # a request with step caching (fvgraph/caching/)
     **rollout_step_kinds(DENOISE_KINDS),  # a rollout request (fvgraph/behavior.py)
 }  # fmt: skip
 
