@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fvgraph.caching.sections_step import SectionsStep, update_only
+from fvgraph.caching.sections_step import SectionsStep, relative_change, update_only
 from fvgraph.caching.state import Fail, StepCachingState, TensorLayouts, check_tensor
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
@@ -91,7 +91,7 @@ class FirstBlockStep(SectionsStep):
             first = s.first_block(tokens.hidden_states, tokens)
             residual, previous = s.stream(first, tokens) - s.stream(tokens.hidden_states, tokens), inputs[f"first_kept_{b}"]
             # diffusers' (residual - previous).abs().mean() and previous.abs().mean(), per request row
-            changes.append(torch.stack([(residual - previous).abs().mean(dim=(1, 2)), previous.abs().mean(dim=(1, 2))], dim=-1))
+            changes.append(relative_change(residual, previous))
             out[f"first_{b}"] = first
         out[CHANGE] = torch.stack(changes, dim=1)  # [B, branches, 2]
         return out

@@ -27,6 +27,12 @@ def update_only(name: str) -> bool:
     return name in UPDATE_INPUTS or name.startswith("carry_")
 
 
+def relative_change(current: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """[B, 2] per request row: mean |current - previous| and mean |previous| over the tokens, the two
+    numbers whose ratio FBCache and TeaCache compare with their threshold (divided on the host)."""
+    return torch.stack([(current - previous).abs().mean(dim=(1, 2)), previous.abs().mean(dim=(1, 2))], dim=-1)
+
+
 class SectionsForward(nn.Module):
     """The denoiser run through its sections, returning (noise prediction, the blocks' residual on the
     stream). With `kept` the blocks do not run: the stream leaving them is the one entering them plus

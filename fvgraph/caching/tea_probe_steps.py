@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from fvgraph.caching.residual_steps import RESIDUAL_KINDS, kept_names
-from fvgraph.caching.sections_step import SectionsStep, update_only
+from fvgraph.caching.sections_step import SectionsStep, relative_change, update_only
 from fvgraph.caching.state import Fail, StepCachingState, TensorLayouts, check_tensor
 from fvgraph.contract.denoise_update import Sampler
 from fvgraph.contract.denoiser_sections import DenoiserSections
@@ -70,8 +70,7 @@ class TeaProbeStep(SectionsStep):
         tokens = s.embed(latents.to(inputs["prompt_embeds"].dtype), timestep, **self.branch_conditions(inputs, 0))
         modulated, previous = s.modulated_input(tokens), inputs[PREVIOUS]
         # TeaCache4FLUX's (m - m_prev).abs().mean() and m_prev.abs().mean(), per request row
-        change = torch.stack([(modulated - previous).abs().mean(dim=(1, 2)), previous.abs().mean(dim=(1, 2))], dim=-1)
-        return {MODULATED: modulated, CHANGE: change}
+        return {MODULATED: modulated, CHANGE: relative_change(modulated, previous)}
 
 
 @dataclass
