@@ -24,6 +24,7 @@ class PassContext:
     root: nn.Module
     example_args: list[torch.Tensor]
     num_params: int
+    batch: int = 1  # the batch the step is compiled at (dim 0 of its inputs; fused CFG doubles it inside)
     prologue: fx.GraphModule | None = None  # set by the hoisting pass
     hoisted: list[str] = field(default_factory=list)  # names of the prologue outputs the step now takes
     extra_outputs: list[str] = field(default_factory=list)  # names of outputs a pass appended (taps)

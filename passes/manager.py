@@ -1,4 +1,5 @@
-"""The pass manager: an ordered list of FX passes chosen by name, plus the fixed cleanup tail.
+"""The pass manager: an ordered list of FX passes chosen by name, plus the fixed cleanup tail and,
+last, the finite flags every compiled step returns for the runner's NaN check.
 
 Its uuid covers the source of every enabled pass, the inductor-level bundle, and the config; it is a
 factor of the CompileCache signature, so changing or disabling a pass can never reuse an artifact
@@ -16,6 +17,7 @@ from torch import fx
 from fvgraph.passes.base import FxPass, PassContext
 from fvgraph.passes.cfg_fusion import CfgFusionPass
 from fvgraph.passes.cleanup import CleanupPass
+from fvgraph.passes.finite_flags import FiniteFlagsPass
 from fvgraph.passes.hoist_invariants import HoistInvariantsPass
 from fvgraph.passes.quantize import QuantizePass
 from fvgraph.passes.tap_outputs import TapOutputsPass
@@ -73,6 +75,7 @@ class PassManager:
         if config.taps:
             self.passes.append(TapOutputsPass())
         self.tail = [CleanupPass()]
+        self.last = FiniteFlagsPass()  # on the step graph only, once the graph is final
         self._uuid = self._compute_uuid()  # read on every step's signature: compute once
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -82,6 +85,7 @@ class PassManager:
             gm = fx_pass(gm, ctx)
             if ctx.prologue is not None:
                 ctx.prologue = fx_pass(ctx.prologue, ctx)
+        gm = self.last(gm, ctx)
         log.debug("passes changed nodes: %s", ctx.changed)
         return gm
 
@@ -89,6 +93,6 @@ class PassManager:
         return self._uuid
 
     def _compute_uuid(self) -> str:
-        parts = [p.name + ":" + p.uuid() for p in (*self.passes, *self.tail)]
+        parts = [p.name + ":" + p.uuid() for p in (*self.passes, *self.tail, self.last)]
         parts += [f"config:{self.config}"]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]

@@ -6,6 +6,7 @@ import torch
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
+from fvgraph.contract.plan import Done, WorkPlan
 from fvgraph.request import Request
 
 AOT = CompileConfig(backend="aot_eager", step_kinds=("denoise_cfg",))
@@ -190,3 +191,42 @@ def test_rows_whose_request_stayed_are_not_refilled(batched, monkeypatch):
     assert all(r.ok for r in batched.generate(_mix()))
     [entry] = [e for e in runner._graphs.values() if e.compiled.prologue_fn is not None]
     assert copies["n"] == (3 + 1 + 1) * len(entry.hoisted)
+
+
+class _CountdownLoop:
+    """A loop stub for the scheduler alone: each state runs `steps` one-row steps, then is Done; a
+    state with steps < 0 fails when asked."""
+
+    def next(self, state):
+        if state.steps < 0:
+            raise RuntimeError(f"{state.request_id} cannot plan")
+        return Done() if state.steps == 0 else WorkPlan(state.request_id, "denoise", {"latents": torch.zeros(1, 2)})
+
+
+def test_a_leaving_requests_place_goes_to_the_next_waiting_one_in_the_same_tick():
+    """Its batch row changes hands once (no move of the last request, then the arrival appended), and
+    an arrival that fails or is done at once passes the place on."""
+    from types import SimpleNamespace
+
+    from fvgraph.runtime.scheduler import Scheduler
+
+    scheduler = Scheduler(_CountdownLoop(), BucketSpec(batch_sizes=(4,)), max_running=3)
+    states = {name: SimpleNamespace(request_id=name, steps=steps)
+              for name, steps in [("a", 1), ("b", 2), ("c", 3), ("d", 2), ("bad", -1), ("e", 0), ("f", 2)]}  # fmt: skip
+    for state in states.values():
+        scheduler.submit(state)
+
+    def rows(tick):
+        [group] = tick.groups
+        for state, _ in group.members:
+            state.steps -= 1  # the step ran
+        return [state.request_id for state, _ in group.members]
+
+    assert rows(scheduler.tick()) == ["a", "b", "c"]
+    tick = scheduler.tick()  # a is done: d takes its row
+    assert [s.request_id for s in tick.finished] == ["a"] and rows(tick) == ["d", "b", "c"]
+    tick = scheduler.tick()  # b is done: "bad" fails and "e" is done when asked, so f takes b's row
+    assert [s.request_id for s, _ in tick.failed] == ["bad"]
+    assert [s.request_id for s in tick.finished] == ["b", "e"] and rows(tick) == ["d", "f", "c"]
+    tick = scheduler.tick()  # d and c are done, nobody waits: f stays, the row after it is free
+    assert rows(tick) == ["f"] and not tick.waiting

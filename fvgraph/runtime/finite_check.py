@@ -1,7 +1,8 @@
 """Whether a step's outputs are finite: garbage (NaN, Inf) must fail its request, not come back ok.
 
-A batch from the graph runner carries its rows' flags, reduced on the device over each batch output
-once when it ran (fvgraph/runtime/batch_results.py); reading them is the group's one host sync. Results
+A batch from the graph runner carries its requests' flags, reduced on the device inside the compiled
+step (passes/finite_flags.py, fvgraph/runtime/batch_results.py); reading them is the group's one host
+sync. Results
 of the eager path, one per plan, are reduced tensor by tensor on their device and read together.
 """
 

@@ -28,7 +28,8 @@ from torch import nn
 
 from fvgraph.compile.compiler import CompiledStep, StepCompiler
 from fvgraph.contract.counters import Counters
-from fvgraph.runtime.batch_results import BatchResults, finite_rows, request_rows
+from fvgraph.passes.finite_flags import FINITE_OUTPUT
+from fvgraph.runtime.batch_results import BatchResults, request_rows
 from fvgraph.runtime.graph_capture import capture_graph
 from fvgraph.contract.step_kind import Role
 from fvgraph.contract.plan import StepResult, WorkPlan
@@ -131,9 +132,14 @@ class GraphRunner:
         sampler's history shifting by one) is each request's own input tensor, as it came in: no copy,
         and no finite check (a step produced it, checked then, or the loop made it at admission).
         Any other output a later run could overwrite (a graph's static output, an alias of a static
-        argument) is copied out once per batch, not once per request, and each request gets a view."""
-        n, columns, batch = len(plans), [], {}
+        argument) is copied out once per batch, not once per request, and each request gets a view.
+        The step's finite flags (passes/finite_flags.py) come back beside the rows, not in them."""
+        n, names, columns, batch, flags = len(plans), [], [], {}, None
         for name, out in zip(entry.compiled.output_names, outs):
+            if name == FINITE_OUTPUT:
+                flags = out
+                continue
+            names.append(name)
             source = entry.input_at.get(out.data_ptr())
             if source is not None and out.shape == source[1].shape and out.stride() == source[1].stride():
                 columns.append([plan.inputs[source[0]] for plan in plans])
@@ -142,8 +148,10 @@ class GraphRunner:
                 out = out.clone()
             batch[name] = out
             columns.append(request_rows(out, entry.bucket, n))
-        rows = [dict(zip(entry.compiled.output_names, row)) for row in zip(*columns)]
-        return BatchResults(rows, batch, entry.bucket, finite_rows(list(batch.values()), entry.bucket, n))
+        rows = [dict(zip(names, row)) for row in zip(*columns)]
+        if flags is None:  # a step whose every output is an input passed through computed nothing to check
+            flags = torch.ones(entry.bucket, dtype=torch.bool, device=outs[0].device if outs else "cpu")
+        return BatchResults(rows, batch, flags)
 
     # -- preparing a bucket --------------------------------------------------------------------------
 
@@ -223,9 +231,11 @@ class GraphRunner:
             with torch.no_grad():
                 values = entry.compiled.prologue_fn(*entry.base_args())
             self.counters.prologue_runs += 1
-            # One copy per value for the whole group, each new request keeping views of its rows: the
-            # copies cost one op per hoisted value, not one per value and request.
-            kept = [v.clone().view(m, entry.bucket, *v.shape[1:]) for v, m in zip(values, entry.rows_per_request)]
+            # The prologue's outputs are fresh tensors, so each new request keeps views of its rows of
+            # them as they are: no copy but the one into the static buffers below. An output that
+            # aliases a static buffer (a prologue passing an input through) is copied once for the group.
+            kept = [(v.clone() if v.untyped_storage().data_ptr() in entry.storages else v).view(m, entry.bucket, *v.shape[1:])
+                    for v, m in zip(values, entry.rows_per_request)]  # fmt: skip
             for i in missing:
                 slots[i].keep_hoisted(key, [k[:, i] for k in kept])
         # The scheduler keeps requests in their rows, so usually only the rows of requests that came

@@ -18,8 +18,8 @@ import torch
 @dataclass(eq=False)  # compared and hashed by identity: a buffer row's owner is this object
 class RequestSlot:
     # Hoisted values by compiled step signature key (one per batch bucket the request ran at), one
-    # tensor per hoisted graph output: views of this request's rows of the copy its group's prologue
-    # run made (that copy lives while a request of the group holds it).
+    # tensor per hoisted graph output: views of this request's rows of what its group's prologue run
+    # returned (those outputs live while a request of the group holds them).
     hoisted: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     def hoisted_for(self, key: str) -> list[torch.Tensor] | None:

@@ -1,7 +1,8 @@
 """The scheduler: which requests run this tick, and which of their steps run together.
 
 Each tick: admit waiting requests FIFO while there is room (running requests always keep their
-place), drop cancelled ones at the step boundary, ask every running loop for its next WorkPlan, and
+place), drop cancelled ones at the step boundary, ask every running loop for its next WorkPlan (a
+request that finished or failed hands its place to the next waiting one in the same tick), and
 group the plans that can share one graph: same step kind and same shapes past the batch dim. A group
 larger than the biggest batch bucket is split into lanes. Requests at different timesteps, with different
 guidance scales, seeds and step counts fall into one group: those are [B] tensors, not shapes. A step
@@ -109,12 +110,11 @@ class Scheduler:
         while waiting and len(running) < self.max_running:
             running.append(waiting.popleft())
         plans = [self._next(state) for state in running]
+        # A request whose loop cannot go on fails alone, the tick goes on; a finished one leaves.
         tick.failed = [(state, plan) for state, plan in zip(running, plans) if isinstance(plan, Exception)]
-        if tick.failed:  # one request's loop cannot go on: it fails alone, the tick goes on
-            running = _without(running, [state for state, _ in tick.failed])
-        tick.finished = [state for state in running if isinstance(self._asked[id(state)][1], Done)]
-        if tick.finished:  # their rows are refilled by the last running requests
-            running = _without(running, tick.finished)
+        tick.finished = [state for state, plan in zip(running, plans) if isinstance(plan, Done)]
+        if tick.failed or tick.finished:
+            running = self._leave(running, tick, waiting)
         tick.running, tick.waiting = running, waiting
         tick.groups = self._grouped([(state, self._asked[id(state)][1]) for state in running])
         return tick
@@ -126,6 +126,25 @@ class Scheduler:
         self.running, self.waiting = tick.running, tick.waiting
         self._asked = {}
         return tick
+
+    def _leave(self, running: list[LoopState], tick: Tick, waiting: deque[LoopState]) -> list[LoopState]:
+        """`running` less the tick's failed and finished requests. Each leaving request's place goes to
+        the next waiting one, asked for its step now, so its batch row changes hands once (and the
+        place is used this tick); the places left over are filled by the last running requests. An
+        arrival that fails or finishes at once leaves too, its place going on to the next."""
+        gone = {id(state) for state in (*tick.finished, *(state for state, _ in tick.failed))}
+        running = list(running)
+        for i in range(len(running)):
+            while id(running[i]) in gone and waiting:
+                running[i] = arrival = waiting.popleft()
+                asked = self._next(arrival)
+                if isinstance(asked, Exception):
+                    tick.failed.append((arrival, asked))
+                    gone.add(id(arrival))
+                elif isinstance(asked, Done):
+                    tick.finished.append(arrival)
+                    gone.add(id(arrival))
+        return _without(running, [state for state in running if id(state) in gone])
 
     def _next(self, state: LoopState) -> WorkPlan | Done | Exception:
         known = self._asked.get(id(state))
