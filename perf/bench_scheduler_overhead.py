@@ -12,7 +12,8 @@ and times everything the engine does around the step
 itself: grouping plans, filling static buffers and padding, hoisted values, scattering results,
 loop bookkeeping. Timed apart and subtracted: the step (the compiled callable, or on a GPU the
 CPU side of a graph replay), the per-request prologue it feeds, request admission (validation,
-noise, sampler plan) and finalize (on a GPU that is where the host waits for the device). Prints
+noise, sampler plan) and finalize (on a GPU that is where the host waits for the device); the
+requests themselves are built before the clock starts. Prints
 one JSON line (fvgraph.perf.method): each figure as min / median / max over `--repeats` runs, per
 batch and per request-step. Target: <= 100 us per batch.
 
