@@ -72,7 +72,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         self.counters = counters
         self.projection_cache: ExactProjectionCache | None = None  # set by from_card when eager
         self.adapters = None  # the LoRA adapters (fvgraph/engine/adapter_admin.py), set by from_card
-        self._math = math_mode(card.recipe.precision)  # held around every step (fvgraph/runtime/tf32_switch.py)
+        self._math = math_mode(card.recipe.precision)  # held around every call that runs steps (fvgraph/runtime/tf32_switch.py)
         # While warmup() serves its requests: the signatures prepared at every batch bucket, and its progress callback.
         self._warming, self._warm_progress = None, None
         self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
@@ -179,7 +179,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         plan = self.loop.next(state)
         if isinstance(plan, Done):
             return False
-        with torch.compiler.set_stance(self._stance()), self._not_reentrant("step"):
+        with torch.compiler.set_stance(self._stance()), self._math, self._not_reentrant("step"):
             failures = self._run_group([(state, plan)], on_step)
         if failures:
             raise failures[0][1]
@@ -283,7 +283,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         """One scheduler round: admit waiting requests, run every group of compatible steps once and
         fold the results back. Returns the requests that ended in it (done, failed or cancelled).
         With `submit` this is the serving loop: requests join while others are mid-run."""
-        with torch.compiler.set_stance(self._stance()):
+        with torch.compiler.set_stance(self._stance()), self._math:
             self._tick(on_step, on_result)
         return self._take_results()
 
@@ -310,7 +310,8 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
                 rejected[position] = Result(request.request_id, "rejected", seed=request.seed, error=str(err))
         results: dict[str, Result] = {}
         try:
-            with torch.compiler.set_stance(self._stance()):  # entered once per call: it costs ~50 us
+            # Entered once per call, not per tick or batch: the stance costs ~50 us, the math switches tens.
+            with torch.compiler.set_stance(self._stance()), self._math:
                 while pending:
                     if not self._scheduler.has_work() and self._launched is None:
                         raise RuntimeError(f"requests {sorted(pending)} neither ran nor ended")  # a bug, never a hang
@@ -328,20 +329,29 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         """A callback runs between one request's step and the next member's: a tick, generate or step
         started there would run and advance the same requests again (and hand results to the wrong
         caller). Callbacks may submit and cancel; they must return before the engine runs on."""
-        if self._running_steps:
-            raise RuntimeError(
-                f"Engine.{what}() was called from inside a callback (on_step / on_result) of a running tick: "
-                "the engine is not re-entrant; submit or cancel from the callback and drive the engine after it returns"
-            )
+        self._refuse_reentry(what)
         self._running_steps = True
         try:
             yield
         finally:
             self._running_steps = False
 
+    def _refuse_reentry(self, what: str) -> None:
+        if self._running_steps:
+            raise RuntimeError(
+                f"Engine.{what}() was called from inside a callback (on_step / on_result) of a running tick: "
+                "the engine is not re-entrant; submit or cancel from the callback and drive the engine after it returns"
+            )
+
     def _tick(self, on_step: StepCallback | None, on_result: ResultCallback | None, what: str = "tick") -> None:
-        with self._not_reentrant(what):
+        # _not_reentrant written out: this runs every tick, where a generator-based context manager
+        # costs more than the check.
+        self._refuse_reentry(what)
+        self._running_steps = True
+        try:
             self._tick_once(on_step, on_result)
+        finally:
+            self._running_steps = False
 
     def _tick_once(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
         ahead = self._ahead(on_result)
@@ -420,8 +430,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         try:
             if self._warming is not None:
                 self._prepare(plans[0])
-            with self._math:
-                results = self.executor.run_batch(plans, slots, lane)
+            results = self.executor.run_batch(plans, slots, lane)  # under the call's math mode (tick, generate, step)
         except Exception as err:  # one request's failure must not take the others down
             return self._retry_alone(group, on_step, on_result, err)
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time

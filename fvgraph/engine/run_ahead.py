@@ -41,7 +41,8 @@ class Launched:
 
 class RunAhead:
     """The engine's run-ahead order. Reads the engine's `run_ahead`, `before_commit`, `_launched`,
-    `_scheduler`, `_slots`, `executor`, `counters`, `loop`, `_math`, `_warming`, `_retry_alone` and `_fail`."""
+    `_scheduler`, `_slots`, `executor`, `counters`, `loop`, `_warming`, `_retry_alone` and `_fail`; it runs
+    inside a tick, under the engine's math mode."""
 
     def _ahead(self, on_result: Callable | None) -> bool:
         return self.run_ahead and on_result is None and self._warming is None
@@ -65,8 +66,7 @@ class RunAhead:
 
     def _stage(self, group: Group) -> None:
         try:
-            with self._math:
-                self.executor.stage([plan for _, plan in group.members], [self._slots.of(s) for s, _ in group.members], group.lane)
+            self.executor.stage([plan for _, plan in group.members], [self._slots.of(s) for s, _ in group.members], group.lane)
         except Exception:  # the group's run reports it, member by member (Engine._run_group)
             pass
 
@@ -76,8 +76,7 @@ class RunAhead:
         plans, slots = [plan for _, plan in members], [self._slots.of(state) for state, _ in members]
         began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
         try:
-            with self._math:
-                results = self.executor.run_batch(plans, slots, group.lane)
+            results = self.executor.run_batch(plans, slots, group.lane)
         except Exception as err:  # settle what is launched, then as serially: the group retried alone
             self._settle_launched()
             self._fail(self._retry_alone(members, on_step, None, err))

@@ -51,20 +51,20 @@ def worker_main(rank: int, config: ParallelConfig, build: WorkerBuild, conn) -> 
     conn.send(("ready",))
     slots: dict[int, RequestSlot] = {}
     try:
-        while (message := conn.recv())[0] == "run":
-            _, plans, numbers, lane, frozen, released = message
-            for number in released:
-                slots.pop(number, None)
-            for plan in plans:
-                plan.inputs = {name: t.to(device) for name, t in plan.inputs.items()}
-            if compiler is not None:
-                compiler.frozen = frozen
-            try:
-                with math:
+        with math:  # this process only runs steps: its math mode is held for the whole loop
+            while (message := conn.recv())[0] == "run":
+                _, plans, numbers, lane, frozen, released = message
+                for number in released:
+                    slots.pop(number, None)
+                for plan in plans:
+                    plan.inputs = {name: t.to(device) for name, t in plan.inputs.items()}
+                if compiler is not None:
+                    compiler.frozen = frozen
+                try:
                     executor.run_batch(plans, [slots.setdefault(n, RequestSlot()) for n in numbers], lane)
-                conn.send(("ok",))
-            except Exception:
-                conn.send(("error", traceback.format_exc(limit=4)))
+                    conn.send(("ok",))
+                except Exception:
+                    conn.send(("error", traceback.format_exc(limit=4)))
     except (EOFError, ConnectionError):
         pass  # rank 0 went away
     finally:

@@ -14,6 +14,8 @@ the runtime owns. They carry the batch in dim 0,
 branch-major (rows `k * bucket + i` for CFG branch k), so a value is `m` rows per request with
 `m = rows / bucket`. A row of the static buffers (hoisted values, and inputs that are constant for a
 request) is rewritten only when it changes hands; the scheduler keeps requests in their rows.
+
+Callers hold `torch.no_grad()` (the compiled executor does, once per batch).
 """
 
 from __future__ import annotations
@@ -228,8 +230,7 @@ class GraphRunner:
         key = entry.compiled.signature.key()
         missing = [i for i, slot in enumerate(slots) if slot.hoisted_for(key) is None]
         if missing:  # new requests: one prologue over the group, kept per request
-            with torch.no_grad():
-                values = entry.compiled.prologue_fn(*entry.base_args())
+            values = entry.compiled.prologue_fn(*entry.base_args())
             self.counters.prologue_runs += 1
             # The prologue's outputs are fresh tensors, so each new request keeps views of its rows of
             # them as they are: no copy but the one into the static buffers below. An output that
@@ -258,8 +259,7 @@ class GraphRunner:
 
     def _replay(self, entry: BucketGraph) -> tuple[torch.Tensor, ...]:
         if entry.graph is None:
-            with torch.no_grad():
-                return tuple(entry.compiled.step_fn(*entry.args))
+            return tuple(entry.compiled.step_fn(*entry.args))
         if self.debug:
             now = tuple(t.data_ptr() for t in entry.args)
             assert now == entry.addresses, "a static buffer moved since capture: the graph would read stale memory"

@@ -7,9 +7,13 @@ after Wan's patch-embedding Conv3d: a jump, not a drift. The -O2 vs -O0 parity c
 (perf/results/2026-11-30-h200.jsonl) showed jumps of that kind (block 0 of one request went from
 1e-7 to 6e-5 apart in a single step, with its input latents 2e-7 apart).
 
-The engine holds `math_mode(precision)` around every step it runs, compiles or captures (the
-algorithm a captured convolution uses is fixed at capture), and gives the caller's settings back
-after. Other precisions leave the switches as they are.
+The engine holds `math_mode(precision)` around each call that runs, compiles or captures steps
+(`generate`, `tick`, `step`, warmup's compiles; the algorithm a captured convolution uses is fixed at
+capture), callbacks included, and gives the caller's settings back after. Once per call, not once
+per batch: reading and writing torch's switches goes through torch.backends' Python properties,
+which cost tens of microseconds when they run once between two steps. The context is reentrant, so
+a step run from inside a held call (warmup compiling as it serves) costs a counter. Other precisions
+leave the switches as they are.
 """
 
 from __future__ import annotations
@@ -28,21 +32,30 @@ _MIXED_APIS = (
 
 
 class Fp32Math:
-    """TF32 off for cuDNN and cuBLAS while inside; the previous settings restored on the way out."""
+    """TF32 off for cuDNN and cuBLAS while inside; the previous settings restored when the outermost
+    entry exits (an inner entry only counts)."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._saved = None
 
     def __enter__(self) -> None:
-        backends = torch.backends
-        try:
-            self._saved = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32)
-            backends.cudnn.allow_tf32 = False
-            backends.cuda.matmul.allow_tf32 = False
-        except RuntimeError as err:  # torch refuses the legacy switches once the new API set TF32
-            raise RuntimeError(_MIXED_APIS.format(err=err)) from err
+        if self._depth == 0:
+            backends = torch.backends
+            try:
+                self._saved = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32)
+                backends.cudnn.allow_tf32 = False
+                backends.cuda.matmul.allow_tf32 = False
+            except RuntimeError as err:  # torch refuses the legacy switches once the new API set TF32
+                raise RuntimeError(_MIXED_APIS.format(err=err)) from err
+        self._depth += 1
 
     def __exit__(self, *exc) -> None:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self._saved
+        self._depth -= 1
+        if self._depth == 0:
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self._saved
 
 
 def math_mode(precision: str) -> contextlib.AbstractContextManager:
-    """The context a step of this precision runs in (reusable, not reentrant)."""
+    """The context steps of this precision run in (reusable and reentrant)."""
     return Fp32Math() if precision == "fp32" else contextlib.nullcontext()
