@@ -4,6 +4,7 @@
     python perf/bench_scheduler_overhead.py --gpu      # CUDA, -O2: the step is a CUDA graph replay
     python perf/bench_scheduler_overhead.py --against-commit SHA   # A/B: SHA's tree vs this one, one run
     python perf/bench_scheduler_overhead.py --phases   # also the overhead by phase, us per batch
+    python perf/bench_scheduler_overhead.py --stand-in # also with the step stood in for: warm vs evicted caches
     python perf/bench_scheduler_overhead.py --idle --gpu   # device idle between replays, serial vs run-ahead (perf/replay_idle.py)
 
 Runs a mix of requests at the smallest shape (1 frame, 32x32: the step is kept short, since it is
@@ -21,6 +22,12 @@ With `--against-commit SHA` the same mix runs on SHA's tree and on this one, eac
 of its own (perf/commit_tree.py), timed by this script's method on both: after both are warm, each
 round times one mix on each side, the order alternating, never both at once. The line then holds
 both spreads and the per-round ratio (this tree / SHA) of the overhead per batch.
+
+With `--stand-in` each round times the mix three times, the order rotating: with the real step, and
+with perf/stand_in_step.py in its place returning recorded outputs, once as they are ("warm": the
+host's caches as a GPU step leaves them) and once after sweeping more memory than the last-level
+cache ("evict": as the CPU step leaves them). On the CPU the gap between warm and step is what the
+step's memory traffic costs the host code after it, not host work.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ def _perf_module(name: str):
 
 
 method, commit_tree, replay_idle = _perf_module("method"), _perf_module("commit_tree"), _perf_module("replay_idle")
+stand_in_step = _perf_module("stand_in_step")
 emit, paired_ratio, provenance, spread, sync = method.emit, method.paired_ratio, method.provenance, method.spread, method.sync
 
 
@@ -179,6 +187,29 @@ class Bench:
         return run
 
 
+def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> None:
+    """--stand-in: the mix with the real step, warm and evict (perf/stand_in_step.py), interleaved."""
+    bench = Bench(args, backend, device)
+    runner = bench.engine.executor.runner
+    step = stand_in_step.StandInStep(runner._replay)  # the stopwatch's "step": both are subtracted
+    runner._replay = bench.watch.wrap("step", step)
+    bench.run()  # untimed: every bucket's outputs recorded from a real run
+    modes = stand_in_step.MODES
+    runs = {mode: [] for mode in modes}
+    for r in range(args.repeats):
+        for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
+            step.mode = mode
+            runs[mode].append(bench.run())
+    per_batch = {mode: [run["outside"] / run["batches"] for run in mode_runs] for mode, mode_runs in runs.items()}
+    emit({
+        **provenance("scheduler_overhead_stand_in", device), "card": args.card, "opt_level": bench.engine.opt_level,
+        "backend": backend, "requests": args.requests, "batch_sizes": args.batch_sizes,
+        **{mode: figures(runs[mode], args.requests) for mode in modes},
+        "warm_over_step": paired_ratio(per_batch["warm"], per_batch["step"]),
+        "evict_over_step": paired_ratio(per_batch["evict"], per_batch["step"]), "target_us_per_batch": 100,
+    })  # fmt: skip
+
+
 def figures(runs: list[dict], requests: int) -> dict:
     us = lambda what, per: spread([run[what] / run[per] for run in runs], 1e6, 1)  # noqa: E731
     return {"batches": runs[0]["batches"], "request_steps": runs[0]["request_steps"],
@@ -280,6 +311,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phases", action="store_true",
                         help="also time the overhead by phase (scheduling, next(), static inputs, hoisted rows, scatter, "
                              "host outputs, finite check, advance, other), in us per batch")  # fmt: skip
+    parser.add_argument("--stand-in", action="store_true",
+                        help="also time the mix with the step stood in for by its recorded outputs, caches warm and "
+                             "evicted (perf/stand_in_step.py), interleaved with the real step")  # fmt: skip
     parser.add_argument("--idle", action="store_true", help="device idle time between replays, serial vs run-ahead, per bucket")
     parser.add_argument("--idle-buckets", type=int, nargs="+", default=[1, 4, 8], help="with --idle: one engine per bucket")
     parser.add_argument("--idle-shape", help="with --idle: HxWxF (default 256x256x17 with --gpu, else 32x32x1)")
@@ -297,7 +331,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         return worker(args, backend, device)
     if args.against_commit:
+        if args.stand_in:
+            raise SystemExit("--stand-in times this tree only: leave out --against-commit")
         return against_commit(args, device, backend)
+    if args.stand_in:
+        return stand_in(args, backend, device)
     bench = Bench(args, backend, device)
     runs = [bench.run() for _ in range(args.repeats)]
     emit({

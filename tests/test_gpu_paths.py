@@ -158,6 +158,23 @@ def test_fp32_steps_run_without_tf32_and_the_callers_settings_come_back(tiny_car
     assert isinstance(math_mode("bf16"), contextlib.nullcontext)
 
 
+def test_the_fp32_context_nests_and_gives_the_settings_back_at_the_outermost_exit():
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    math = math_mode("fp32")
+    try:
+        with math:
+            with math:  # warmup compiling from inside a held generate()
+                assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (False, False)
+            assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (False, False)
+        assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == (True, True)
+        with math:  # reusable after the outermost exit
+            assert torch.backends.cudnn.allow_tf32 is False
+        assert torch.backends.cudnn.allow_tf32 is True
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before
+
+
 def test_tf32_set_through_the_new_api_is_refused_naming_the_cause():
     matmul = torch.backends.cuda.matmul
     before = matmul.fp32_precision
