@@ -2,8 +2,8 @@
 
 A batch from the graph runner carries its requests' flags, reduced on the device inside the compiled
 step (passes/finite_flags.py, fvgraph/runtime/batch_results.py); reading them is the group's one host
-sync. Results
-of the eager path, one per plan, are reduced tensor by tensor on their device and read together.
+sync. Results of the eager path, one per plan, are reduced tensor by tensor on their device and read
+together.
 """
 
 from __future__ import annotations
