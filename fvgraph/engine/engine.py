@@ -283,7 +283,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         """One scheduler round: admit waiting requests, run every group of compatible steps once and
         fold the results back. Returns the requests that ended in it (done, failed or cancelled).
         With `submit` this is the serving loop: requests join while others are mid-run."""
-        with torch.compiler.set_stance(self._stance()), self._math:
+        with torch.compiler.set_stance(self._stance()):
             self._tick(on_step, on_result)
         return self._take_results()
 
@@ -310,7 +310,8 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
                 rejected[position] = Result(request.request_id, "rejected", seed=request.seed, error=str(err))
         results: dict[str, Result] = {}
         try:
-            # Entered once per call, not per tick or batch: the stance costs ~50 us, the math switches tens.
+            # Entered once per call, not per tick or batch: the stance costs ~50 us, the math switches tens
+            # (each tick enters the math mode again, which inside this costs a counter).
             with torch.compiler.set_stance(self._stance()), self._math:
                 while pending:
                     if not self._scheduler.has_work() and self._launched is None:
@@ -349,7 +350,8 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         self._refuse_reentry(what)
         self._running_steps = True
         try:
-            self._tick_once(on_step, on_result)
+            with self._math:
+                self._tick_once(on_step, on_result)
         finally:
             self._running_steps = False
 
@@ -430,7 +432,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         try:
             if self._warming is not None:
                 self._prepare(plans[0])
-            results = self.executor.run_batch(plans, slots, lane)  # under the call's math mode (tick, generate, step)
+            results = self.executor.run_batch(plans, slots, lane)  # under the math mode of the tick or step
         except Exception as err:  # one request's failure must not take the others down
             return self._retry_alone(group, on_step, on_result, err)
         compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time

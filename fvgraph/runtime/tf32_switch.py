@@ -8,9 +8,9 @@ after Wan's patch-embedding Conv3d: a jump, not a drift. The -O2 vs -O0 parity c
 1e-7 to 6e-5 apart in a single step, with its input latents 2e-7 apart).
 
 The engine holds `math_mode(precision)` around each call that runs, compiles or captures steps
-(`generate`, `tick`, `step`, warmup's compiles; the algorithm a captured convolution uses is fixed at
-capture), callbacks included, and gives the caller's settings back after. Once per call, not once
-per batch: reading and writing torch's switches goes through torch.backends' Python properties,
+(each tick, `generate` across its ticks, `step`, warmup's compiles; the algorithm a captured
+convolution uses is fixed at capture), callbacks included, and gives the caller's settings back
+after. Once per call, not once per batch: reading and writing torch's switches goes through torch.backends' Python properties,
 which cost tens of microseconds when they run once between two steps. The context is reentrant, so
 a step run from inside a held call (warmup compiling as it serves) costs a counter. Other precisions
 leave the switches as they are.
