@@ -35,7 +35,7 @@ def live_server(engine, tmp_path, **settings):
 
 def expected_video(engine, fps: float = DEFAULT_FPS, **fields):
     """What a served video of `fields` must decode to: the engine run directly on Request(**fields),
-    through the same H.264 encode (deterministic: one input, one bitstream)."""
+    through the same H.264 encode (deterministic: one input, one bitstream; fvgraph/serving/media_encode.py)."""
     [result] = engine.generate([Request(**fields)])
     assert result.ok, result.error
     return decode_mp4(encode_mp4(result.frames, fps))

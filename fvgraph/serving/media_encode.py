@@ -50,7 +50,10 @@ def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
         with av.open(str(path), mode="w", format="mp4", options=FASTSTART) as container:
             stream = container.add_stream("libx264", rate=mp4_rate(fps))
             stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-            stream.options = {"crf": "18", "preset": "veryfast"}
+            # mbtree off: with it, on a CPU with AVX-512, libx264 encoded the same 32x32 frames to different
+            # bitstreams from call to call in one process (one frame's decisions differed); without it,
+            # one input is one bitstream again (tests/test_http_*.py compare served videos bit for bit).
+            stream.options = {"crf": "18", "preset": "veryfast", "x264-params": "mbtree=0"}
             for frame in frames:
                 container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
             container.mux(stream.encode())  # flush the encoder
