@@ -14,7 +14,9 @@ on finite values, without the step's work:
   machine's last-level cache): the same stand-in with a step's effect on the caches, so the gap to
   "warm" is the caches and not the stand-in.
 
-A diagnostic of the benchmark, never of the engine's results: nothing it returns is checked.
+Only the step is stood in for: a new request's prologue (its hoisted values) still runs, as does
+everything around the step. A diagnostic of the benchmark, never of the engine's results: nothing
+it returns is checked.
 """
 
 from __future__ import annotations
