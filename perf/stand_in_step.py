@@ -39,10 +39,15 @@ class StandInStep:
         if self.mode == "step" or recorded is None:
             outs = self._replay(entry)
             if recorded is None:
-                self._recorded[id(entry)] = tuple(out if out.data_ptr() in entry.input_at else out.clone() for out in outs)
+                self._recorded[id(entry)] = _as_returned(entry, outs)
             return outs
         if self.mode == "evict":
             if self._sweep is None:
                 self._sweep = torch.zeros(EVICT_BYTES // 4)
             self._sweep.add_(1.0)
-        return tuple(out if out.data_ptr() in entry.input_at else out.clone() for out in recorded)
+        return _as_returned(entry, recorded)
+
+
+def _as_returned(entry, outs) -> tuple[torch.Tensor, ...]:
+    """`outs` as a step returns them: computed outputs fresh (copied), input buffers passed through as the buffers."""
+    return tuple(out if out.data_ptr() in entry.input_at else out.clone() for out in outs)
