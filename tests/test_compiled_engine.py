@@ -27,8 +27,9 @@ def compiled_engine():
 
 def test_compiled_run_batches_matches_eager_and_compiles_once_per_bucket(compiled_engine, tiny_engine, tiny_card):
     # 4 + 3 + 5 denoise steps; the three requests share a batch while they all run (bucket 4, 3 ticks),
-    # then two (bucket 2, 1 tick), then one (bucket 1, 1 tick): one compile and one prologue per bucket.
-    with compiled_engine.counters.expect(compiles=3, compiled_steps=12, batches=5, prologue_runs=3):
+    # then two (bucket 2, 1 tick), then one (bucket 1, 1 tick): one compile per bucket, and one prologue,
+    # whose hoisted values serve each request at every bucket.
+    with compiled_engine.counters.expect(compiles=3, compiled_steps=12, batches=5, prologue_runs=1):
         compiled = compiled_engine.generate(_mix())
     eager = tiny_engine.generate(_mix())
     tol = tiny_card.parity.tolerance("fp32", "loop")
@@ -85,3 +86,26 @@ def test_inductor_compiled_step_matches_eager(tiny_engine, tiny_card):
         assert ours.ok, ours.error
         torch.testing.assert_close(ours.latents, reference.latents, atol=tol.atol, rtol=tol.rtol)
     assert engine.counters.compiles == 1
+
+
+def test_an_arrival_into_a_running_batch_gets_its_hoisted_values_from_the_smallest_bucket(tiny_engine, tiny_card):
+    """Four requests fill bucket 4; the fifth arrives when the shortest one ends, and its hoisted values
+    come from the batch-1 prologue, not a bucket-4 one; as the batch shrinks to buckets 4 (padded) and
+    1, every request keeps the values it has. Results agree with eager's batch-1 reference."""
+    config = CompileConfig(backend="aot_eager", step_kinds=("denoise_cfg",))
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config,
+                              buckets=BucketSpec(batch_sizes=(1, 4)), max_running=4)  # fmt: skip
+    requests = [Request(prompt=f"p{i}", seed=i, guidance_scale=2.0 + i, num_inference_steps=steps, num_frames=5,
+                        output_type="latent") for i, steps in enumerate((2, 4, 5, 3, 3))]  # fmt: skip
+    engine.warmup(requests[:1])
+    prologues = []
+    for entry in engine.executor.runner._graphs.values():
+        run, bucket = entry.compiled.prologue_fn, entry.bucket
+        entry.compiled.prologue_fn = lambda *args, run=run, bucket=bucket: prologues.append(bucket) or run(*args)
+    with engine.counters.expect(compiles=0, prologue_runs=2):
+        ours = engine.generate(requests)
+    assert prologues == [4, 1]
+    tol = tiny_card.parity.tolerance("fp32", "loop")
+    for result, reference in zip(ours, tiny_engine.generate(requests)):
+        assert result.ok, result.error
+        torch.testing.assert_close(result.latents, reference.latents, atol=tol.atol, rtol=tol.rtol)

@@ -83,6 +83,12 @@ class StepSignature:
     def key(self) -> str:
         return self._key  # computed once: it is read on every batch
 
+    @functools.cached_property
+    def unbatched_key(self) -> str:
+        """The key of this step at any batch bucket: what its graphs at every bucket share (a request's
+        hoisted values, computed at one bucket, serve it at all of them)."""
+        return dataclasses.replace(self, batch=0).key()
+
     def __str__(self) -> str:
         lines = [f"StepSignature {self.key()}"]
         for name, value in self.factors().items():

@@ -126,9 +126,9 @@ class CompiledExecutor:
         largest graph claims the shared memory pool and the smaller ones reuse it."""
         if not self.compiler.wants(plan.kind) or (plan.pixel_shape and not self._has_graphs(plan.pixel_shape)):
             return
-        slot = RequestSlot()  # warmup's stand-in request: its hoisted values go with it
         with torch.no_grad():
             for bucket in reversed(self.buckets.batch_sizes):
+                slot = RequestSlot()  # warmup's stand-in request, one per bucket: every bucket's prologue runs
                 self.runner.run(self.steps[plan.kind], [plan] * bucket, [slot] * bucket, bucket)
                 if on_bucket is not None:
                     on_bucket(bucket)

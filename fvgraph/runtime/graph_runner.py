@@ -8,12 +8,14 @@ rows with `pad_value`, replays, and copies the outputs out once before anything 
 each request gets a view of its rows. On CPU the same code calls the compiled step on the same static
 buffers, so batching, padding and scatter are exercised without a GPU.
 
-Hoisted prologue values are per request: they are computed by the bucket's prologue when a request
-in the group has none yet and kept in that request's RequestSlot (fvgraph/runtime/request_slot.py), which
-the runtime owns. They carry the batch in dim 0,
-branch-major (rows `k * bucket + i` for CFG branch k), so a value is `m` rows per request with
-`m = rows / bucket`. A row of the static buffers (hoisted values, and inputs that are constant for a
-request) is rewritten only when it changes hands; the scheduler keeps requests in their rows.
+Hoisted prologue values are per request: they are computed when a request in the group has none
+yet, by the prologue of the smallest prepared bucket that holds the requests that lack them (an
+arrival into a running batch costs a batch-1 prologue), and kept in that request's RequestSlot
+(fvgraph/runtime/request_slot.py), which the runtime owns, for every bucket it runs at. They carry
+the batch in dim 0, branch-major (rows `k * bucket + i` for CFG branch k), so a value is `m` rows
+per request with `m = rows / bucket`. A row of the static buffers (hoisted values, and inputs that
+are constant for a request) is rewritten only when it changes hands; the scheduler keeps requests
+in their rows.
 
 Callers hold `torch.no_grad()` (the compiled executor does, once per batch).
 """
@@ -48,6 +50,10 @@ class BucketGraph:
     inputs: dict[str, torch.Tensor]  # static, [bucket, ...] each
     hoisted: list[torch.Tensor] = field(default_factory=list)  # static, [m * bucket, ...] each
     rows_per_request: list[int] = field(default_factory=list)  # m of each hoisted value
+    # What a request's hoisted values are kept under: the step at any bucket, and their per-request
+    # layout and the constants they come from (a value that is not per request, the same rows at every
+    # bucket, splits differently at each: its bucket's graphs then compute their own).
+    values_key: tuple = ()
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
     addresses: tuple[int, ...] = ()  # data_ptr of every static buffer at capture (debug checks)
@@ -127,7 +133,7 @@ class GraphRunner:
         owners = [*slots, *[None] * (entry.bucket - len(plans))]
         self._fill_inputs(entry, plans, owners)
         if entry.compiled.prologue_fn is not None:
-            self._fill_hoisted(entry, slots, owners)
+            self._fill_hoisted(entry, plans, slots, owners)
 
     def _scatter(self, entry: BucketGraph, plans: list[WorkPlan], outs: tuple[torch.Tensor, ...]) -> BatchResults:
         """Each output, one value per request. An output that is an input buffer passed through (a
@@ -173,6 +179,8 @@ class GraphRunner:
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in entry.compiled.hoisted_like
         ]
         entry.rows_per_request = [t.shape[0] // bucket for t in entry.hoisted]
+        entry.values_key = (entry.compiled.signature.unbatched_key, tuple(name for name, _ in entry.constants),
+                            *((m, tuple(t.shape[1:]), t.dtype) for t, m in zip(entry.hoisted, entry.rows_per_request)))  # fmt: skip
         entry.storages = frozenset(t.untyped_storage().data_ptr() for t in entry.args)
         entry.input_at = {buffer.data_ptr(): (name, buffer) for name, buffer in inputs.items()}
         key = (plans[0].signature, bucket, lane)
@@ -226,19 +234,11 @@ class GraphRunner:
                 self._write_rows(buffer, 1, entry.bucket, changed, owners, lambda i: plans[i].inputs[name])
             entry.input_owners = owners
 
-    def _fill_hoisted(self, entry: BucketGraph, slots: list[RequestSlot], owners: list) -> None:
-        key = entry.compiled.signature.key()
+    def _fill_hoisted(self, entry: BucketGraph, plans: list[WorkPlan], slots: list[RequestSlot], owners: list) -> None:
+        key = entry.values_key
         missing = [i for i, slot in enumerate(slots) if slot.hoisted_for(key) is None]
-        if missing:  # new requests: one prologue over the group, kept per request
-            values = entry.compiled.prologue_fn(*entry.base_args())
-            self.counters.prologue_runs += 1
-            # The prologue's outputs are fresh tensors, so each new request keeps views of its rows of
-            # them as they are: no copy but the one into the static buffers below. An output that
-            # aliases a static buffer (a prologue passing an input through) is copied once for the group.
-            kept = [(v.clone() if v.untyped_storage().data_ptr() in entry.storages else v).view(m, entry.bucket, *v.shape[1:])
-                    for v, m in zip(values, entry.rows_per_request)]  # fmt: skip
-            for i in missing:
-                slots[i].keep_hoisted(key, [k[:, i] for k in kept])
+        if missing:
+            self._run_prologue(entry, plans, slots, missing, key)
         # The scheduler keeps requests in their rows, so usually only the rows of requests that came
         # or went are copied; a request whose values were just computed is always copied.
         changed = sorted(set(_changed_rows(owners, entry.hoisted_for)) | set(missing))
@@ -246,6 +246,37 @@ class GraphRunner:
             for j, (buffer, m) in enumerate(zip(entry.hoisted, entry.rows_per_request)):
                 self._write_rows(buffer, m, entry.bucket, changed, owners, lambda i: slots[i].hoisted[key][j])
             entry.hoisted_for = owners
+
+    def _run_prologue(self, entry: BucketGraph, plans: list[WorkPlan], slots: list[RequestSlot], missing: list[int],
+                      key: tuple) -> None:  # fmt: skip
+        """Compute the hoisted values of the requests at `missing` (they have none) with the prologue of
+        the smallest prepared bucket that holds them, so an arrival into a full batch costs a batch-1
+        prologue, not a whole bucket's; each keeps them in its slot for every bucket it runs at."""
+        source = self._prologue_source(entry, len(missing))
+        if source is entry:  # the new requests' constants are in their rows already
+            rows = missing
+        else:  # their constants into the first rows of the smaller bucket's buffers
+            rows = list(range(len(missing)))
+            owners = [*(slots[i] for i in missing), *source.input_owners[len(missing):]]
+            changed = _changed_rows(owners, source.input_owners)
+            for name, buffer in source.constants:
+                self._write_rows(buffer, 1, source.bucket, changed, owners, lambda r: plans[missing[r]].inputs[name])
+            source.input_owners, source.staged = owners, ()  # a batch staged on these buffers is filled again
+        values = source.compiled.prologue_fn(*source.base_args())
+        self.counters.prologue_runs += 1
+        # The prologue's outputs are fresh tensors, so each new request keeps views of its rows of them
+        # as they are: no copy but the one into the static buffers. An output that aliases a static
+        # buffer (a prologue passing an input through) is copied once.
+        kept = [(v.clone() if v.untyped_storage().data_ptr() in source.storages else v).view(m, source.bucket, *v.shape[1:])
+                for v, m in zip(values, source.rows_per_request)]  # fmt: skip
+        for i, row in zip(missing, rows):
+            slots[i].keep_hoisted(key, [k[:, row] for k in kept])
+
+    def _prologue_source(self, entry: BucketGraph, count: int) -> BucketGraph:
+        """The prepared graph of `entry`'s step at the smallest bucket of at least `count` rows whose
+        hoisted values are kept under the same key (entry itself when none is smaller)."""
+        smaller = [other for other in self._graphs.values() if count <= other.bucket < entry.bucket and other.values_key == entry.values_key]
+        return min(smaller, key=lambda other: other.bucket, default=entry)
 
     def _write_rows(self, buffer: torch.Tensor, m: int, bucket: int, rows: list[int], owners: list, value_of) -> None:
         """Write each of `rows` (m buffer rows per request, branch-major): value_of(i) for a request,

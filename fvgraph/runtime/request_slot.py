@@ -17,15 +17,16 @@ import torch
 
 @dataclass(eq=False)  # compared and hashed by identity: a buffer row's owner is this object
 class RequestSlot:
-    # Hoisted values by compiled step signature key (one per batch bucket the request ran at), one
-    # tensor per hoisted graph output: views of this request's rows of what its group's prologue run
-    # returned (those outputs live while a request of the group holds them).
-    hoisted: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # Hoisted values by the graph runner's values key (the step at any bucket: one set serves every
+    # bucket whose graphs lay them out alike), one tensor per hoisted graph output: views of this
+    # request's rows of what the prologue run that computed them returned (those outputs live while
+    # a request holds them).
+    hoisted: dict[tuple, list[torch.Tensor]] = field(default_factory=dict)
 
-    def hoisted_for(self, key: str) -> list[torch.Tensor] | None:
+    def hoisted_for(self, key: tuple) -> list[torch.Tensor] | None:
         return self.hoisted.get(key)
 
-    def keep_hoisted(self, key: str, values: list[torch.Tensor]) -> None:
+    def keep_hoisted(self, key: tuple, values: list[torch.Tensor]) -> None:
         self.hoisted[key] = values
 
 
