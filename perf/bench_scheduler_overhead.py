@@ -12,9 +12,10 @@ subtracted; different seeds, guidance scales and step counts; 16 in flight, batc
 and times everything the engine does around the step
 itself: grouping plans, filling static buffers and padding, hoisted values, scattering results,
 loop bookkeeping. Timed apart and subtracted: the step (the compiled callable, or on a GPU the
-CPU side of a graph replay), the per-request prologue it feeds, request admission (validation,
-noise, sampler plan) and finalize (on a GPU that is where the host waits for the device); the
-requests themselves are built before the clock starts. Prints
+CPU side of a graph replay), the per-request prologue it feeds (reported as its own figure, with
+how many times it ran), request admission (validation, noise, sampler plan) and finalize (on a GPU
+that is where the host waits for the device); the requests themselves are built before the clock
+starts. Prints
 one JSON line (fvgraph.perf.method): each figure as min / median / max over `--repeats` runs, per
 batch and per request-step. Target: <= 100 us per batch.
 
@@ -94,7 +95,7 @@ def request_mix(n: int, steps: int, text_len: int, text_dim: int, seed: int = 0)
     ]
 
 
-SUBTRACTED = ("step", "start", "finalize")  # timed apart and not overhead: the step, admission, finalize
+SUBTRACTED = ("step", "prologue", "start", "finalize")  # timed apart, not overhead: the step, prologues, admission, finalize
 # --phases: where the time outside the step goes. Each label's callables, by (owner, attribute), are
 # wrapped where the tree has them (an older or newer tree may lack some); "other" is what is left.
 PHASES = {
@@ -116,7 +117,7 @@ def instrument(engine: Engine, watch: Stopwatch, phases: bool = False) -> None:
     runner._replay = watch.wrap("step", runner._replay)
     for entry in runner._graphs.values():  # the per-request prologue is compiled model work too
         if not hasattr(entry.compiled.prologue_fn, "stopwatch") and entry.compiled.prologue_fn is not None:
-            entry.compiled.prologue_fn = watch.wrap("step", entry.compiled.prologue_fn)
+            entry.compiled.prologue_fn = watch.wrap("prologue", entry.compiled.prologue_fn)
     engine.start = watch.wrap("start", engine.start)
     engine.loop.finalize = watch.wrap("finalize", engine.loop.finalize)
     if phases:
@@ -180,7 +181,8 @@ class Bench:
         seconds = self.watch.seconds
         outside = wall - sum(seconds[label] for label in SUBTRACTED)
         run = dict(batches=done["batches"], request_steps=done["compiled_steps"], outside=outside,
-                   step=seconds["step"], start=seconds["start"])  # fmt: skip
+                   step=seconds["step"], prologue=seconds["prologue"], prologue_runs=done.get("prologue_runs"),
+                   start=seconds["start"])  # fmt: skip
         if self.args.phases:
             run["phases"] = {label: seconds[label] for label in PHASES}
             run["phases"]["other"] = outside - sum(run["phases"].values())
@@ -214,7 +216,8 @@ def figures(runs: list[dict], requests: int) -> dict:
     us = lambda what, per: spread([run[what] / run[per] for run in runs], 1e6, 1)  # noqa: E731
     return {"batches": runs[0]["batches"], "request_steps": runs[0]["request_steps"],
             "overhead_us_per_batch": us("outside", "batches"), "overhead_us_per_request_step": us("outside", "request_steps"),
-            "step_us_per_batch": us("step", "batches"), "start_us_per_request": spread([r["start"] / requests for r in runs], 1e6, 1),
+            "step_us_per_batch": us("step", "batches"), "prologue_us_per_batch": us("prologue", "batches"),
+            "prologue_runs": runs[0]["prologue_runs"], "start_us_per_request": spread([r["start"] / requests for r in runs], 1e6, 1),
             **phase_figures(runs)}  # fmt: skip
 
 

@@ -37,5 +37,6 @@ def test_one_run_times_the_mix_with_the_step_warm_and_evicted(capsys):
     assert line["bench"] == "scheduler_overhead_stand_in"
     for mode in ("step", "warm", "evict"):  # the same mix each way: 2 requests of 2 and 1 steps
         assert (line[mode]["request_steps"], line[mode]["batches"]) == (3, 3), mode
+        assert line[mode]["prologue_runs"] == 2, mode  # stood in for or not, each request's prologue runs
         assert line[mode]["overhead_us_per_batch"]["repeats"] == 3
     assert line["warm_over_step"]["repeats"] == 3 and line["evict_over_step"]["min"] > 0
