@@ -161,6 +161,7 @@ def test_mp4_is_written_with_pyav(tmp_path):
     import av
     import numpy as np
 
+    from fvgraph.serving.media_encode import encode_mp4
     from fvgraph.serving.video_io import write_video
 
     frames = np.random.default_rng(0).integers(0, 255, size=(5, 32, 48, 3), dtype=np.uint8)
@@ -168,6 +169,8 @@ def test_mp4_is_written_with_pyav(tmp_path):
     with av.open(str(path)) as container:
         decoded = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
     assert len(decoded) == 5 and decoded[0].shape == (32, 48, 3)
+    # one encoder: the file the CLI and the JSON-lines server write is the bytes the HTTP server sends
+    assert path.read_bytes() == encode_mp4(frames, 8)
 
 
 def test_a_reader_that_closes_stdout_does_not_lose_the_remaining_requests(tmp_path):

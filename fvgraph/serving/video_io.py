@@ -1,6 +1,7 @@
-"""Writing generated frames to a file a person can open: .gif (Pillow) or .mp4 (PyAV, H.264 when its
-FFmpeg has it, MPEG-4 part 2 otherwise; faststart: the index before the frames, so it plays while it
-downloads), or, for a one-frame result (an image card's), .png, .jpg or .webp (Pillow).
+"""Writing generated frames to a file a person can open: .gif (Pillow) or .mp4 (PyAV, through the
+served mp4's writer, fvgraph/serving/media_encode.py: H.264 when its FFmpeg has it, MPEG-4 part 2
+otherwise; faststart: the index before the frames, so it plays while it downloads), or, for a
+one-frame result (an image card's), .png, .jpg or .webp (Pillow).
 
 `check_video_output` checks a path's suffix, the frame rate and, for .mp4, that an encoder is there,
 so a command can refuse bad output options before it does any work.
@@ -64,14 +65,9 @@ def write_video(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
 
 
 def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
-    import av
+    from fvgraph.serving.media_encode import write_mp4  # PyAV: imported where an .mp4 is written
 
     _, height, width, _ = frames.shape
-    if height % 2 or width % 2:  # yuv420p stores chroma at half resolution
+    if height % 2 or width % 2:
         raise ValueError(f"an .mp4 needs an even height and width, got {height}x{width}; write .gif")
-    with av.open(str(path), mode="w", options={"movflags": "+faststart"}) as container:  # moov before mdat
-        stream = container.add_stream(_mp4_codec(), rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
-        container.mux(stream.encode())  # flush the encoder's delayed frames
+    write_mp4(frames, path, fps, _mp4_codec())
