@@ -17,8 +17,8 @@ After:
     step(*args, k_0, v_0, ..., k_n, v_n)              # k_i, v_i are placeholders now
 
 A node is hoisted when every input is a request constant, a weight (the first `num_params`
-placeholders, or a module attribute) or another hoisted node, and it depends on at least one request
-constant. Weight-only nodes stay in the step: they are free views or constant-folded by inductor.
+placeholders, or a module attribute) or another hoisted node, and it depends on the data of at least
+one request constant (not only on its shape). Weight-only nodes stay in the step: they are free views or constant-folded by inductor.
 The prologue takes the same arguments as the step (it ignores the ones it does not need), so the
 runtime calls both the same way.
 """
@@ -69,7 +69,7 @@ def _hoistable(graph: fx.Graph, num_params: int) -> set[fx.Node]:
         inputs = node.all_input_nodes
         if inputs and all(i in invariant for i in inputs):
             invariant.add(node)
-            if any(i in depends_on_request for i in inputs):
+            if _carries_data(node) and any(i in depends_on_request for i in inputs):
                 depends_on_request.add(node)
     # A marker is an identity of a step input: hoisting it would only pass the input in twice.
     return {n for n in depends_on_request if n.target not in _MARKERS}
@@ -81,6 +81,18 @@ _MARKERS = {*MARKER_OPS, *(op.overloadpacket for op in MARKER_OPS)}
 def _is_random(node: fx.Node) -> bool:
     name = getattr(node.target, "__name__", str(node.target))
     return any(word in name for word in ("rand", "dropout", "normal_", "bernoulli"))
+
+
+def _carries_data(node: fx.Node) -> bool:
+    """False for a shape query (a size, a dimension: a value with no tensor in it). A request's shapes
+    are fixed by the step's signature, so what is built from them alone (Flux's text position ids,
+    zeros of the text's length) is the same for every request and every row: it stays in the step,
+    where it is a constant, instead of being split across the batch as if it were per request."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if value is None:
+        return True  # unknown: assume it does
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return any(isinstance(v, torch.Tensor) for v in values)
 
 
 def _is_tensor(node: fx.Node) -> bool:

@@ -134,6 +134,29 @@ def test_a_second_wave_of_other_guidance_and_steps_compiles_nothing():
     assert engine.counters.snapshot()["compiles"] == compiles
 
 
+def test_a_compiled_flux_request_that_moves_rows_keeps_its_hoisted_values_and_padding_stays_out():
+    """Three requests in one bucket-4 lane; the first ends and the third moves into its row. The
+    position ids are the same for every row of a shape: they stay in the step, so a move copies only
+    the request's own hoisted rows and the NaN padding reaches no one. Each equals eager alone."""
+    from fvgraph.runtime.buckets import BucketSpec
+
+    requests = [Request(prompt=f"a fox {i}", seed=i, num_inference_steps=steps, guidance_scale=2.0 + i, height=32, width=32,
+                        output_type="latent") for i, steps in enumerate((2, 4, 4))]  # fmt: skip
+    engine = Engine.from_card("tiny-flux", device="cpu", opt_level=1, compile_config=CompileConfig(backend="aot_eager"),
+                              buckets=BucketSpec(batch_sizes=(4,)))  # fmt: skip
+    engine.executor.runner.pad_value = float("nan")
+    with engine.counters.expect(prologue_runs=1):
+        results = engine.generate(requests)
+    entry = next(iter(engine.executor.runner._graphs.values()))
+    assert entry.hoisted_for[0] is not None and entry.hoisted_for[2] is None  # the third request moved to row 0
+    eager = Engine.from_card("tiny-flux", device="cpu")
+    tol = get_card("tiny-flux").parity.tolerance("fp32", "loop")
+    for result, request in zip(results, requests):
+        [alone] = eager.generate([request])
+        assert result.ok, result.error
+        torch.testing.assert_close(result.latents, alone.latents, atol=tol.atol, rtol=tol.rtol)
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_compiled_flux_equals_eager_within_the_card_tolerance(level):
     """-O1 / -O2 (aot_eager: CFG fusion of the true-CFG branches, hoisting of the text stream) against -O0, tap by tap."""

@@ -51,8 +51,8 @@ class BucketGraph:
     hoisted: list[torch.Tensor] = field(default_factory=list)  # static, [m * bucket, ...] each
     rows_per_request: list[int] = field(default_factory=list)  # m of each hoisted value
     # What a request's hoisted values are kept under: the step at any bucket, and their per-request
-    # layout and the constants they come from (a value that is not per request, the same rows at every
-    # bucket, splits differently at each: its bucket's graphs then compute their own).
+    # layout and the constants they come from. Every hoisted value carries request data, so its rows
+    # are the batch's (hoist_invariants leaves what is built from shapes alone in the step).
     values_key: tuple = ()
     graph: object | None = None  # torch.cuda.CUDAGraph once captured
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
