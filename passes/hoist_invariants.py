@@ -18,7 +18,8 @@ After:
 
 A node is hoisted when every input is a request constant, a weight (the first `num_params`
 placeholders, or a module attribute) or another hoisted node, and it depends on the data of at least
-one request constant (not only on its shape). Weight-only nodes stay in the step: they are free views or constant-folded by inductor.
+one request constant (not only on its shape). Weight-only nodes stay in the step: they are free views
+or constant-folded by inductor.
 The prologue takes the same arguments as the step (it ignores the ones it does not need), so the
 runtime calls both the same way.
 """

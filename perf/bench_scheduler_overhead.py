@@ -95,7 +95,7 @@ def request_mix(n: int, steps: int, text_len: int, text_dim: int, seed: int = 0)
     ]
 
 
-SUBTRACTED = ("step", "prologue", "start", "finalize")  # timed apart, not overhead: the step, prologues, admission, finalize
+SUBTRACTED = ("step", "prologue", "start", "finalize")  # timed apart: model work, admission, finalize
 # --phases: where the time outside the step goes. Each label's callables, by (owner, attribute), are
 # wrapped where the tree has them (an older or newer tree may lack some); "other" is what is left.
 PHASES = {
