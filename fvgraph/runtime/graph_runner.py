@@ -230,8 +230,7 @@ class GraphRunner:
         entry.pad_from = n
         changed = _changed_rows(owners, entry.input_owners)
         if changed:
-            for name, buffer in entry.constants:
-                self._write_rows(buffer, 1, entry.bucket, changed, owners, lambda i: plans[i].inputs[name])
+            self._write_constants(entry, changed, owners, lambda i: plans[i].inputs)
             entry.input_owners = owners
 
     def _fill_hoisted(self, entry: BucketGraph, plans: list[WorkPlan], slots: list[RequestSlot], owners: list) -> None:
@@ -259,8 +258,7 @@ class GraphRunner:
             rows = list(range(len(missing)))
             owners = [*(slots[i] for i in missing), *source.input_owners[len(missing):]]
             changed = _changed_rows(owners, source.input_owners)
-            for name, buffer in source.constants:
-                self._write_rows(buffer, 1, source.bucket, changed, owners, lambda r: plans[missing[r]].inputs[name])
+            self._write_constants(source, changed, owners, lambda r: plans[missing[r]].inputs)
             source.input_owners, source.staged = owners, ()  # a batch staged on these buffers is filled again
         values = source.compiled.prologue_fn(*source.base_args())
         self.counters.prologue_runs += 1
@@ -277,6 +275,11 @@ class GraphRunner:
         hoisted values are kept under the same key (entry itself when none is smaller)."""
         smaller = [other for other in self._graphs.values() if count <= other.bucket < entry.bucket and other.values_key == entry.values_key]
         return min(smaller, key=lambda other: other.bucket, default=entry)
+
+    def _write_constants(self, entry: BucketGraph, rows: list[int], owners: list, inputs_of) -> None:
+        """Each request constant into `rows` of entry's buffers; inputs_of(i) is row i's request's inputs."""
+        for name, buffer in entry.constants:
+            self._write_rows(buffer, 1, entry.bucket, rows, owners, lambda i: inputs_of(i)[name])
 
     def _write_rows(self, buffer: torch.Tensor, m: int, bucket: int, rows: list[int], owners: list, value_of) -> None:
         """Write each of `rows` (m buffer rows per request, branch-major): value_of(i) for a request,

@@ -60,14 +60,7 @@ def write_video(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
     elif path.suffix.lower() == ".gif":
         export_to_gif([Image.fromarray(frame) for frame in frames], str(path), fps=fps)
     else:
-        _write_mp4(frames, path, fps)
+        from fvgraph.serving.media_encode import write_mp4  # PyAV: imported where an .mp4 is written
+
+        write_mp4(frames, path, fps, _mp4_codec())
     return path
-
-
-def _write_mp4(frames: np.ndarray, path: Path, fps: int) -> None:
-    from fvgraph.serving.media_encode import write_mp4  # PyAV: imported where an .mp4 is written
-
-    _, height, width, _ = frames.shape
-    if height % 2 or width % 2:
-        raise ValueError(f"an .mp4 needs an even height and width, got {height}x{width}; write .gif")
-    write_mp4(frames, path, fps, _mp4_codec())
