@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import diffusers
 import torch
-from diffusers import WanPipeline
 from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import save_file
 
@@ -23,8 +23,8 @@ def fresh_transformer(card: str = "tiny-wan"):
 
 def peft_lora(folder: Path, seed: int, targets: list[str], rank: int = 4, alpha: float = 8.0, card: str = "tiny-wan",
               bias: bool = False) -> Path:  # fmt: skip
-    """A random LoRA on `targets` (peft's target_modules) saved by `WanPipeline.save_lora_weights`,
-    with its LoraConfig as the file's metadata (so lora_alpha / r applies on load)."""
+    """A random LoRA on `targets` (peft's target_modules) saved by the card's pipeline's
+    `save_lora_weights`, with its LoraConfig as the file's metadata (so lora_alpha / r applies on load)."""
     transformer = fresh_transformer(card)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_bias=bias)
     torch.manual_seed(seed)
@@ -37,8 +37,9 @@ def peft_lora(folder: Path, seed: int, targets: list[str], rank: int = 4, alpha:
     folder.mkdir(parents=True, exist_ok=True)
     metadata = config.to_dict()
     metadata["target_modules"] = sorted(metadata["target_modules"])
-    WanPipeline.save_lora_weights(folder, transformer_lora_layers=layers, weight_name="lora.safetensors",
-                                  transformer_lora_adapter_metadata=metadata)  # fmt: skip
+    pipeline = getattr(diffusers, get_card(card).pipeline_class)
+    pipeline.save_lora_weights(folder, transformer_lora_layers=layers, weight_name="lora.safetensors",
+                               transformer_lora_adapter_metadata=metadata)  # fmt: skip
     return folder / "lora.safetensors"
 
 
@@ -68,3 +69,20 @@ def musubi_dims(transformer) -> dict[str, tuple[int, int]]:
                for o, c in zip("qkvo", ATTENTION)}  # fmt: skip
     linears.update(ffn_0=block.ffn.net[0].proj, ffn_2=block.ffn.net[2])
     return {k: (m.in_features, m.out_features) for k, m in linears.items()}
+
+
+def alpha_keyed_lora(path: Path, seed: int, targets: list[str], rank: int = 4, alpha: float = 2.0,
+                     card: str = "tiny-flux") -> Path:  # fmt: skip
+    """A random LoRA in peft's key layout with a kohya-style `.alpha` key beside each module and no
+    LoraConfig metadata (as many FLUX LoRAs are published): diffusers reads the alphas as network alphas."""
+    transformer = fresh_transformer(card)
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, module in transformer.named_modules():
+        if type(module) is torch.nn.Linear and any(name == t or name.endswith(f".{t}") for t in targets):
+            state[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=g) * 0.2
+            state[f"transformer.{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=g) * 0.2
+            state[f"transformer.{name}.alpha"] = torch.tensor(alpha)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path

@@ -1,14 +1,21 @@
-"""LoRA adapters over HTTP (the admin endpoints and a request body's `loras`) and on the CLI (--lora)."""
+"""LoRA adapters over HTTP (the admin endpoints and a request body's `loras`, for videos and images)
+and on the CLI (--lora)."""
+
+import base64
+import io
 
 import numpy as np
 import pytest
 from http_helpers import KEY, QUICK, client, expected_video, httpx, live_server
+from PIL import Image
 from typer.testing import CliRunner
 
 from fvgraph.adapters.slots import LoraSlots
 from fvgraph.cli import app
 from fvgraph.engine.engine import Engine
+from fvgraph.request import Request
 from fvgraph.serving.media_encode import decode_mp4
+from fvgraph.serving.model_names import ServedNames
 from lora_files import peft_lora
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks the videos API deprecated
@@ -58,6 +65,22 @@ def test_adapters_are_loaded_chosen_and_unloaded_over_http(lora_paths, tmp_path)
         assert gone.status_code == 200 and gone.json() == {"object": "lora.deleted", "name": "kv", "deleted": True}
         assert httpx.delete(url + "/v1/loras/kv", headers=AUTH).status_code == 404
         assert [x["name"] for x in httpx.get(url + "/v1/loras", headers=AUTH).json()["data"]] == ["a"]
+
+
+def test_an_image_request_chooses_its_adapters_in_the_body(tmp_path):
+    style = peft_lora(tmp_path / "style", 5, ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj"], card="tiny-flux")
+    engine = Engine.from_card("tiny-flux", device="cpu", loras={"style": style}, lora_slots=LoraSlots(2, 8, 2))
+    direct = Engine.from_card("tiny-flux", device="cpu", loras={"style": style}, lora_slots=LoraSlots(2, 8, 2))
+    args = dict(prompt="a red fox", num_inference_steps=2, seed=5, width=32, height=32)
+    with live_server(engine, tmp_path, model_names=ServedNames.of("tiny-flux", [])) as (_, url):
+        response = client(url).images.generate(model="tiny-flux", prompt="a red fox", size="32x32",
+                                               extra_body={"num_inference_steps": 2, "seed": 5, "loras": {"style": 0.8}})  # fmt: skip
+        image = np.asarray(Image.open(io.BytesIO(base64.b64decode(response.data[0].b64_json))))
+        with pytest.raises(Exception) as refused:
+            client(url).images.generate(model="tiny-flux", prompt="a fox", size="32x32", extra_body={"loras": {"nope": 1.0}})
+    [adapted, base] = direct.generate([Request(loras={"style": 0.8}, **args), Request(**args)])
+    assert np.array_equal(image, adapted.images[0]) and not np.array_equal(image, base.images[0])
+    assert refused.value.status_code == 400 and refused.value.body["param"] == "loras"
 
 
 def test_generate_takes_lora_and_lora_scale(lora_paths, tmp_path):

@@ -4,10 +4,11 @@
     lora.modules["blocks.0.attn1.to_q"]  # LoraModule(down [r, in], up [out, r], up_bias [out] | None, scaling)
 
 Key formats are converted by diffusers' own `<Pipeline>.lora_state_dict` (diffusers/peft keys, and
-for Wan the musubi/kohya `lora_unet_*` and original `diffusion_model.*` layouts, including LightX2V's);
-the scaling of each module is the one peft gives it when diffusers loads the file: diffusers builds
-the `LoraConfig` (the file's `lora_adapter_metadata`, or ranks and alphas read from the keys) and
-peft resolves each module's rank and alpha from its patterns, `alpha / r` (`alpha / sqrt(r)` with
+for Wan the musubi/kohya `lora_unet_*` and original `diffusion_model.*` layouts, including LightX2V's;
+for FLUX also peft keys with kohya-style `.alpha` keys beside them); the scaling of each module is
+the one peft gives it when diffusers loads the file: diffusers builds the `LoraConfig` (the file's
+`lora_adapter_metadata`, its `.alpha` keys, or ranks read from the keys) and peft resolves each
+module's rank and alpha from its patterns, `alpha / r` (`alpha / sqrt(r)` with
 rsLoRA). Nothing here rewrites a conversion.
 
 Every key is checked against the denoiser: a module it does not have, a module that is not a
@@ -18,6 +19,7 @@ text encoder's LoRA) and DoRA magnitudes are refused too: the slots hold the den
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,10 +68,14 @@ def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> 
     if not path.is_file():
         raise AdapterError(f"lora path {str(path)!r} is not a file: pass a local .safetensors file")
     pipeline = getattr(diffusers, pipeline_class)
+    # Families whose files may carry kohya-style `.alpha` keys (FLUX) return them apart, as network
+    # alphas, when asked; diffusers' load_lora_weights then builds the LoraConfig from them.
+    with_alphas = "return_alphas" in inspect.signature(pipeline.lora_state_dict).parameters
     try:
-        state_dict, metadata = pipeline.lora_state_dict(str(path), return_lora_metadata=True)
+        loaded = pipeline.lora_state_dict(str(path), return_lora_metadata=True, **({"return_alphas": True} if with_alphas else {}))
     except Exception as err:  # unreadable, not safetensors, or a layout no converter knows
         raise AdapterError(f"lora {str(path)!r}: diffusers' {pipeline_class}.lora_state_dict cannot read it: {err}") from None
+    state_dict, alphas, metadata = loaded if with_alphas else (loaded[0], None, loaded[1])
     others = sorted(k for k in state_dict if not k.startswith(DENOISER_PREFIX))
     if others:
         raise AdapterError(f"lora key {others[0]!r} ({len(others)} such keys) is not the denoiser's: adapters apply "
@@ -80,7 +86,10 @@ def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> 
         raise AdapterError(f"lora key {bad[0]!r} is neither a lora_A nor a lora_B factor (DoRA and full-weight "
                            "deltas are not supported by adapter slots)")  # fmt: skip
     metadata = {k.removeprefix(DENOISER_PREFIX): v for k, v in (metadata or {}).items()} or None
-    config = _lora_config(state_dict, metadata, transformer)
+    alphas = {k.removeprefix(DENOISER_PREFIX): v for k, v in (alphas or {}).items() if k.startswith(DENOISER_PREFIX)} or None
+    if alphas and metadata:  # diffusers' load_lora_adapter refuses the pair too
+        raise AdapterError(f"lora {str(path)!r} has both `.alpha` keys and a LoraConfig in its metadata: keep one")
+    config = _lora_config(state_dict, alphas, metadata, transformer)
     if config.use_dora:
         raise AdapterError(f"lora {str(path)!r} is a DoRA adapter, which adapter slots do not support")
     modules = {}
@@ -89,14 +98,15 @@ def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> 
     return LoraWeights(str(path), modules, _digest(modules))
 
 
-def _lora_config(state_dict: dict, metadata: dict | None, transformer: nn.Module):
-    """The LoraConfig diffusers builds for this state dict when it loads it (diffusers/loaders/peft.py)."""
+def _lora_config(state_dict: dict, alphas: dict | None, metadata: dict | None, transformer: nn.Module):
+    """The LoraConfig diffusers builds for this state dict, its network alphas or its metadata when
+    it loads it (diffusers/loaders/peft.py)."""
     from diffusers.utils.peft_utils import _create_lora_config
 
     rank = {f"^{k}": v.shape[1] for k, v in state_dict.items() if "lora_B" in k and v.ndim > 1}
     if not rank:
         raise AdapterError("lora: the file has no lora_B factor of two dimensions (no rank to read)")
-    return _create_lora_config(state_dict, None, metadata, rank, model_state_dict=transformer.state_dict())
+    return _create_lora_config(state_dict, alphas, metadata, rank, model_state_dict=transformer.state_dict())
 
 
 def _scaling(config, name: str) -> float:

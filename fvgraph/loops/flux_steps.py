@@ -45,11 +45,12 @@ class FluxDenoiser(nn.Module):
         self.vae_spatial = vae_spatial
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                pooled_projections: torch.Tensor, guidance: torch.Tensor | None = None, return_dict: bool = False):  # fmt: skip
+                pooled_projections: torch.Tensor, guidance: torch.Tensor | None = None, return_dict: bool = False,
+                **adapter_rows: torch.Tensor):  # fmt: skip
         packed, img_ids, txt_ids = pack(hidden_states, encoder_hidden_states)
         out = self.transformer(hidden_states=packed, timestep=timestep, guidance=guidance, pooled_projections=pooled_projections,
                                encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
-                               return_dict=False)[0]  # fmt: skip
+                               return_dict=False, **adapter_rows)[0]  # fmt: skip
         return (unpack(out, tuple(hidden_states.shape[-2:]), self.vae_spatial),)
 
 
@@ -72,12 +73,16 @@ class FluxDenoiseStep(ImageDenoiseStep):
         negative_pooled_prompt_embeds: torch.Tensor | None = None,
         guidance_scale: torch.Tensor | None = None,  # [B] true_cfg_scale, when cfg
         guidance: torch.Tensor | None = None,  # [B] float32 the embedded guidance, where the weights take it
+        lora_index: torch.Tensor | None = None,  # [B, K] int64 each row's adapter slots, on an engine with them
+        lora_scale: torch.Tensor | None = None,  # [B, K] float32 their scales (0 where unused)
         **carry: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         dtype = prompt_embeds.dtype
         model_input = latents.to(dtype)
         t = scheduler_time(timestep, dtype)
-        side = {} if guidance is None else {"guidance": mark_request_constant(guidance)}
+        side = self.adapter_rows(lora_index, lora_scale)
+        if guidance is not None:
+            side["guidance"] = mark_request_constant(guidance)
         taps = {}
         noise = self.branch("cond", hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
                             pooled_projections=mark_request_constant(pooled_prompt_embeds), **side)  # fmt: skip

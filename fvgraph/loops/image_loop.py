@@ -3,12 +3,14 @@
 The latents are [1, C, 1, h, w], so the runtime's latents, padding and finite checks are the video
 loops' own; the schedule is the image pipelines' Euler schedule shifted by the image's token count
 (ImageFlowEulerSampler); classifier-free guidance runs as diffusers' `true_cfg_scale` with a
-negative prompt. A loop with denoiser sections serves step caching (FLUX); LoRA adapters and
-rollouts are not wired for these loops: requests for them are refused naming the field.
+negative prompt. A loop with denoiser sections serves step caching (FLUX); LoRA adapters run as in
+the video loops (each denoise step takes the request's slot rows); rollouts are not wired for these
+loops: a request for one is refused naming the field.
 """
 
 from __future__ import annotations
 
+from fvgraph.adapters.slots import ROW_INPUTS
 from fvgraph.card import ModelCard
 from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.samplers import SamplerPlan
@@ -19,10 +21,11 @@ from fvgraph.request import Request, RequestRejected
 
 def image_denoise_kind(name: str, constants: tuple[str, ...]) -> StepKind:
     """An image loop's denoise kind: latents, timestep and Euler row per step; `constants` (texts,
-    pooled texts or masks, guidance) the same at every step of the request."""
+    pooled texts or masks, guidance) and, on an engine with adapter slots, each row's slots and scales
+    the same at every step of the request."""
     return StepKind(name, component="transformer", phase="denoise", compiled=True, per_inference_step=True,
                     inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP,
-                            **dict.fromkeys(constants, Role.CONSTANT)},
+                            **dict.fromkeys((*constants, *ROW_INPUTS), Role.CONSTANT)},
                     outputs={"latents": Role.RESULT})  # fmt: skip
 
 
@@ -35,9 +38,8 @@ class ImageLoop(TextToVideoLoop):
         self.guidance_embeds = bool(components.transformer.config.get("guidance_embeds", False))
 
     def check_request(self, request: Request) -> Request:
-        for name in ("loras", "rollout"):
-            if getattr(request, name) is not None:
-                raise RequestRejected(name, f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which has no {name} yet")
+        if request.rollout is not None:
+            raise RequestRejected("rollout", f"card {self.card.card_id!r} runs loop {self.loop_id!r}, which has no rollout yet")
         if not self.guidance_embeds and request.guidance_scale not in (None, self.card.recipe.default_guidance_scale):
             raise RequestRejected("guidance_scale", f"{request.guidance_scale}: card {self.card.card_id!r}'s denoiser takes no "
                                                     "guidance input (its weights are guidance-free); leave it unset, or use "

@@ -45,13 +45,13 @@ class QwenImageDenoiser(nn.Module):
         self.transformer = transformer
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                encoder_hidden_states_mask: torch.Tensor, return_dict: bool = False):  # fmt: skip
+                encoder_hidden_states_mask: torch.Tensor, return_dict: bool = False, **adapter_rows: torch.Tensor):  # fmt: skip
         batch, channels, _, h, w = hidden_states.shape
         packed = QwenImagePipeline._pack_latents(hidden_states[:, :, 0], batch, channels, h, w)
         img_shapes = [[(1, h // 2, w // 2)]] * batch
         out = self.transformer(hidden_states=packed, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
                                encoder_hidden_states_mask=encoder_hidden_states_mask, img_shapes=img_shapes,
-                               return_dict=False)[0]  # fmt: skip
+                               return_dict=False, **adapter_rows)[0]  # fmt: skip
         return (out,)
 
 
@@ -74,19 +74,22 @@ class QwenImageDenoiseStep(ImageDenoiseStep):
         negative_prompt_embeds: torch.Tensor | None = None,
         negative_prompt_embeds_mask: torch.Tensor | None = None,
         guidance_scale: torch.Tensor | None = None,  # [B] true_cfg_scale, when cfg
+        lora_index: torch.Tensor | None = None,  # [B, K] int64 each row's adapter slots, on an engine with them
+        lora_scale: torch.Tensor | None = None,  # [B, K] float32 their scales (0 where unused)
         **carry: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         dtype = prompt_embeds.dtype
         model_input = latents.to(dtype)  # QwenImagePipeline's latents are in the text's dtype
         t = timestep.to(dtype) / 1000  # t.expand(B).to(latents.dtype), passed as timestep / 1000
+        side = self.adapter_rows(lora_index, lora_scale)
         taps = {}
         noise = self.branch("cond", hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
-                            encoder_hidden_states_mask=mark_request_constant(prompt_embeds_mask))  # fmt: skip
+                            encoder_hidden_states_mask=mark_request_constant(prompt_embeds_mask), **side)  # fmt: skip
         taps["tap.noise.cond"] = noise
         if self.cfg:
             uncond = self.branch("uncond", hidden_states=model_input, timestep=t,
                                  encoder_hidden_states=mark_request_constant(negative_prompt_embeds),
-                                 encoder_hidden_states_mask=mark_request_constant(negative_prompt_embeds_mask))  # fmt: skip
+                                 encoder_hidden_states_mask=mark_request_constant(negative_prompt_embeds_mask), **side)  # fmt: skip
             combined = guided(noise, uncond, guidance_scale)
             cond_norm = torch.norm(noise, dim=-1, keepdim=True)
             noise_norm = torch.norm(combined, dim=-1, keepdim=True)
