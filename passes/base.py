@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import inspect
+import logging
 import operator
 from dataclasses import dataclass, field
 
@@ -95,10 +97,29 @@ def step_parameters(step: nn.Module) -> dict[str, torch.Tensor]:
 
 def export_graph(fn, args: list[torch.Tensor]) -> fx.GraphModule:
     """One dynamo graph of `fn(*args)` whose placeholders are exactly `args`, returning a tuple."""
-    with torch.no_grad():
+    with torch.no_grad(), _quiet_dim_suggestions():
         gm, _ = torch._dynamo.export(fn)(*args)
     # export's pytree codegen pins forward's signature to the original arguments; passes add
     # placeholders (hoisted values), so use the plain codegen: arguments = placeholders.
     gm.graph._codegen = fx.graph.CodeGen()
     gm.recompile()
     return gm
+
+
+class _DimSuggestionFailure(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "Failed to reduce inequalities"
+
+
+@contextlib.contextmanager
+def _quiet_dim_suggestions():
+    """After tracing, export solves the shape guards for dynamic-dim suggestions; a guard holding the
+    square root of a size makes that solver's printer fail, and it logs a traceback per capture
+    (torch 2.13, wan-cpu-bench's steps). The graph and its guards are unaffected and no suggestion is
+    wanted, so only that record is dropped, only while exporting."""
+    logger, quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes"), _DimSuggestionFailure()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
