@@ -86,3 +86,28 @@ def alpha_keyed_lora(path: Path, seed: int, targets: list[str], rank: int = 4, a
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
+
+
+def kohya_flux_lora(path: Path, seed: int, transformer, rank: int = 4, alpha: float = 2.0) -> Path:
+    """A random LoRA in kohya sd-scripts' FLUX layout (`lora_unet_double_blocks_{i}_img_attn_qkv`, the
+    fused q/k/v that diffusers' converter splits, and the single blocks' `linear2`), each module with
+    `.lora_down`, `.lora_up` and `.alpha`, for `transformer`'s sizes. Not the single blocks' fused
+    `linear1`: the converter splits it at FLUX.1's own widths, which a tiny denoiser does not have."""
+    dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    mlp = transformer.single_transformer_blocks[0].proj_mlp.out_features
+    shapes = {}
+    for i in range(len(transformer.transformer_blocks)):
+        for stream in ("img", "txt"):
+            shapes[f"double_blocks_{i}_{stream}_attn_qkv"] = (dim, 3 * dim)
+            shapes[f"double_blocks_{i}_{stream}_attn_proj"] = (dim, dim)
+    for i in range(len(transformer.single_transformer_blocks)):
+        shapes[f"single_blocks_{i}_linear2"] = (dim + mlp, dim)
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for module, (fan_in, fan_out) in shapes.items():
+        state[f"lora_unet_{module}.lora_down.weight"] = torch.randn(rank, fan_in, generator=g) * 0.2
+        state[f"lora_unet_{module}.lora_up.weight"] = torch.randn(fan_out, rank, generator=g) * 0.2
+        state[f"lora_unet_{module}.alpha"] = torch.tensor(alpha)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path

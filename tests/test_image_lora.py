@@ -1,8 +1,9 @@
 """LoRA adapters on the image loops (FLUX, Qwen-Image), checked against diffusers' own LoRA loading
 on untouched weights: each family's pipeline with `load_lora_weights` + `set_adapters`, built from
 its own copy of the seeded weights. The files are written by diffusers and peft (the pipeline's
-`save_lora_weights`, LoraConfig as metadata) or in peft keys with kohya-style `.alpha` keys (no
-metadata), which diffusers' FLUX loader reads as network alphas.
+`save_lora_weights`, LoraConfig as metadata), in peft keys with kohya-style `.alpha` keys (no
+metadata), which diffusers' FLUX loader reads as network alphas, and in kohya sd-scripts' FLUX
+layout (fused q/k/v), which it converts.
 """
 
 import inspect
@@ -19,7 +20,9 @@ from fvgraph.engine.engine import Engine
 from fvgraph.models.components import diffusers_scheduler, load_components
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
-from lora_files import ATTENTION, alpha_keyed_lora, peft_lora
+from safetensors.torch import save_file
+
+from lora_files import ATTENTION, alpha_keyed_lora, fresh_transformer, kohya_flux_lora, peft_lora
 from reference_helpers import assert_matches_reference
 
 SLOTS = LoraSlots(max_loras=4, max_lora_rank=8, max_loras_per_request=2)
@@ -38,6 +41,7 @@ def files(tmp_path_factory):
         # the text and image embedders too: the text stream is what -O1 hoists
         "b": alpha_keyed_lora(d / "b.safetensors", 2, ["context_embedder", "x_embedder", "to_q", "proj_out"], rank=4, alpha=2.0),
         "qwen": peft_lora(d / "qwen", 3, [*JOINT, "txt_in", "img_mod.1"], rank=4, alpha=4.0, card="tiny-qwen-image"),
+        "kohya": kohya_flux_lora(d / "kohya.safetensors", 5, fresh_transformer("tiny-flux")),
         "wan": peft_lora(d / "wan", 4, ["attn2.to_k"], rank=4, alpha=4.0),
     }
 
@@ -68,11 +72,11 @@ def _latents(engine, *requests):
 
 
 def test_flux_adapters_at_their_scales_equal_flux_pipeline_load_lora_weights_and_set_adapters(files):
-    engine = Engine.from_card("tiny-flux", device="cpu", loras={"a": files["a"], "b": files["b"]}, lora_slots=SLOTS)
-    mix = [(None, FLUX), ({"a": 0.7}, FLUX), ({"a": 0.7, "b": 0.5}, FLUX), ({"b": 1.0}, FLUX_TRUE_CFG)]
+    engine = Engine.from_card("tiny-flux", device="cpu", loras={name: files[name] for name in ("a", "b", "kohya")}, lora_slots=SLOTS)
+    mix = [(None, FLUX), ({"a": 0.7}, FLUX), ({"a": 0.7, "b": 0.5}, FLUX), ({"b": 1.0}, FLUX_TRUE_CFG), ({"kohya": 0.9}, FLUX)]
     results = engine.generate([Request(seed=7, output_type="latent", loras=loras, **args) for loras, args in mix])
     assert all(r.ok for r in results), [r.error for r in results]
-    assert [r.provenance["loras"] for r in results] == [{}, {"a": 0.7}, {"a": 0.7, "b": 0.5}, {"b": 1.0}]
+    assert [r.provenance["loras"] for r in results] == [{}, {"a": 0.7}, {"a": 0.7, "b": 0.5}, {"b": 1.0}, {"kohya": 0.9}]
     base = results[0].latents
     assert_matches_reference(base, _flux_reference(files, {}, 7, FLUX))
     for (loras, args), result in zip(mix[1:], results[1:]):
@@ -80,6 +84,7 @@ def test_flux_adapters_at_their_scales_equal_flux_pipeline_load_lora_weights_and
         assert_matches_reference(result.latents, reference)
     assert (results[1].latents - base).abs().max() > 0.1  # the adapter moves the result far beyond the tolerance
     assert (results[2].latents - results[1].latents).abs().max() > 0.1  # so does the alpha-keyed one beside it
+    assert (results[4].latents - base).abs().max() > 0.1  # and the kohya one
 
 
 def test_a_compiled_flux_batch_of_mixed_adapters_equals_each_request_alone_and_compiles_nothing_new(files):
@@ -115,9 +120,15 @@ def test_a_qwen_image_adapter_equals_qwen_image_pipeline(files):
     assert (adapted - base).abs().max() > 0.1
 
 
-def test_an_image_loop_refuses_another_familys_adapter_and_a_cached_request_with_one(files):
+def test_an_image_loop_refuses_another_familys_adapter_an_unconvertible_file_and_a_cached_request_with_one(files, tmp_path):
     with pytest.raises(AdapterError, match=r"lora key transformer\.blocks\.0\.attn2\.to_k.*does not have"):
         Engine.from_card("tiny-flux", device="cpu", loras={"wan": files["wan"]}, lora_slots=SLOTS)
+    # kohya's fused single-block linear1 at a width other than FLUX.1's: diffusers' converter asserts, bare
+    fused = {"lora_unet_single_blocks_0_linear1.lora_down.weight": torch.zeros(4, 32),
+             "lora_unet_single_blocks_0_linear1.lora_up.weight": torch.zeros(224, 4)}  # fmt: skip
+    save_file(fused, str(tmp_path / "fused.safetensors"))
+    with pytest.raises(AdapterError, match=r"FluxPipeline\.lora_state_dict cannot read it: AssertionError"):
+        Engine.from_card("tiny-flux", device="cpu", loras={"fused": tmp_path / "fused.safetensors"}, lora_slots=SLOTS)
     engine = Engine.from_card("tiny-flux", device="cpu", loras={"a": files["a"]}, lora_slots=SLOTS)
     [result] = engine.generate([Request(loras={"a": 1.0}, cache={"method": "fbcache", "threshold": 0.1}, **FLUX)])
     assert result.status == "rejected" and result.error.startswith("loras:") and "step caching" in result.error

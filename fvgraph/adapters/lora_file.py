@@ -5,11 +5,11 @@
 
 Key formats are converted by diffusers' own `<Pipeline>.lora_state_dict` (diffusers/peft keys, and
 for Wan the musubi/kohya `lora_unet_*` and original `diffusion_model.*` layouts, including LightX2V's;
-for FLUX also peft keys with kohya-style `.alpha` keys beside them); the scaling of each module is
-the one peft gives it when diffusers loads the file: diffusers builds the `LoraConfig` (the file's
-`lora_adapter_metadata`, its `.alpha` keys, or ranks read from the keys) and peft resolves each
-module's rank and alpha from its patterns, `alpha / r` (`alpha / sqrt(r)` with
-rsLoRA). Nothing here rewrites a conversion.
+for FLUX also kohya's `lora_unet_double_blocks_*` layout and peft keys with `.alpha` keys beside
+them); the scaling of each module is the one peft gives it when diffusers loads the file: diffusers
+builds the `LoraConfig` (the file's `lora_adapter_metadata`, its `.alpha` keys, or ranks read from
+the keys) and peft resolves each module's rank and alpha from its patterns, `alpha / r`
+(`alpha / sqrt(r)` with rsLoRA). Nothing here rewrites a conversion.
 
 Every key is checked against the denoiser: a module it does not have, a module that is not a
 Linear, or factors of the wrong shape are refused naming the key. Keys for other components (a
@@ -74,7 +74,8 @@ def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> 
     try:
         loaded = pipeline.lora_state_dict(str(path), return_lora_metadata=True, **({"return_alphas": True} if with_alphas else {}))
     except Exception as err:  # unreadable, not safetensors, or a layout no converter knows
-        raise AdapterError(f"lora {str(path)!r}: diffusers' {pipeline_class}.lora_state_dict cannot read it: {err}") from None
+        raise AdapterError(f"lora {str(path)!r}: diffusers' {pipeline_class}.lora_state_dict cannot read it: "
+                           f"{type(err).__name__}: {err}") from None  # a converter's bare assert has no message
     state_dict, alphas, metadata = loaded if with_alphas else (loaded[0], None, loaded[1])
     others = sorted(k for k in state_dict if not k.startswith(DENOISER_PREFIX))
     if others:
