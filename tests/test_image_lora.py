@@ -132,3 +132,17 @@ def test_an_image_loop_refuses_another_familys_adapter_an_unconvertible_file_and
     engine = Engine.from_card("tiny-flux", device="cpu", loras={"a": files["a"]}, lora_slots=SLOTS)
     [result] = engine.generate([Request(loras={"a": 1.0}, cache={"method": "fbcache", "threshold": 0.1}, **FLUX)])
     assert result.status == "rejected" and result.error.startswith("loras:") and "step caching" in result.error
+
+
+def test_a_saved_flux_state_keeps_its_adapters_and_resumes_only_where_they_are(files, tmp_path):
+    engine = Engine.from_card("tiny-flux", device="cpu", loras={"a": files["a"]}, lora_slots=SLOTS)
+    request = lambda: Request(seed=3, output_type="latent", loras={"a": 0.7}, **FLUX)  # noqa: E731
+    state = engine.start(request())
+    for _ in range(2):  # its text encode and its first denoise step
+        engine.step(state)
+    state.save(tmp_path / "state.pt")
+    [uninterrupted] = _latents(engine, request())
+    other = Engine.from_card("tiny-flux", device="cpu", loras={"b": files["b"]}, lora_slots=SLOTS)
+    with pytest.raises(ValueError, match="adapters: request .*lora 'a' is not loaded"):
+        other.resume(type(state).load(tmp_path / "state.pt"))
+    assert torch.equal(engine.finish(engine.resume(type(state).load(tmp_path / "state.pt"))).latents, uninterrupted)
