@@ -123,7 +123,7 @@ def elementwise_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: boo
 
 
 def attention_cases(m: ModelShapes, tokens: int, dtype, device, triton_ok: bool) -> list[Case]:
-    """SDPA per backend and the table's choice (kernels/attention.py); reference = SDPA's default."""
+    """SDPA per backend and the table's choice (fvgraph/kernels/attention.py); reference = SDPA's default."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from fvgraph.kernels import attention as at

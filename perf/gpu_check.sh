@@ -51,7 +51,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target "$site" . || exit 1
 # Run from outside the checkout: `python -m` puts the working directory first on sys.path, and the
-# checkout's fvgraph/ folder would shadow the installed package (whose passes/, kernels/, cards/ and
+# checkout's fvgraph/ folder would shadow the installed package (whose passes/, cards/ and
 # perf/ install as fvgraph.passes, ... and are not inside that folder).
 mkdir -p /tmp/fvgraph-run && cd /tmp/fvgraph-run || exit 1
 python3 -c "import fvgraph.cards, fvgraph.passes, fvgraph.kernels, fvgraph.perf" || exit 1

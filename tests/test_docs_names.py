@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), ROOT / "capture_cache" / "README.md",
                ROOT / "perf" / "results" / "README.md"])  # fmt: skip
 # The project's own files, docs and code: where a bare file name may be cited.
-SOURCES = sorted({*DOCS, *(p for folder in ("fvgraph", "passes", "kernels", "perf", "cards", "tests", "capture_cache")
+SOURCES = sorted({*DOCS, *(p for folder in ("fvgraph", "passes", "perf", "cards", "tests", "capture_cache")
                            for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh", ".md") and p.is_file()),
                   ROOT / "pyproject.toml", ROOT / "Makefile"})  # fmt: skip
 # A file name with no folder before it, of the kinds that sit at a repository's top (.md, .toml, .sh).
