@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from fvgraph.serving.admission import Admission, QueueFull
-from fvgraph.serving.memory_reservation import MemoryModel
+from fvgraph.serving.memory_reservation import VAE_CPU_FIXED_BYTES, MemoryModel
 from fvgraph.request import Request, RequestRejected
 
 
@@ -77,4 +77,6 @@ def test_the_estimate_covers_the_measured_peak_of_a_request_on_cpu(shape):
     assert done.returncode == 0, done.stderr[-3000:]
     measured = json.loads(done.stdout.strip().splitlines()[-1])
     assert measured["ok"], measured["error"]
-    assert measured["growth"] <= measured["estimate"] <= 3 * measured["growth"], measured
+    # Above: 3x the growth plus the estimate's fixed part (the allocator's arenas), which a small decode
+    # may or may not take: at 5x32x32 the growth was 13.4 MB in one run and 20.4-20.7 MB in others.
+    assert measured["growth"] <= measured["estimate"] <= 3 * measured["growth"] + VAE_CPU_FIXED_BYTES, measured

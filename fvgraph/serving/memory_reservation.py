@@ -17,7 +17,8 @@ Every part is an estimate from shapes and named factors, not a measurement: it i
 that do not fit now wait until others end. The parts are summed although the denoise activations and
 the VAE decode never peak together, so the sum errs high. On a CPU, tests/test_admission.py holds the
 estimate of a tiny-wan request to at least its measured peak resident-memory growth and at most 3x it
-(measured there: 5x32x32, 9x128x128 and 5x256x256 with CFG). The CUDA factors are not measured yet.
+plus the fixed part below, which a small decode may or may not take (measured there: 5x32x32,
+9x128x128 and 5x256x256 with CFG). The CUDA factors are not measured yet.
 """
 
 from __future__ import annotations
