@@ -2,10 +2,12 @@
 
 A comparison across commits (fvgraph.perf.method) re-measures the old commit with the current
 method, interleaved with the current tree in one run. The old commit's files come from
-`git archive` into a temporary folder (the repository's worktree list is left alone); its
-top-level folders are linked under its `fvgraph/` as its own pyproject's `package-dir` maps them
-(`fvgraph.cards` -> `cards/`, ...), so with that folder first on PYTHONPATH `import fvgraph` is the
-old commit's. Each side runs in a worker process of its own, which answers one JSON line per command
+`git archive` into a hidden folder of a temporary one (the repository's worktree list is left
+alone); its `fvgraph/` moves up into the temporary folder and its other top-level folders are linked
+under it as its own pyproject's `package-dir` maps them (`fvgraph.cards` -> `cards/`, ...), so with
+the temporary folder first on PYTHONPATH `import fvgraph` is the old commit's, and nothing else there
+is importable: an old top-level `kernels/` would shadow Hugging Face's `kernels`, which transformers
+imports. Each side runs in a worker process of its own, which answers one JSON line per command
 on stdin; a worker refuses to run when any fvgraph module it loaded lies outside its tree.
 """
 
@@ -32,18 +34,21 @@ def resolve_commit(ref: str, repo: Path = REPO) -> str:
 
 
 def materialize(sha: str, dest: Path, repo: Path = REPO) -> Path:
-    """The tree of commit `sha` under `dest`, importable as `fvgraph` with `dest` on PYTHONPATH."""
+    """The tree of commit `sha` under `dest`, importable as `fvgraph` (and as nothing else) with `dest`
+    on PYTHONPATH: the tree in `dest/.tree` (a name no import can reach), its fvgraph/ in `dest`."""
+    tree = dest / ".tree"
     archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=repo, capture_output=True, check=True).stdout
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
-        tar.extractall(dest, filter="data")
-    package_dir = tomllib.loads((dest / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-dir", {})
+        tar.extractall(tree, filter="data")
+    (tree / "fvgraph").rename(dest / "fvgraph")
+    package_dir = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-dir", {})
     for package, folder in package_dir.items():
         parts = package.split(".")
         if parts[0] != "fvgraph" or len(parts) != 2:
             continue  # "fvgraph" itself is dest/fvgraph already
         link = dest / "fvgraph" / parts[1]
         if not link.exists():
-            link.symlink_to(dest / folder, target_is_directory=True)
+            link.symlink_to(tree / folder, target_is_directory=True)
     return dest
 
 
