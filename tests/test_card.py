@@ -59,5 +59,6 @@ def test_wan_cpu_bench_is_the_wan_architecture_at_a_cpu_benchmark_size():
     assert dit.cls == "diffusers.WanTransformer3DModel" and card.embeds_weights and card.seed is not None
     assert dit.config["attention_head_dim"] == get_card("wan2.1-1.3b-bench").components["transformer"].config["attention_head_dim"]
     assert dit.config["text_dim"] == card.components["text_encoder"].config["d_model"]
+    assert card.shapes.text_len == get_card("wan2.1-t2v-1.3b").shapes.text_len == 512  # the hoisted share is Wan's
     resolved = Request(prompt="a fox").resolve(card)
     assert (resolved.num_frames, resolved.height, resolved.width) == (9, 128, 128)
