@@ -179,11 +179,12 @@ WAN_1_3B_BENCH = ModelCard.model_validate(
 
 # The default CPU workload of the benchmarks: the Wan 2.1 transformer at a width (4 heads of 128, as
 # the released models' head size), depth and default shape (9x128x128: 192 tokens) where one diffusers
-# eager CFG step is compute, not Python: sized for 50-250 ms on a 2-core x86 CPU in fp32, 11.3 GFLOP
+# eager CFG step is compute, not Python: sized for 50-200 ms on a 2-core x86 CPU in fp32, 11.3 GFLOP
 # per CFG step. The text is the released models' 512 tokens (WanPipeline pads every prompt to 512), so
 # the share of a step that is request constants (text embedder, cross-attention K/V: 4.0 GFLOP) is
-# the released models' share at this width, not a shorter prompt's. Seeded weights, tiny VAE and a one-layer text encoder of the text width; tiny-wan
-# stays the test card. Its outputs mean nothing; only their cost does.
+# the released models' share at this width, not a shorter prompt's. Seeded weights, tiny VAE and a
+# one-layer text encoder of the text width; tiny-wan stays the test card. Its outputs mean nothing;
+# only their cost does.
 WAN_CPU_BENCH = ModelCard.model_validate(
     {
         **TINY_WAN.model_dump(),
