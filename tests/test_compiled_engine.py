@@ -109,3 +109,27 @@ def test_an_arrival_into_a_running_batch_gets_its_hoisted_values_from_the_smalle
     for result, reference in zip(ours, tiny_engine.generate(requests)):
         assert result.ok, result.error
         torch.testing.assert_close(result.latents, reference.latents, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_the_text_only_the_prologue_reads_is_written_for_its_requests_alone(tiny_engine, tiny_card):
+    """Once hoisting moved every use of the texts into the prologue, the step no longer reads them:
+    the runner writes them only for the requests a prologue computes (at bucket 4 into their own rows,
+    at bucket 1 for the arrival), not into every row that changes hands. NaN poured into those buffers
+    before every step reaches no result."""
+    config = CompileConfig(backend="aot_eager", step_kinds=("denoise_cfg",))
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config,
+                              buckets=BucketSpec(batch_sizes=(1, 4)), max_running=4)  # fmt: skip
+    requests = [Request(prompt=f"p{i}", seed=i, guidance_scale=2.0 + i, num_inference_steps=steps, num_frames=5,
+                        output_type="latent") for i, steps in enumerate((2, 4, 5, 3, 3))]  # fmt: skip
+    engine.warmup(requests[:1])
+    for entry in engine.executor.runner._graphs.values():
+        assert entry.compiled.unread_inputs == {"prompt_embeds", "negative_prompt_embeds"}
+        assert {name for name, _ in entry.prologue_constants} == entry.compiled.unread_inputs
+        buffers, step = [buffer for _, buffer in entry.prologue_constants], entry.compiled.step_fn
+        entry.compiled.step_fn = lambda *args, step=step, buffers=buffers: [b.fill_(float("nan")) for b in buffers] and step(*args)
+    with engine.counters.expect(compiles=0, prologue_runs=2):
+        ours = engine.generate(requests)
+    tol = tiny_card.parity.tolerance("fp32", "loop")
+    for result, reference in zip(ours, tiny_engine.generate(requests)):
+        assert result.ok, result.error
+        torch.testing.assert_close(result.latents, reference.latents, atol=tol.atol, rtol=tol.rtol)

@@ -104,6 +104,9 @@ class CompiledStep:
     # FLOPs of one call of the step graph after the passes (hoisted work excluded: the prologue's is
     # apart); None when not counted (loaded from the capture cache, or an op with no fake kernel).
     flops: int | None = None
+    # Inputs the step graph no longer reads after the passes (a text only its hoisted values came
+    # from): only the prologue does, so a runner need not keep them current in the step's buffers.
+    unread_inputs: frozenset[str] = frozenset()
 
 
 class StepCompiler:
@@ -210,6 +213,7 @@ class StepCompiler:
             output_names=captured.output_names + ctx.extra_outputs, passes_changed=dict(ctx.changed),
             hoisted_like=[dict(shape=list(t.shape), stride=list(t.stride()), dtype=str(t.dtype)) for t in hoisted],
             collectives=collective_counts(gm, ctx.prologue), flops=graph_flops(gm, base_args + hoisted),
+            unread_inputs=_unread_inputs(gm, captured.num_params, captured.input_names),
         )  # fmt: skip
         compiled = None
         if self.cache is not None:
@@ -233,7 +237,7 @@ class StepCompiler:
         return CompiledStep(
             signature, step_fn, prologue_fn, list(step_parameters(step).values()), meta["input_names"],
             meta["output_names"], meta["passes_changed"], seconds, [_like(h, "meta") for h in meta["hoisted_like"]],
-            meta.get("collectives", {}), meta.get("flops"),
+            meta.get("collectives", {}), meta.get("flops"), frozenset(meta.get("unread_inputs", ())),
         )  # fmt: skip
 
     # -- through the capture cache -----------------------------------------------------------------
@@ -353,6 +357,13 @@ def collective_counts(*graphs: torch.fx.GraphModule | None) -> dict[str, int]:
             if node.op == "call_function" and name.startswith("_c10d_functional."):
                 counts[name] = counts.get(name, 0) + 1
     return counts
+
+
+def _unread_inputs(gm: torch.fx.GraphModule, num_params: int, input_names: list[str]) -> list[str]:
+    """The step inputs (placeholders after the `num_params` parameters) that no node of `gm` uses."""
+    placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+    inputs = placeholders[num_params : num_params + len(input_names)]
+    return [name for name, node in zip(input_names, inputs) if not node.users]
 
 
 def _like(spec: dict, device: torch.device | str) -> torch.Tensor:

@@ -15,7 +15,8 @@ arrival into a running batch costs a batch-1 prologue), and kept in that request
 the batch in dim 0, branch-major (rows `k * bucket + i` for CFG branch k), so a value is `m` rows
 per request with `m = rows / bucket`. A row of the static buffers (hoisted values, and inputs that
 are constant for a request) is rewritten only when it changes hands; the scheduler keeps requests
-in their rows.
+in their rows. A constant the step no longer reads (a text whose every use was hoisted) is written
+only for the requests a prologue computes.
 
 Callers hold `torch.no_grad()` (the compiled executor does, once per batch).
 """
@@ -63,9 +64,11 @@ class BucketGraph:
     input_owners: list = field(default_factory=list)
     hoisted_for: list = field(default_factory=list)
     # The input buffers by role, fixed at preparation: each run refills the per-step ones and only
-    # the changed rows of the per-request constants.
+    # the changed rows of the per-request constants the step reads. Constants only the prologue reads
+    # (a text whose every use was hoisted) are written just for the requests a prologue computes.
     per_step: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     constants: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    prologue_constants: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     input_at: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)  # input buffers by data_ptr
     pad_from: int = 0  # the per-step buffers' rows from here on hold padding (bucket: none written yet)
     staged: tuple = ()  # the (plans, slots) ids the buffers were filled for by stage(), not yet run
@@ -172,14 +175,19 @@ class GraphRunner:
         entry.pad_from = bucket
         kind = self.compiler.step_kinds[plans[0].kind]
         for name, buffer in inputs.items():  # constants stay in place while their request keeps its row
-            (entry.constants if kind.input_role(name) is Role.CONSTANT else entry.per_step).append((name, buffer))
+            if kind.input_role(name) is not Role.CONSTANT:
+                entry.per_step.append((name, buffer))
+            else:
+                unread = name in entry.compiled.unread_inputs
+                (entry.prologue_constants if unread else entry.constants).append((name, buffer))
         self._fill_inputs(entry, plans, [*slots, *[None] * (bucket - len(plans))])
         device = next(iter(inputs.values())).device
         entry.hoisted = [
             torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device) for t in entry.compiled.hoisted_like
         ]
         entry.rows_per_request = [t.shape[0] // bucket for t in entry.hoisted]
-        entry.values_key = (entry.compiled.signature.unbatched_key, tuple(name for name, _ in entry.constants),
+        constant_names = tuple(name for name in inputs if kind.input_role(name) is Role.CONSTANT)
+        entry.values_key = (entry.compiled.signature.unbatched_key, constant_names,
                             *((m, tuple(t.shape[1:]), t.dtype) for t, m in zip(entry.hoisted, entry.rows_per_request)))  # fmt: skip
         entry.storages = frozenset(t.untyped_storage().data_ptr() for t in entry.args)
         entry.input_at = {buffer.data_ptr(): (name, buffer) for name, buffer in inputs.items()}
@@ -218,7 +226,8 @@ class GraphRunner:
 
     def _fill_inputs(self, entry: BucketGraph, plans: list[WorkPlan], owners: list) -> None:
         """Step inputs into the first rows, padding after. Inputs that are constant for a request
-        (its embeddings, its guidance scale) are written only into rows that changed hands."""
+        (its embeddings, its guidance scale) are written only into rows that changed hands, and only
+        those the step reads (the prologue's alone are _run_prologue's)."""
         n = len(plans)
         for name, buffer in entry.per_step:
             if n == 1:
@@ -252,14 +261,17 @@ class GraphRunner:
         the smallest prepared bucket that holds them, so an arrival into a full batch costs a batch-1
         prologue, not a whole bucket's; each keeps them in its slot for every bucket it runs at."""
         source = self._prologue_source(entry, len(missing))
-        if source is entry:  # the new requests' constants are in their rows already
+        if source is entry:  # the constants its step reads are in the new requests' rows already
             rows = missing
-        else:  # their constants into the first rows of the smaller bucket's buffers
+        else:  # those into the first rows of the smaller bucket's buffers
             rows = list(range(len(missing)))
             owners = [*(slots[i] for i in missing), *source.input_owners[len(missing):]]
             changed = _changed_rows(owners, source.input_owners)
             self._write_constants(source, changed, owners, lambda r: plans[missing[r]].inputs)
             source.input_owners, source.staged = owners, ()  # a batch staged on these buffers is filled again
+        for name, buffer in source.prologue_constants:  # kept current nowhere: written for each request computed
+            for i, row in zip(missing, rows):
+                buffer[row : row + 1].copy_(plans[i].inputs[name])
         values = source.compiled.prologue_fn(*source.base_args())
         self.counters.prologue_runs += 1
         # The prologue's outputs are fresh tensors, so each new request keeps views of its rows of them
@@ -277,7 +289,8 @@ class GraphRunner:
         return min(smaller, key=lambda other: other.bucket, default=entry)
 
     def _write_constants(self, entry: BucketGraph, rows: list[int], owners: list, inputs_of) -> None:
-        """Each request constant into `rows` of entry's buffers; inputs_of(i) is row i's request's inputs."""
+        """Each request constant the step reads into `rows` of entry's buffers; inputs_of(i) is row i's
+        request's inputs."""
         for name, buffer in entry.constants:
             self._write_rows(buffer, 1, entry.bucket, rows, owners, lambda i: inputs_of(i)[name])
 
