@@ -170,7 +170,8 @@ def test_a_leaving_request_hands_its_row_to_the_last_one_and_the_rest_stay(batch
 
 def test_rows_whose_request_stayed_are_not_refilled(batched, monkeypatch):
     """Hoisted values are copied into a row only when the row changes hands: 3 arrivals, then the
-    last request moving into each of the two rows that requests leave (the _mix steps 4, 3, 5)."""
+    last request moving into each of the two rows that requests leave (the _mix steps 4, 3, 5); and
+    the texts only the prologue reads are written once per arrival, for its prologue."""
     runner = batched.executor.runner
     inside, copies = {"on": False}, {"n": 0}
     fill, original = runner._fill_hoisted, torch.Tensor.copy_
@@ -190,7 +191,8 @@ def test_rows_whose_request_stayed_are_not_refilled(batched, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
     assert all(r.ok for r in batched.generate(_mix()))
     [entry] = [e for e in runner._graphs.values() if e.compiled.prologue_fn is not None]
-    assert copies["n"] == (3 + 1 + 1) * len(entry.hoisted)
+    assert copies["n"] == (3 + 1 + 1) * len(entry.hoisted) + 3 * len(entry.prologue_constants)
+    assert len(entry.prologue_constants) == 2  # the texts of both CFG branches
 
 
 class _CountdownLoop:
