@@ -88,16 +88,23 @@ def test_inductor_compiled_step_matches_eager(tiny_engine, tiny_card):
     assert engine.counters.compiles == 1
 
 
-def test_an_arrival_into_a_running_batch_gets_its_hoisted_values_from_the_smallest_bucket(tiny_engine, tiny_card):
-    """Four requests fill bucket 4; the fifth arrives when the shortest one ends, and its hoisted values
-    come from the batch-1 prologue, not a bucket-4 one; as the batch shrinks to buckets 4 (padded) and
-    1, every request keeps the values it has. Results agree with eager's batch-1 reference."""
+def _arrival_mix() -> tuple[Engine, list[Request]]:
+    """A warm -O1 tiny-wan engine at buckets 1 and 4 (aot_eager), and five requests: four fill bucket
+    4, the fifth arrives when the shortest one ends."""
     config = CompileConfig(backend="aot_eager", step_kinds=("denoise_cfg",))
     engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config,
                               buckets=BucketSpec(batch_sizes=(1, 4)), max_running=4)  # fmt: skip
     requests = [Request(prompt=f"p{i}", seed=i, guidance_scale=2.0 + i, num_inference_steps=steps, num_frames=5,
                         output_type="latent") for i, steps in enumerate((2, 4, 5, 3, 3))]  # fmt: skip
     engine.warmup(requests[:1])
+    return engine, requests
+
+
+def test_an_arrival_into_a_running_batch_gets_its_hoisted_values_from_the_smallest_bucket(tiny_engine, tiny_card):
+    """Four requests fill bucket 4; the fifth arrives when the shortest one ends, and its hoisted values
+    come from the batch-1 prologue, not a bucket-4 one; as the batch shrinks to buckets 4 (padded) and
+    1, every request keeps the values it has. Results agree with eager's batch-1 reference."""
+    engine, requests = _arrival_mix()
     prologues = []
     for entry in engine.executor.runner._graphs.values():
         run, bucket = entry.compiled.prologue_fn, entry.bucket
@@ -116,12 +123,7 @@ def test_the_text_only_the_prologue_reads_is_written_for_its_requests_alone(tiny
     the runner writes them only for the requests a prologue computes (at bucket 4 into their own rows,
     at bucket 1 for the arrival), not into every row that changes hands. NaN poured into those buffers
     before every step reaches no result."""
-    config = CompileConfig(backend="aot_eager", step_kinds=("denoise_cfg",))
-    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, compile_config=config,
-                              buckets=BucketSpec(batch_sizes=(1, 4)), max_running=4)  # fmt: skip
-    requests = [Request(prompt=f"p{i}", seed=i, guidance_scale=2.0 + i, num_inference_steps=steps, num_frames=5,
-                        output_type="latent") for i, steps in enumerate((2, 4, 5, 3, 3))]  # fmt: skip
-    engine.warmup(requests[:1])
+    engine, requests = _arrival_mix()
     for entry in engine.executor.runner._graphs.values():
         assert entry.compiled.unread_inputs == {"prompt_embeds", "negative_prompt_embeds"}
         assert {name for name, _ in entry.prologue_constants} == entry.compiled.unread_inputs
