@@ -8,7 +8,8 @@
 #   FVGRAPH_GPU_PART=probe       bash perf/gpu_check.sh  # the open questions first: TF32 probe, parity -O2 vs -O0, the inductor-step test that failed on the first H200 run (verbose); about 230 s on 2026-12-04
 #   FVGRAPH_GPU_PART=tests       bash perf/gpu_check.sh  # env, test_gpu.py (but the capture cache), the CUDA kernels, the projection cache on CUDA; est. 300 s
 #   FVGRAPH_GPU_PART=tests_loops bash perf/gpu_check.sh  # the step-caching, TI2V and HTTP tests on CUDA; est. 380 s
-#   FVGRAPH_GPU_PART=aoti        bash perf/gpu_check.sh  # the capture-cache test (AOTInductor packages on CUDA); over 194 s on 2026-12-04 (cut at its limit)
+#   FVGRAPH_GPU_PART=aoti        bash perf/gpu_check.sh  # the capture-cache test (AOTInductor packages on CUDA); 282 s on 2026-12-04 (the child load died of SIGSEGV)
+#   FVGRAPH_GPU_PART=aoti_probe  bash perf/gpu_check.sh  # perf/aoti_load_probe.py: the packages the capture-cache test builds, loaded one way per child process (and under gdb); over 190 s on a fresh machine (2026-12-04)
 #   FVGRAPH_GPU_PART=step        bash perf/gpu_check.sh  # bench_step at 480x832x33, batch 1, -O1/-O2/-O3 vs diffusers eager and regional compile; est. 450 s
 #   FVGRAPH_GPU_PART=serving     bash perf/gpu_check.sh  # bench_serving (buckets 1, 4) + scheduler overhead; est. 450 s
 #   FVGRAPH_GPU_PART=kernels     bash perf/gpu_check.sh  # bench_kernels (Wan-1.3B / 14B kernel shapes); est. 300 s
@@ -29,9 +30,9 @@ cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
-case " probe tests tests_loops aoti step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead all " in
+case " probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead all " in
   *" $PART "*) ;;
-  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead all" >&2; exit 2 ;;
+  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead all" >&2; exit 2 ;;
 esac
 # Before anything else: without the carried wheels every test stops at `import diffusers` (docs/gpu.md).
 if ! compgen -G "wheels/*.whl" >/dev/null; then
@@ -81,8 +82,9 @@ part probe && run pytest_inductor_step 150 "${PYTEST[@]}" "${VERBOSE[@]}" -k "$I
 part tests && run env 30 python3 -m fvgraph env --json
 part tests && run pytest_gpu 480 "${PYTEST[@]}" -k "not capture_cache" "$REPO/tests/test_gpu.py" "$REPO/tests/test_kernels.py" "$REPO/tests/test_projection_cache.py"
 part tests_loops && run pytest_gpu_loops 520 "${PYTEST[@]}" "${LOOPS_TESTS[@]}"
-# Alone in its part: on 2026-12-04 it was still in its first child load after 194 s (warmup compile, two package builds).
+# Alone in its part: 282 s on 2026-12-04 (two engines, each a compile, two package builds and a child load that died of SIGSEGV).
 part aoti && run pytest_gpu_aoti 540 "${PYTEST[@]}" "${VERBOSE[@]}" -k "$CAPTURE_CACHE" "$REPO/tests/test_gpu.py"
+part aoti_probe && run aoti_load_probe 300 env OUT="$OUT/aoti_load_probe" python3 "$REPO"/perf/aoti_load_probe.py
 part step && run bench_step 540 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3 --batch 1 --baselines eager,compile_repeated_blocks
 part flux_step && run bench_step_flux 570 python3 "$REPO"/perf/bench_step.py --gpu --card flux.1-dev-bench --shapes 1024x1024x1 --levels 1,2 --batch 1 --baselines eager,compile_repeated_blocks --repeats 10
 part serving && run bench_serving 420 python3 "$REPO"/perf/bench_serving.py --gpu --buckets 1 4 --requests 12 --repeats 1

@@ -196,9 +196,16 @@ def test_every_load_is_logged_first_and_a_child_crash_shows_its_stack(monkeypatc
     with caplog.at_level(logging.INFO, logger="fvgraph.compile.graph_artifact"):
         graph_artifact.load_graph(path, "aot_eager", torch.device("cpu"), lambda g, args: g)
     assert f"loading the aot_eager artifact {path} on cpu" in caplog.text
-    monkeypatch.setattr(graph_artifact, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    # A crash two calls deep, after a log line, with an extension module loaded (the H200's crash report
+    # listed 180 of them after a stack cut to its outermost frame).
+    crash = ("import logging, os, signal, numpy\nlogging.basicConfig(level=logging.INFO)\n"
+             "logging.getLogger('load').info('loading step.pt2')\n"
+             "def open_package(): os.kill(os.getpid(), signal.SIGSEGV)\ndef load_graph(): open_package()\nload_graph()\n")  # fmt: skip
+    monkeypatch.setattr(graph_artifact, "_CHILD", crash)
     problem = graph_artifact.load_in_child([path], "inductor", torch.device("cpu"))
-    assert "SIGSEGV" in problem and 'File "<string>", line 1' in problem  # faulthandler's stack of the child
+    assert "SIGSEGV" in problem and "loading step.pt2" in problem
+    assert all(frame in problem for frame in ("in open_package", "in load_graph", 'File "<string>", line 6'))
+    assert "Extension modules" not in problem and "numpy" not in problem
     monkeypatch.setattr(graph_artifact, "_CHILD", "import time; time.sleep(5)")
     assert "took over 1 s in a child process" in graph_artifact.load_in_child([path], "inductor", torch.device("cpu"), timeout_s=1)
     assert graph_artifact.CHILD_LOAD_TIMEOUT_S == 120.0

@@ -134,8 +134,19 @@ def _run_child(script: str, args: list[str], timeout_s: float, doing: str) -> st
         return None
     how = (f"killed by {signal.Signals(-child.returncode).name}" if child.returncode < 0
            else f"exit code {child.returncode}")  # fmt: skip
-    tail = child.stderr.strip().splitlines()[-3:]
-    return f"a child process {doing} ended with {how}" + (": " + " | ".join(tail) if tail else "")
+    said = _last_words(child.stderr)
+    return f"a child process {doing} ended with {how}" + (": " + said if said else "")
+
+
+def _last_words(stderr: str) -> str:
+    """What a failed child said, on one line: after a crash, faulthandler's report (the error and the
+    whole Python stack, most recent call first) with the line logged before it, which names the file;
+    without faulthandler's list of extension modules, which says nothing about the crash. Otherwise
+    its last three lines (a traceback's error)."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip() and not line.startswith("Extension modules:")]
+    fatal = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), None)
+    said = lines[-3:] if fatal is None else lines[max(fatal - 1, 0):]
+    return " | ".join(said)
 
 
 def load_in_child(paths: Iterable[Path], backend: str, device: torch.device, timeout_s: float = CHILD_LOAD_TIMEOUT_S) -> str | None:
