@@ -222,3 +222,56 @@ def test_a_package_built_in_a_child_process_loads_and_runs_like_the_graph(tmp_pa
     torch.testing.assert_close(loaded(*args)[0], gm(*args)[0])
     with pytest.raises(RuntimeError, match=r"was not built: a child process building it ended with exit code 1"):
         graph_artifact.save_graph_in_child(gm, args, tmp_path / "x.pt2", {"no_such_inductor_option": 1})
+
+
+def test_a_step_whose_package_does_not_load_is_compiled_in_process_and_not_built_again(monkeypatch, tmp_path, caplog):
+    """The GPU path (packages built, then loaded, in child processes) with a loader that crashes, as
+    torch 2.11's did on an H200: the step is served compiled in process, the cache remembers, and a
+    later process with the same identity compiles in process at once instead of building packages again
+    (minutes each on a GPU); a cleared cache tries again."""
+    from typer.testing import CliRunner
+
+    import fvgraph.compile.compiler as compiler
+    from fvgraph.cli import app
+    from fvgraph.compile.capture_cache import clear
+
+    built = []
+
+    def build(gm, args, path, patches):  # the child's build, without a child: aot_eager's export
+        built.append(path.name)
+        graph_artifact.save_graph(gm, args, "aot_eager", path, patches)
+
+    crash = "a child process loading it ended with killed by SIGSEGV: Fatal Python error: Segmentation fault"
+    monkeypatch.setattr(compiler.StepCompiler, "_aoti_in_child", property(lambda self: True))
+    monkeypatch.setattr(compiler, "save_graph_in_child", build)
+    monkeypatch.setattr(compiler, "load_in_child", lambda paths, backend, device: crash)
+
+    def engine():
+        from fvgraph.runtime.buckets import BucketSpec
+
+        return Engine.from_card("tiny-wan", opt_level=1, compile_config=CompileConfig(backend="aot_eager"),
+                                cache_dir=tmp_path, buckets=BucketSpec(batch_sizes=(1,)))  # fmt: skip
+
+    request = [Request(prompt="a red fox", seed=1, num_inference_steps=3, num_frames=9)]
+    eager = Engine.from_card("tiny-wan").generate(request)[0]
+    first = engine()
+    with first.counters.expect(compiles=1, cache_hits=0, cache_stores=0):
+        assert first.generate(request)[0].ok
+    assert built == ["step.pt2", "prologue.pt2"]
+    (key,) = first.compiler.cache.unloadable_keys()
+    assert crash in first.compiler.cache.unloadable_keys()[key]["problem"]
+
+    built.clear()
+    later = engine()
+    with caplog.at_level(logging.WARNING, logger="fvgraph.compile.compiler"):
+        with later.counters.expect(compiles=1, cache_hits=0, cache_stores=0):
+            result = later.generate(request)[0]
+    assert built == []  # not built again
+    listing = CliRunner(env={"COLUMNS": "300"}).invoke(app, ["cache", "ls", "--cache-dir", str(tmp_path)])
+    assert f"{key} is compiled in process: its packages, built here, did not load" in " ".join(listing.output.split())
+    assert "its packages, built here before, did not load" in caplog.text and "SIGSEGV" in caplog.text
+    torch.testing.assert_close(result.latents, eager.latents, atol=1e-5, rtol=1e-4)
+
+    clear(tmp_path)
+    engine().generate(request)
+    assert built == ["step.pt2", "prologue.pt2"]  # a cleared cache builds again

@@ -22,6 +22,7 @@ def cache_ls(
     caches = cache_dirs(cache_dir)
     if as_json:
         listing = {c.dir.name: {"fingerprint": c.fingerprint, "entries": c.entries(), "problems": c.problems,
+                                "unloadable": c.unloadable_keys(),
                                 "orphans": [str(p.relative_to(c.dir)) for p in leftovers(c)]} for c in caches}  # fmt: skip
         typer.echo(json.dumps(listing, indent=1))
         return
@@ -47,6 +48,9 @@ def cache_ls(
         console.print(table)
         for problem in cache.problems:
             console.print(f"[red]{cache.dir.name}:[/red] {problem}")
+        for key, mark in cache.unloadable_keys().items():
+            console.print(f"[yellow]{cache.dir.name}: {key} is compiled in process: its packages, built here, "
+                          f"did not load ({str(mark.get('problem'))[:300]})[/yellow]")  # fmt: skip
         left = leftovers(cache)
         if left:
             console.print(f"[yellow]{cache.dir.name}: {len(left)} orphaned files ({sum(map(size_of, left)) / 1e6:.1f} MB) "

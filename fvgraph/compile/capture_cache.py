@@ -121,6 +121,20 @@ class CaptureCache:
     def entries(self) -> dict[str, dict]:
         return self._read_manifest(self.dir).get("entries", {})
 
+    def unloadable(self, key: str, factors: dict) -> str | None:
+        """Why the artifacts built for `key` (with these factors) did not load here, when they did not
+        (`mark_unloadable`); None otherwise."""
+        marks = self._read_manifest(self.dir).get("unloadable")
+        record = marks.get(key) if isinstance(marks, dict) else None
+        if isinstance(record, dict) and record.get("factors") == _normalized(factors):
+            return str(record.get("problem"))
+        return None
+
+    def unloadable_keys(self) -> dict[str, dict]:
+        """Every mark_unloadable record, by signature key (for `cache ls`)."""
+        marks = self._read_manifest(self.dir).get("unloadable")
+        return {k: v for k, v in marks.items() if isinstance(v, dict)} if isinstance(marks, dict) else {}
+
     def check(self, entry: CacheEntry, factors: dict | None = None) -> str | None:
         """Why this entry must not be used for a signature with `factors`, or None when it is sound."""
         try:
@@ -218,9 +232,26 @@ class CaptureCache:
             record = {"factors": _normalized(factors), "artifacts": artifacts, "meta": meta,
                       "meta_sha256": meta_digest(meta), "created": time.time()}  # fmt: skip
             manifest["entries"][key] = record
+            if isinstance(manifest.get("unloadable"), dict):  # artifacts of this key load after all
+                manifest["unloadable"].pop(key, None)
             self._write_manifest(manifest)
             self._remove_unreferenced(key, manifest)
         return CacheEntry(key, record)
+
+    def mark_unloadable(self, key: str, factors: dict, problem: str) -> None:
+        """Record that the artifacts just built for `key` did not load in this process identity (the
+        AOTInductor loader crashing on a GPU): later processes compile that step in process rather
+        than build them again, minutes each, only to see them fail. A new fingerprint (another torch,
+        GPU or card) starts without marks, and `cache clear` forgets them. Best effort, like annotate."""
+        try:
+            with self._locked():
+                manifest = self._read_manifest(self.dir) or {"format": FORMAT, "fingerprint": self.fingerprint, "entries": {}}
+                if not isinstance(manifest.get("unloadable"), dict):
+                    manifest["unloadable"] = {}
+                manifest["unloadable"][key] = {"factors": _normalized(factors), "problem": problem[:4000], "when": time.time()}
+                self._write_manifest(manifest)
+        except OSError as err:
+            log.info("capture cache: could not record that %s does not load: %s", key, err)
 
     def annotate(self, key: str, **facts: float) -> None:
         """Add facts measured after publishing (CUDA graph capture seconds) to `key`'s meta. Best

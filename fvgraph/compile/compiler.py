@@ -46,6 +46,11 @@ INDUCTOR_CONFIG = {
 }
 
 
+class PackageDoesNotLoad(RuntimeError):
+    """The artifacts just built for a step did not load in a child process: the capture cache marks
+    the step (CaptureCache.mark_unloadable), and this process identity compiles it in process."""
+
+
 class RecompileError(RuntimeError):
     """A new signature showed up after warmup, while serving under fail_on_recompile."""
 
@@ -216,9 +221,17 @@ class StepCompiler:
             unread_inputs=_unread_inputs(gm, captured.num_params, captured.input_names),
         )  # fmt: skip
         compiled = None
-        if self.cache is not None:
+        known = self.cache.unloadable(signature.key(), signature.factors()) if self.cache is not None else None
+        if known is not None:  # built here before, and it did not load: not built again
+            log.warning("capture cache: compiling %s in process: its packages, built here before, did not load (%s); "
+                        "`fvgraph cache clear` forgets this", plan.kind, known)  # fmt: skip
+        elif self.cache is not None:
             try:
                 compiled = self._compile_through_cache(signature, gm, ctx.prologue, base_args, hoisted, meta, began)
+            except PackageDoesNotLoad as err:
+                self.cache.mark_unloadable(signature.key(), signature.factors(), str(err))
+                log.warning("capture cache: could not store %s, compiling it in process instead (and in later "
+                            "processes, without building it again): %s", plan.kind, err)  # fmt: skip
             except Exception as err:  # a graph AOTInductor cannot package is still served, compiled in process
                 log.warning("capture cache: could not store %s, compiling it in process instead: %r", plan.kind, err)
         if compiled is None:
@@ -262,7 +275,7 @@ class StepCompiler:
             if in_child:
                 problem = load_in_child(files.values(), backend, self.device)
                 if problem is not None:
-                    raise RuntimeError(f"the built package does not load: {problem}")
+                    raise PackageDoesNotLoad(f"the built package does not load: {problem}")
             rejected = self._rejected.get(signature.key(), (None, ""))[0]  # replaced even if its hash checks out
             entry = self.cache.publish(signature.key(), signature.factors(), files, meta, replace=rejected)
         self.counters.cache_stores += 1
