@@ -5,7 +5,8 @@
 
 For each batch bucket B an engine with that one bucket serves B requests at once (one group per tick,
 the case where the next batch holds the same requests as the one before), once serially and once
-running ahead (fvgraph/engine/run_ahead.py), alternating over `--repeats` rounds on the same warm
+running ahead (fvgraph/engine/run_ahead.py: the next batch is launched before the last one is
+read back), alternating over `--repeats` rounds on the same warm
 engine. Every replay of the step is bracketed by two CUDA events (on the CPU, clock reads around the
 compiled call); the idle time is the time from one replay's end to the next one's start, summed,
 as a fraction of the summed replay time. On the CPU the step runs on the host itself, so nothing can
@@ -69,15 +70,17 @@ def idle_line(args, bucket: int, device: torch.device, engine_api, method, mix) 
         for order in (("serial", "ahead") if r % 2 == 0 else ("ahead", "serial")):
             engine.run_ahead = order == "ahead"
             spans.spans.clear()
+            before = engine.counters.snapshot()
             results = engine.generate(requests())
             method.sync(device)
             assert all(x.ok for x in results), [x.error for x in results if not x.ok]
             if r > 0:
-                samples[order].append(spans.idle())
+                samples[order].append({**spans.idle(), "redone": engine.counters.since(before).get("batches_redone", 0)})
     figures = {order: {key: method.spread([s[key] for s in runs], 100 if key == "idle_fraction" else 1, 3)
                        for key in ("idle_fraction", "gap_us", "step_ms")} for order, runs in samples.items()}  # fmt: skip
     for order in figures:
         figures[order]["idle_percent"] = figures[order].pop("idle_fraction")
+        figures[order]["batches_redone"] = sum(run["redone"] for run in samples[order])  # early launches dropped
     return {**method.provenance("replay_idle", device), "card": args.card, "shape": args.idle_shape, "bucket": bucket,
             "opt_level": engine.opt_level, "backend": args.idle_backend, "requests": bucket, "steps": args.steps,
             "replays_per_run": samples["serial"][0]["replays"], **figures, "target_idle_percent": 5}  # fmt: skip

@@ -1,5 +1,5 @@
 """Running ahead (fvgraph/engine/run_ahead.py) gives the serial order's results, bit for bit, with
-arrivals, cancels and a failing row landing while the next batch is already prepared."""
+arrivals, cancels and a failing row landing while the next batch is already launched."""
 
 import pytest
 import torch
@@ -34,7 +34,7 @@ def engine():
 def _drive(engine: Engine, ahead: bool, monkeypatch) -> tuple[dict, dict]:
     """Serve the mix with its events injected at fixed ticks; results by id, and what was observed."""
     engine.run_ahead = ahead
-    seen = {"ticks": 0, "launched_at_commit": 0, "staged": 0}
+    seen = {"ticks": 0, "launched_at_commit": 0, "early": 0}
     advance = engine.loop.advance
 
     def poisoning_advance(state, result):
@@ -50,15 +50,16 @@ def _drive(engine: Engine, ahead: bool, monkeypatch) -> tuple[dict, dict]:
         for request_id in CANCELS.get(seen["ticks"], []):
             assert engine.cancel(request_id)
 
-    stage = engine.executor.runner.stage
+    prelaunch = engine._prelaunch
 
-    def counting_stage(*args):
-        seen["staged"] += 1
-        return stage(*args)
+    def counting_prelaunch(group):
+        seen["early"] += 1
+        return prelaunch(group)
 
     monkeypatch.setattr(engine.loop, "advance", poisoning_advance)
-    monkeypatch.setattr(engine.executor.runner, "stage", counting_stage)
+    monkeypatch.setattr(engine, "_prelaunch", counting_prelaunch)
     engine.before_commit = before_commit
+    before = engine.counters.snapshot()
     results = {}
     try:
         for request in FIRST:
@@ -68,6 +69,7 @@ def _drive(engine: Engine, ahead: bool, monkeypatch) -> tuple[dict, dict]:
     finally:
         engine.before_commit = None
         engine.run_ahead = False
+    seen.update(engine.counters.since(before))
     return results, seen
 
 
@@ -85,10 +87,15 @@ def test_running_ahead_gives_the_serial_results_bit_for_bit(engine, monkeypatch)
         if result.ok:
             assert torch.equal(other.latents, result.latents), rid
     assert "not finite" in serial["r3"].error
-    # The orders really differ: serially nothing is staged and every batch is settled before the next
-    # tick is committed; ahead, most ticks were committed with the batch before still unsettled.
-    assert serial_seen["staged"] == serial_seen["launched_at_commit"] == 0
-    assert ahead_seen["staged"] > 0 and ahead_seen["launched_at_commit"] > ahead_seen["ticks"] // 2
+    # The orders really differ: serially nothing is launched early and every batch is settled before
+    # the next tick is committed; ahead, most ticks were committed with the batch before unsettled and
+    # their first batch launched already. The events landing between that launch and the commit had
+    # some early batches dropped and run again (a cancel, the failing row, an arrival joining the
+    # first group), and only those: every other early batch served its tick.
+    assert serial_seen["early"] == serial_seen["launched_at_commit"] == serial_seen["batches_redone"] == 0
+    assert ahead_seen["launched_at_commit"] > ahead_seen["ticks"] // 2
+    assert 0 < ahead_seen["batches_redone"] < ahead_seen["early"]
+    assert ahead_seen["batches"] == serial_seen["batches"] + ahead_seen["batches_redone"]
 
 
 def test_a_cpu_engine_runs_serially_unless_asked(engine):

@@ -1,14 +1,19 @@
-"""Running ahead: the host prepares batch N+1 while the device runs batch N.
+"""Running ahead: the device never waits for the host between two batches.
 
 Serially (the reference, and the default off CUDA) a group runs, its outputs are read back (the
 finite flags, a host sync on CUDA), its requests advance, and only then is the next group planned
 and its inputs copied. Running ahead, a group is launched and its requests advance at once on the
-device tensors it returned; the next group is launched too (within a tick) or planned and staged
-into its static buffers (the next tick's first group: `GraphRunner.stage`), and only then are the
-launched group's flags read and its requests settled: failures, timings, on_step. A tick planned
-ahead is committed only after that settle; when the settle or `before_commit` changed the scheduler
-(a failed row, a cancel, an arrival) the tick is planned again, so no row is stale or lost and every
-result equals the serial order's.
+device tensors it returned; the next group is launched too, within a tick, and across ticks the
+next tick is planned and its first group launched (`_prelaunch`: on CUDA its copies and replay queue
+behind the batch still running) before the launched group's flags are read and its requests settled:
+failures, timings, on_step. So the device always has the next batch queued while the host reads one
+back. A tick planned ahead is committed only after that settle; when the settle or `before_commit`
+changed the scheduler (a failed row, a cancel, an arrival) the tick is planned again, and a launched
+first group that is no longer the new plan's first group is dropped unread (its requests never
+advanced on it) and run again (`counters.batches_redone`). An arrival that joins a later lane leaves
+the first group as it was, so under load an arrival costs nothing; when it joins the first group
+(fewer requests running than the largest bucket) that batch runs twice. Every result equals the
+serial order's.
 
 Settled at once, as serially: a kind with HOST outputs or one that `continues` (the loop decides
 its next step from them), every group while warming up, and every group of a tick given `on_result`,
@@ -39,8 +44,25 @@ class Launched:
     on_step: Callable | None
 
 
+@dataclass
+class Prelaunched:
+    """The next tick's first group, launched before the tick was committed; its requests not advanced."""
+
+    group: Group
+    results: list[StepResult] | None
+    error: Exception | None  # what its run raised
+    elapsed: float
+    compiled_for_it: float
+
+
+def _same_group(a: Group, b: Group) -> bool:
+    """The same requests with the same plans (each loop is asked once a round) in the same rows and lane."""
+    return a.lane == b.lane and len(a.members) == len(b.members) and all(
+        x[0] is y[0] and x[1] is y[1] for x, y in zip(a.members, b.members))  # fmt: skip
+
+
 class RunAhead:
-    """The engine's run-ahead order. Reads the engine's `run_ahead`, `before_commit`, `_launched`,
+    """The engine's run-ahead order. Reads the engine's `run_ahead`, `before_commit`, `_launched`, `_early`,
     `_scheduler`, `_slots`, `executor`, `counters`, `loop`, `_warming`, `_retry_alone` and `_fail`; it runs
     inside a tick, under the engine's math mode."""
 
@@ -52,37 +74,57 @@ class RunAhead:
         return not kind.host_outputs and not kind.continues
 
     def _planned_ahead(self) -> Tick:
-        """The next tick, its first group staged before the group launched last is settled; planned
-        again when that settle or `before_commit` changed the scheduler."""
+        """The next tick, its first group launched before the group launched last is settled; planned
+        again when that settle or `before_commit` changed the scheduler, the early launch kept only
+        when the new plan's first group is the one it ran."""
         tick = self._scheduler.plan()
-        if tick.groups and self._runs_ahead(tick.groups[0]):
-            self._stage(tick.groups[0])
+        early = self._prelaunch(tick.groups[0]) if tick.groups and self._runs_ahead(tick.groups[0]) else None
         if self.before_commit is not None:
             self.before_commit()
         self._settle_launched()
         if tick.version != self._scheduler.version:
-            tick = self._scheduler.plan()  # the batch run() replays is filled again where it changed
+            tick = self._scheduler.plan()
+            if early is not None and tick.groups and _same_group(tick.groups[0], early.group):
+                early.group = tick.groups[0]  # the new plan's first group is the one it ran
+            elif early is not None:
+                early = None  # dropped unread: its requests did not advance on it, and its group runs anew
+                self.counters.batches_redone += 1
+        self._early = early
         return self._scheduler.commit(tick)
 
-    def _stage(self, group: Group) -> None:
-        try:
-            self.executor.stage([plan for _, plan in group.members], [self._slots.of(s) for s, _ in group.members], group.lane)
-        except Exception:  # the group's run reports it, member by member (Engine._run_group)
-            pass
-
-    def _launch_ahead(self, group: Group, on_step: Callable | None) -> None:
-        """Launch `group` and advance its requests, then settle the group launched before it."""
-        members = group.members
-        plans, slots = [plan for _, plan in members], [self._slots.of(state) for state, _ in members]
+    def _prelaunch(self, group: Group) -> Prelaunched:
+        """Run `group`'s batch now, its requests not advanced yet; an error is kept for the tick's run."""
+        plans, slots = [plan for _, plan in group.members], [self._slots.of(state) for state, _ in group.members]
         began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
         try:
-            results = self.executor.run_batch(plans, slots, group.lane)
-        except Exception as err:  # settle what is launched, then as serially: the group retried alone
-            self._settle_launched()
-            self._fail(self._retry_alone(members, on_step, None, err))
-            return
+            results, error = self.executor.run_batch(plans, slots, group.lane), None
+        except Exception as err:  # reported by the tick's run of the group, member by member
+            results, error = None, err
         compiled_for_it = self.counters.compile_seconds - compile_seconds
-        elapsed = time.perf_counter() - began - compiled_for_it
+        return Prelaunched(group, results, error, time.perf_counter() - began - compiled_for_it, compiled_for_it)
+
+    def _launch_ahead(self, group: Group, on_step: Callable | None) -> None:
+        """Launch `group` (or take its early launch) and advance its requests, then settle the group
+        launched before it."""
+        members = group.members
+        early, self._early = self._early, None
+        if early is not None and early.group is group:
+            results, error, elapsed, compiled_for_it = early.results, early.error, early.elapsed, early.compiled_for_it
+        else:
+            if early is not None:  # a tick cut short left it: dropped unread, like one a new plan no longer has
+                self.counters.batches_redone += 1
+            plans, slots = [plan for _, plan in members], [self._slots.of(state) for state, _ in members]
+            began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
+            try:
+                results, error = self.executor.run_batch(plans, slots, group.lane), None
+            except Exception as err:
+                results, error = None, err
+            compiled_for_it = self.counters.compile_seconds - compile_seconds
+            elapsed = time.perf_counter() - began - compiled_for_it
+        if error is not None:  # settle what is launched, then as serially: the group retried alone
+            self._settle_launched()
+            self._fail(self._retry_alone(members, on_step, None, error))
+            return
         launched = Launched(members, results, elapsed, compiled_for_it, advance_ahead(self.loop, members, results), on_step)
         self._settle_launched()
         self._launched = launched

@@ -54,8 +54,5 @@ class ParallelExecutor:
         self.group.collect(kind)
         return results
 
-    def stage(self, plans: list[WorkPlan], slots: list[RequestSlot], lane: int = 0) -> None:
-        """Nothing is prepared ahead: every rank fills its buffers when the call reaches it."""
-
     def close(self) -> None:
         self.group.close()

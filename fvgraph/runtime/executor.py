@@ -37,9 +37,6 @@ class EagerExecutor:
     def close(self) -> None:
         """Release what the executor holds beyond memory (nothing, here)."""
 
-    def stage(self, plans: list[WorkPlan], slots: list[RequestSlot], lane: int = 0) -> None:
-        """Prepare a later run_batch of these plans ahead (nothing to prepare when running eagerly)."""
-
     def __init__(self, steps: dict[str, nn.Module], counters: Counters, padded: BucketSpec | None = None):
         self.steps = steps
         self.counters = counters
@@ -111,15 +108,6 @@ class CompiledExecutor:
         self.counters.compiled_steps += len(plans)
         self.counters.batches += 1
         return results
-
-    def stage(self, plans: list[WorkPlan], slots: list[RequestSlot], lane: int = 0) -> None:
-        """Fill the static buffers a later run_batch of the same plans and slots replays (GraphRunner.stage);
-        plans that would run eagerly have nothing to stage."""
-        first = plans[0]
-        if not self.compiler.wants(first.kind) or first.pixel_shape is not None and not self._has_graphs(first.pixel_shape):
-            return
-        with torch.no_grad():
-            self.runner.stage(self.steps[first.kind], plans, slots, self.buckets.batch_for(len(plans)), lane)
 
     def prepare(self, plan: WorkPlan, on_bucket: Callable[[int], None] | None = None) -> None:
         """Compile (and capture) `plan`'s signature at every batch bucket, largest first, so the

@@ -71,7 +71,6 @@ class BucketGraph:
     prologue_constants: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     input_at: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)  # input buffers by data_ptr
     pad_from: int = 0  # the per-step buffers' rows from here on hold padding (bucket: none written yet)
-    staged: tuple = ()  # the (plans, slots) ids the buffers were filled for by stage(), not yet run
 
     def base_args(self) -> list[torch.Tensor]:
         """What the prologue takes: parameters, then the step inputs."""
@@ -112,21 +111,12 @@ class GraphRunner:
             lane: int = 0) -> BatchResults:  # fmt: skip
         """Run `plans` (same signature, len <= bucket) as one batch; one result per plan. `slots` are
         the plans' requests' runtime slots, in plan order. Each `lane` has its own static buffers
-        (and graph), sharing the compiled step. Buffers that stage() filled for these very plans are
-        replayed as they are."""
-        entry = self._entry(step, plans, slots, bucket, lane)
-        if entry.staged != _staged_key(plans, slots):
-            self._fill(entry, plans, slots)
-        entry.staged = ()
-        return self._scatter(entry, plans, self._replay(entry))
-
-    def stage(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int, lane: int = 0) -> None:
-        """Fill the static buffers for `plans` now, so that run() with the same plans and slots only
-        replays: the host prepares the next batch while the device still runs the one before (on
-        CUDA the copies queue behind that batch on the stream, so its buffers are not written early)."""
+        (and graph), sharing the compiled step. On CUDA the copies into the buffers queue on the
+        stream behind the batches before, so a run may be issued while an earlier one still runs
+        (fvgraph/engine/run_ahead.py): its outputs were copied out at its launch."""
         entry = self._entry(step, plans, slots, bucket, lane)
         self._fill(entry, plans, slots)
-        entry.staged = _staged_key(plans, slots)
+        return self._scatter(entry, plans, self._replay(entry))
 
     def _entry(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int, lane: int) -> BucketGraph:
         entry = self._graphs.get((plans[0].signature, bucket, lane))
@@ -268,7 +258,7 @@ class GraphRunner:
             owners = [*(slots[i] for i in missing), *source.input_owners[len(missing):]]
             changed = _changed_rows(owners, source.input_owners)
             self._write_constants(source, changed, owners, lambda r: plans[missing[r]].inputs)
-            source.input_owners, source.staged = owners, ()  # a batch staged on these buffers is filled again
+            source.input_owners = owners
         for name, buffer in source.prologue_constants:  # kept current nowhere: written for each request computed
             for i, row in zip(missing, rows):
                 buffer[row : row + 1].copy_(plans[i].inputs[name])
@@ -313,10 +303,6 @@ class GraphRunner:
         entry.graph.replay()
         self.counters.replays += 1
         return entry.outputs
-
-
-def _staged_key(plans: list[WorkPlan], slots: list[RequestSlot]) -> tuple:
-    return (*map(id, plans), *map(id, slots))
 
 
 def _changed_rows(owners: list, previous: list) -> list[int]:
