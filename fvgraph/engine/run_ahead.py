@@ -46,7 +46,8 @@ class Launched:
 
 @dataclass
 class Prelaunched:
-    """The next tick's first group, launched before the tick was committed; its requests not advanced."""
+    """A group's batch, run, its requests not advanced yet: the next tick's first group is run so
+    before that tick is committed (the engine's `_early`), every other group just before it advances."""
 
     group: Group
     results: list[StepResult] | None
@@ -106,26 +107,17 @@ class RunAhead:
     def _launch_ahead(self, group: Group, on_step: Callable | None) -> None:
         """Launch `group` (or take its early launch) and advance its requests, then settle the group
         launched before it."""
-        members = group.members
-        early, self._early = self._early, None
-        if early is not None and early.group is group:
-            results, error, elapsed, compiled_for_it = early.results, early.error, early.elapsed, early.compiled_for_it
-        else:
-            if early is not None:  # a tick cut short left it: dropped unread, like one a new plan no longer has
+        run, self._early = self._early, None
+        if run is None or run.group is not group:
+            if run is not None:  # a tick cut short left it: dropped unread, like one a new plan no longer has
                 self.counters.batches_redone += 1
-            plans, slots = [plan for _, plan in members], [self._slots.of(state) for state, _ in members]
-            began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
-            try:
-                results, error = self.executor.run_batch(plans, slots, group.lane), None
-            except Exception as err:
-                results, error = None, err
-            compiled_for_it = self.counters.compile_seconds - compile_seconds
-            elapsed = time.perf_counter() - began - compiled_for_it
-        if error is not None:  # settle what is launched, then as serially: the group retried alone
+            run = self._prelaunch(group)
+        if run.error is not None:  # settle what is launched, then as serially: the group retried alone
             self._settle_launched()
-            self._fail(self._retry_alone(members, on_step, None, error))
+            self._fail(self._retry_alone(group.members, on_step, None, run.error))
             return
-        launched = Launched(members, results, elapsed, compiled_for_it, advance_ahead(self.loop, members, results), on_step)
+        advanced = advance_ahead(self.loop, group.members, run.results)
+        launched = Launched(group.members, run.results, run.elapsed, run.compiled_for_it, advanced, on_step)
         self._settle_launched()
         self._launched = launched
 
