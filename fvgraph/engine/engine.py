@@ -36,7 +36,7 @@ from fvgraph.engine.adapter_admin import AdapterAdmin
 from fvgraph.engine.builder import build_engine_parts
 from fvgraph.engine.fold_back import fold_back
 from fvgraph.engine.rollouts import RolloutAdmin
-from fvgraph.engine.run_ahead import Launched, Prelaunched, RunAhead
+from fvgraph.engine.run_ahead import GroupRun, Launched, RunAhead
 from fvgraph.engine.weight_sync import WeightSync
 from fvgraph.engine.parts import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
@@ -80,7 +80,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         # Prepare the next batch before reading the last one back (fvgraph/engine/run_ahead.py).
         self.run_ahead = run_ahead
         self._launched: Launched | None = None  # launched and advanced, not yet settled
-        self._early: Prelaunched | None = None  # the committed tick's first group, launched before the commit
+        self._early: GroupRun | None = None  # the committed tick's first group, launched before the commit
         # Called once per tick before it is committed; running ahead, after its first batch was launched.
         self.before_commit: Callable[[], None] | None = None
 

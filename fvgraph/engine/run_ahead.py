@@ -4,7 +4,7 @@ Serially (the reference, and the default off CUDA) a group runs, its outputs are
 finite flags, a host sync on CUDA), its requests advance, and only then is the next group planned
 and its inputs copied. Running ahead, a group is launched and its requests advance at once on the
 device tensors it returned; the next group is launched too, within a tick, and across ticks the
-next tick is planned and its first group launched (`_prelaunch`: on CUDA its copies and replay queue
+next tick is planned and its first group launched (`_planned_ahead`: on CUDA its copies and replay queue
 behind the batch still running) before the launched group's flags are read and its requests settled:
 failures, timings, on_step. So the device always has the next batch queued while the host reads one
 back. A tick planned ahead is committed only after that settle; when the settle or `before_commit`
@@ -45,7 +45,7 @@ class Launched:
 
 
 @dataclass
-class Prelaunched:
+class GroupRun:
     """A group's batch, run, its requests not advanced yet: the next tick's first group is run so
     before that tick is committed (the engine's `_early`), every other group just before it advances."""
 
@@ -79,7 +79,7 @@ class RunAhead:
         again when that settle or `before_commit` changed the scheduler, the early launch kept only
         when the new plan's first group is the one it ran."""
         tick = self._scheduler.plan()
-        early = self._prelaunch(tick.groups[0]) if tick.groups and self._runs_ahead(tick.groups[0]) else None
+        early = self._run_batch_of(tick.groups[0]) if tick.groups and self._runs_ahead(tick.groups[0]) else None
         if self.before_commit is not None:
             self.before_commit()
         self._settle_launched()
@@ -93,7 +93,7 @@ class RunAhead:
         self._early = early
         return self._scheduler.commit(tick)
 
-    def _prelaunch(self, group: Group) -> Prelaunched:
+    def _run_batch_of(self, group: Group) -> GroupRun:
         """Run `group`'s batch now, its requests not advanced yet; an error is kept for the tick's run."""
         plans, slots = [plan for _, plan in group.members], [self._slots.of(state) for state, _ in group.members]
         began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
@@ -102,7 +102,7 @@ class RunAhead:
         except Exception as err:  # reported by the tick's run of the group, member by member
             results, error = None, err
         compiled_for_it = self.counters.compile_seconds - compile_seconds
-        return Prelaunched(group, results, error, time.perf_counter() - began - compiled_for_it, compiled_for_it)
+        return GroupRun(group, results, error, time.perf_counter() - began - compiled_for_it, compiled_for_it)
 
     def _launch_ahead(self, group: Group, on_step: Callable | None) -> None:
         """Launch `group` (or take its early launch) and advance its requests, then settle the group
@@ -111,7 +111,7 @@ class RunAhead:
         if run is None or run.group is not group:
             if run is not None:  # a tick cut short left it: dropped unread, like one a new plan no longer has
                 self.counters.batches_redone += 1
-            run = self._prelaunch(group)
+            run = self._run_batch_of(group)
         if run.error is not None:  # settle what is launched, then as serially: the group retried alone
             self._settle_launched()
             self._fail(self._retry_alone(group.members, on_step, None, run.error))
