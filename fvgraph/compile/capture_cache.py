@@ -124,9 +124,8 @@ class CaptureCache:
     def unloadable(self, key: str, factors: dict) -> str | None:
         """Why the artifacts built for `key` (with these factors) did not load here, when they did not
         (`mark_unloadable`); None otherwise."""
-        marks = self._read_manifest(self.dir).get("unloadable")
-        record = marks.get(key) if isinstance(marks, dict) else None
-        if isinstance(record, dict) and record.get("factors") == _normalized(factors):
+        record = self.unloadable_keys().get(key)
+        if record is not None and record.get("factors") == _normalized(factors):
             return str(record.get("problem"))
         return None
 
