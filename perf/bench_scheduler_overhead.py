@@ -15,9 +15,11 @@ loop bookkeeping. Timed apart and subtracted: the step (the compiled callable, o
 CPU side of a graph replay), the per-request prologue it feeds (reported as its own figure, with
 how many times it ran), request admission (validation, noise, sampler plan) and finalize (on a GPU
 that is where the host waits for the device); the requests themselves are built before the clock
-starts. Prints
-one JSON line (fvgraph.perf.method): each figure as min / median / max over `--repeats` runs, per
-batch and per request-step. Target: <= 100 us per batch.
+starts. Timed apart but not subtracted: the copies of hoisted values into batch rows (one per
+arrival, and one per request moving rows; `hoisted_rows_copied` counts them). On a GPU they are
+device copies queued behind the step; on a CPU they are memory traffic of megabytes per row, so the
+line also gives the overhead less them. Prints one JSON line (fvgraph.perf.method): each figure as
+min / median / max over `--repeats` runs, per batch and per request-step. Target: <= 100 us per batch.
 
 With `--against-commit SHA` the same mix runs on SHA's tree and on this one, each in a worker process
 of its own (perf/commit_tree.py), timed by this script's method on both: after both are warm, each
@@ -119,6 +121,8 @@ def instrument(engine: Engine, watch: Stopwatch, phases: bool = False) -> None:
         if not hasattr(entry.compiled.prologue_fn, "stopwatch") and entry.compiled.prologue_fn is not None:
             entry.compiled.prologue_fn = watch.wrap("prologue", entry.compiled.prologue_fn)
     engine.start = watch.wrap("start", engine.start)
+    if hasattr(runner, "_copy_hoisted"):  # an older tree copies hoisted rows inside _fill_hoisted
+        runner._copy_hoisted = watch.wrap("row_copies", runner._copy_hoisted)
     engine.loop.finalize = watch.wrap("finalize", engine.loop.finalize)
     if phases:
         owners = {"scheduler": getattr(engine, "_scheduler", None), "loop": engine.loop, "runner": runner,
@@ -182,9 +186,10 @@ class Bench:
         outside = wall - sum(seconds[label] for label in SUBTRACTED)
         run = dict(batches=done["batches"], request_steps=done["compiled_steps"], outside=outside,
                    step=seconds["step"], prologue=seconds["prologue"], prologue_runs=done.get("prologue_runs"),
-                   start=seconds["start"])  # fmt: skip
+                   start=seconds["start"], row_copies=seconds["row_copies"],
+                   rows_copied=done.get("hoisted_rows_copied"))  # fmt: skip
         if self.args.phases:
-            run["phases"] = {label: seconds[label] for label in PHASES}
+            run["phases"] = {label: seconds[label] for label in (*PHASES, "row_copies")}
             run["phases"]["other"] = outside - sum(run["phases"].values())
         return run
 
@@ -218,6 +223,8 @@ def figures(runs: list[dict], requests: int) -> dict:
             "overhead_us_per_batch": us("outside", "batches"), "overhead_us_per_request_step": us("outside", "request_steps"),
             "step_us_per_batch": us("step", "batches"), "prologue_us_per_batch": us("prologue", "batches"),
             "prologue_runs": runs[0]["prologue_runs"], "start_us_per_request": spread([r["start"] / requests for r in runs], 1e6, 1),
+            "row_copies_us_per_batch": us("row_copies", "batches"), "hoisted_rows_copied": runs[0]["rows_copied"],
+            "overhead_less_row_copies_us_per_batch": spread([(r["outside"] - r["row_copies"]) / r["batches"] for r in runs], 1e6, 1),
             **phase_figures(runs)}  # fmt: skip
 
 

@@ -120,17 +120,26 @@ def test_an_arrival_into_a_running_batch_gets_its_hoisted_values_from_the_smalle
 
 def test_the_text_only_the_prologue_reads_is_written_for_its_requests_alone(tiny_engine, tiny_card):
     """Once hoisting moved every use of the texts into the prologue, the step no longer reads them:
-    the runner writes them only for the requests a prologue computes (at bucket 4 into their own rows,
-    at bucket 1 for the arrival), not into every row that changes hands. NaN poured into those buffers
-    before every step reaches no result."""
+    the runner writes them only for the requests a prologue computes at bucket 4, into their own rows,
+    not into every row that changes hands; and the arrival's batch-1 prologue reads its own texts,
+    copied into no buffer: its buffers hold NaN throughout. NaN poured into those buffers before every
+    step reaches no result."""
     engine, requests = _arrival_mix()
+    prologue_args, [single] = [], [e for e in engine.executor.runner._graphs.values() if e.bucket == 1]
     for entry in engine.executor.runner._graphs.values():
         assert entry.compiled.unread_inputs == {"prompt_embeds", "negative_prompt_embeds"}
         assert {name for name, _ in entry.prologue_constants} == entry.compiled.unread_inputs
         buffers, step = [buffer for _, buffer in entry.prologue_constants], entry.compiled.step_fn
         entry.compiled.step_fn = lambda *args, step=step, buffers=buffers: [b.fill_(float("nan")) for b in buffers] and step(*args)
+        if entry.bucket == 1:
+            run = entry.compiled.prologue_fn
+            entry.compiled.prologue_fn = lambda *args, run=run: prologue_args.append(args) or run(*args)
+            [b.fill_(float("nan")) for b in buffers]
     with engine.counters.expect(compiles=0, prologue_runs=2):
         ours = engine.generate(requests)
+    [args] = prologue_args  # the arrival's
+    assert not any(arg is buffer for arg in args for _, buffer in single.prologue_constants)
+    assert all(buffer.isnan().all() for _, buffer in single.prologue_constants)
     tol = tiny_card.parity.tolerance("fp32", "loop")
     for result, reference in zip(ours, tiny_engine.generate(requests)):
         assert result.ok, result.error

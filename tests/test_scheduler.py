@@ -189,7 +189,8 @@ def test_rows_whose_request_stayed_are_not_refilled(batched, monkeypatch):
 
     monkeypatch.setattr(runner, "_fill_hoisted", counting_fill)
     monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
-    assert all(r.ok for r in batched.generate(_mix()))
+    with batched.counters.expect(hoisted_rows_copied=3 + 1 + 1):
+        assert all(r.ok for r in batched.generate(_mix()))
     [entry] = [e for e in runner._graphs.values() if e.compiled.prologue_fn is not None]
     assert copies["n"] == (3 + 1 + 1) * len(entry.hoisted) + 3 * len(entry.prologue_constants)
     assert len(entry.prologue_constants) == 2  # the texts of both CFG branches

@@ -21,6 +21,7 @@ class Counters:
     eager_steps: int = 0  # steps served by the eager executor
     fallbacks: int = 0  # steps that wanted a compiled graph and ran eager instead
     prologue_runs: int = 0  # hoisted per-request prologues computed (one run covers a group)
+    hoisted_rows_copied: int = 0  # a request's hoisted values copied into a batch row (it arrived there, or moved)
     captures: int = 0  # CUDA graphs captured
     replays: int = 0  # CUDA graph replays
     batches: int = 0  # groups of steps run as one compiled batch

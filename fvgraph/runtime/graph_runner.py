@@ -16,7 +16,8 @@ the batch in dim 0, branch-major (rows `k * bucket + i` for CFG branch k), so a 
 per request with `m = rows / bucket`. A row of the static buffers (hoisted values, and inputs that
 are constant for a request) is rewritten only when it changes hands; the scheduler keeps requests
 in their rows. A constant the step no longer reads (a text whose every use was hoisted) is written
-only for the requests a prologue computes.
+only for the requests a prologue computes, and not at all for a lone arrival: a batch-1 prologue
+reads the request's own tensors.
 
 Callers hold `torch.no_grad()` (the compiled executor does, once per batch).
 """
@@ -241,9 +242,15 @@ class GraphRunner:
         # or went are copied; a request whose values were just computed is always copied.
         changed = sorted(set(_changed_rows(owners, entry.hoisted_for)) | set(missing))
         if changed:
-            for j, (buffer, m) in enumerate(zip(entry.hoisted, entry.rows_per_request)):
-                self._write_rows(buffer, m, entry.bucket, changed, owners, lambda i: slots[i].hoisted[key][j])
+            self._copy_hoisted(entry, changed, owners, [slot.hoisted[key] for slot in slots])
             entry.hoisted_for = owners
+
+    def _copy_hoisted(self, entry: BucketGraph, rows: list[int], owners: list, values: list[list[torch.Tensor]]) -> None:
+        """Each of `rows` of every hoisted buffer: its request's values (values[i]), or padding. On a
+        GPU these are device copies queued behind the step; on a CPU, the host's memory traffic."""
+        for j, (buffer, m) in enumerate(zip(entry.hoisted, entry.rows_per_request)):
+            self._write_rows(buffer, m, entry.bucket, rows, owners, lambda i: values[i][j])
+        self.counters.hoisted_rows_copied += sum(owners[i] is not None for i in rows)
 
     def _run_prologue(self, entry: BucketGraph, plans: list[WorkPlan], slots: list[RequestSlot], missing: list[int],
                       key: tuple) -> None:  # fmt: skip
@@ -251,18 +258,15 @@ class GraphRunner:
         the smallest prepared bucket that holds them, so an arrival into a full batch costs a batch-1
         prologue, not a whole bucket's; each keeps them in its slot for every bucket it runs at."""
         source = self._prologue_source(entry, len(missing))
-        if source is entry:  # the constants its step reads are in the new requests' rows already
-            rows = missing
-        else:  # those into the first rows of the smaller bucket's buffers
-            rows = list(range(len(missing)))
-            owners = [*(slots[i] for i in missing), *source.input_owners[len(missing):]]
-            changed = _changed_rows(owners, source.input_owners)
-            self._write_constants(source, changed, owners, lambda r: plans[missing[r]].inputs)
-            source.input_owners = owners
-        for name, buffer in source.prologue_constants:  # kept current nowhere: written for each request computed
-            for i, row in zip(missing, rows):
-                buffer[row : row + 1].copy_(plans[i].inputs[name])
-        values = source.compiled.prologue_fn(*source.base_args())
+        if source.bucket == 1:  # one arrival: the prologue reads its own batch-1 tensors, copied nowhere
+            rows, args = [0], self._own_args(source, plans[missing[0]])
+        else:
+            rows = missing if source is entry else self._constants_into_first_rows(source, plans, slots, missing)
+            for name, buffer in source.prologue_constants:  # kept current nowhere: written for each request computed
+                for i, row in zip(missing, rows):
+                    buffer[row : row + 1].copy_(plans[i].inputs[name])
+            args = source.base_args()
+        values = source.compiled.prologue_fn(*args)
         self.counters.prologue_runs += 1
         # The prologue's outputs are fresh tensors, so each new request keeps views of its rows of them
         # as they are: no copy but the one into the static buffers. An output that aliases a static
@@ -271,6 +275,32 @@ class GraphRunner:
                 for v, m in zip(values, source.rows_per_request)]  # fmt: skip
         for i, row in zip(missing, rows):
             slots[i].keep_hoisted(key, [k[:, row] for k in kept])
+
+    def _constants_into_first_rows(self, source: BucketGraph, plans: list[WorkPlan], slots: list[RequestSlot],
+                                   missing: list[int]) -> list[int]:  # fmt: skip
+        """The constants the step reads of the requests at `missing` into the first rows of a smaller
+        bucket's buffers (the rows its prologue computes them in); returns those rows."""
+        owners = [*(slots[i] for i in missing), *source.input_owners[len(missing) :]]
+        changed = _changed_rows(owners, source.input_owners)
+        self._write_constants(source, changed, owners, lambda r: plans[missing[r]].inputs)
+        source.input_owners = owners
+        return list(range(len(missing)))
+
+    def _own_args(self, source: BucketGraph, plan: WorkPlan) -> list[torch.Tensor]:
+        """A batch-1 prologue's arguments: the plan's own inputs, laid out as the buffers they stand
+        for (each is [1, ...], as a bucket-1 buffer), so an arrival's texts (megabytes) are not copied
+        into a buffer just to be read once. An input laid out otherwise goes through its buffer, and
+        then that buffer's row no longer holds its owner's constants."""
+        args = list(source.compiled.params)
+        for name in source.compiled.input_names:
+            own, buffer = plan.inputs[name], source.inputs[name]
+            if own.shape == buffer.shape and own.stride() == buffer.stride() and own.dtype == buffer.dtype and own.device == buffer.device:
+                args.append(own)
+                continue
+            buffer.copy_(own)
+            source.input_owners = [_UNWRITTEN]
+            args.append(buffer)
+        return args
 
     def _prologue_source(self, entry: BucketGraph, count: int) -> BucketGraph:
         """The prepared graph of `entry`'s step at the smallest bucket of at least `count` rows whose
