@@ -71,6 +71,15 @@ STEP_KINDS = {
 }  # fmt: skip
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, the copy not waiting for the device: a blocking copy from pageable
+    memory waits for every batch queued on the stream, and this runs while one is (an arrival planned,
+    a fresh draw in advance, the engine running ahead). On CUDA it goes through pinned memory."""
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 class DenoiseFacts(NamedTuple):
     """Derived once per request from its state (kept in T2VState.derived, never saved)."""
 
@@ -218,7 +227,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
         device = self.components.device
         plan, sampler = self.planned(request.num_inference_steps, request), self.sampler_of(request)
         generator = torch.Generator("cpu").manual_seed(request.seed)
-        latents = self._initial_noise(request, generator).to(device)
+        latents = to_device(self._initial_noise(request, generator), device)
         state = self.state_type(
             request_id=request.request_id,
             card_id=self.card.card_id,
@@ -304,7 +313,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
         generator = torch.Generator("cpu")
         generator.set_state(state.generator_state)
         noise = torch.randn(tuple(state.latents.shape), generator=generator, dtype=torch.float32)
-        state.fresh_noise, state.generator_state = noise.to(state.latents.device), generator.get_state()
+        state.fresh_noise, state.generator_state = to_device(noise, state.latents.device), generator.get_state()
 
     def _padded(self, embeds: torch.Tensor | None) -> torch.Tensor | None:
         """[L, D] user embeddings -> [1, text_len, D], zero-padded as Wan's own encoder output is."""
@@ -355,7 +364,7 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
         _, _, frames, h, w = state.latents.shape
         pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
         kind = (DENOISE_SDE_CFG if state.cfg else DENOISE_SDE) if state.rollout_noise_level is not None else DENOISE_CFG if state.cfg else DENOISE
-        timesteps, coeffs = state.timesteps.to(device).split(1), state.coeffs.to(device).split(1)
+        timesteps, coeffs = to_device(state.timesteps, device).split(1), to_device(state.coeffs, device).split(1)
         return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names(len(state.carry)), signature=None)
 
     def _conditioning_inputs(self, state: T2VState) -> dict[str, torch.Tensor]:
