@@ -27,11 +27,14 @@ of its own (perf/commit_tree.py), timed by this script's method on both: after b
 round times one mix on each side, the order alternating, never both at once. The line then holds
 both spreads and the per-round ratio (this tree / SHA) of the overhead per batch.
 
-With `--stand-in` each round times the mix three times, the order rotating: with the real step, and
+With `--stand-in` each round times the mix four times (each after an untimed run in the same mode),
+the order rotating: with the real step, and
 with perf/stand_in_step.py in its place returning recorded outputs, once as they are ("warm": the
-host's caches as a GPU step leaves them) and once after sweeping more memory than the last-level
-cache ("evict": as the CPU step leaves them). On the CPU the gap between warm and step is what the
-step's memory traffic costs the host code after it, not host work.
+host's caches as a GPU step leaves them), once after sweeping more memory than the last-level
+cache ("evict": as the CPU step leaves them), and once with the prologues and the row copies stood
+in for too ("host": no device work at all touches the host's caches, as on a GPU). On the CPU the
+gap between warm and step is what the step's memory traffic costs the host code after it, not host
+work.
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ class Stopwatch:
                 if self._nested:
                     self._nested[-1] += elapsed
 
-        timed.stopwatch = self
+        timed.stopwatch, timed.__wrapped__ = self, fn
         return timed
 
 
@@ -203,12 +206,20 @@ def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> No
     runner = bench.engine.executor.runner
     step = stand_in_step.StandInStep(runner._replay)  # the stopwatch's "step": both are subtracted
     runner._replay = bench.watch.wrap("step", step)
+    for entry in runner._graphs.values():  # inside the stopwatch's "prologue" wrapper: subtracted either way
+        prologue = getattr(entry.compiled.prologue_fn, "__wrapped__", None)
+        if prologue is not None:
+            entry.compiled.prologue_fn = bench.watch.wrap("prologue", stand_in_step.StandInPrologue(prologue, step))
+    copy_hoisted = getattr(runner._copy_hoisted, "__wrapped__", None)
+    if copy_hoisted is not None:
+        runner._copy_hoisted = bench.watch.wrap("row_copies", stand_in_step.skip_row_copies(copy_hoisted, step))
     bench.run()  # untimed: every bucket's outputs recorded from a real run
     modes = stand_in_step.MODES
     runs = {mode: [] for mode in modes}
     for r in range(args.repeats):
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
             step.mode = mode
+            bench.run()  # untimed: the run after a switch frees what the last mode allocated (hoisted values, outputs)
             runs[mode].append(bench.run())
     per_batch = {mode: [run["outside"] / run["batches"] for run in mode_runs] for mode, mode_runs in runs.items()}
     emit({
@@ -216,7 +227,8 @@ def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> No
         "backend": backend, "requests": args.requests, "batch_sizes": args.batch_sizes,
         **{mode: figures(runs[mode], args.requests) for mode in modes},
         "warm_over_step": paired_ratio(per_batch["warm"], per_batch["step"]),
-        "evict_over_step": paired_ratio(per_batch["evict"], per_batch["step"])
+        "evict_over_step": paired_ratio(per_batch["evict"], per_batch["step"]),
+        "host_over_step": paired_ratio(per_batch["host"], per_batch["step"]),
     })  # fmt: skip
 
 

@@ -13,17 +13,21 @@ on finite values, without the step's work:
 - "evict": the recorded outputs after one in-place pass over EVICT_BYTES of memory (more than the
   machine's last-level cache): the same stand-in with a step's effect on the caches, so the gap to
   "warm" is the caches and not the stand-in.
+- "host": as "warm", and the rest of the device's work stood in for too: a prologue returns its
+  bucket's first outputs as they are (`StandInPrologue`), and the hoisted values are not copied into
+  batch rows (`skip_row_copies`; they are still counted). On a GPU all of it is device work that
+  leaves the host's caches alone, so this is the host's own cost as a GPU host pays it.
 
-Only the step is stood in for: a new request's prologue (its hoisted values) still runs, as does
-everything around the step. A diagnostic of the benchmark, never of the engine's results: nothing
-it returns is checked.
+In the other modes a new request's prologue (its hoisted values) still runs and its values are
+copied into their rows, as is everything around the step. A diagnostic of the benchmark, never of
+the engine's results: nothing it returns is checked.
 """
 
 from __future__ import annotations
 
 import torch
 
-MODES = ("step", "warm", "evict")
+MODES = ("step", "warm", "evict", "host")
 EVICT_BYTES = 64 * 1024 * 1024
 
 
@@ -51,3 +55,31 @@ class StandInStep:
 def _as_returned(entry, outs) -> tuple[torch.Tensor, ...]:
     """`outs` as a step returns them: computed outputs fresh (copied), input buffers passed through as the buffers."""
     return tuple(out if out.data_ptr() in entry.input_at else out.clone() for out in outs)
+
+
+class StandInPrologue:
+    """A prologue that, in the step's "host" mode, returns the outputs its first run returned, as
+    they are (the requests that keep views of them read nothing: the step is stood in for too)."""
+
+    def __init__(self, prologue, step: StandInStep):
+        self._prologue, self._step = prologue, step
+        self._recorded = None
+
+    def __call__(self, *args):
+        if self._step.mode == "host" and self._recorded is not None:
+            return self._recorded
+        outs = self._prologue(*args)
+        if self._recorded is None:
+            self._recorded = outs
+        return outs
+
+
+def skip_row_copies(copy_hoisted, step: StandInStep):
+    """The graph runner's `_copy_hoisted`, skipped in the step's "host" mode (the rows are counted as copied)."""
+
+    def copy_or_count(entry, rows, owners, values):
+        if step.mode != "host":
+            return copy_hoisted(entry, rows, owners, values)
+        copy_hoisted.__self__.counters.hoisted_rows_copied += sum(owners[i] is not None for i in rows)
+
+    return copy_or_count

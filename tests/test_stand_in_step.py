@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import torch
 
 from fvgraph.perf import bench_scheduler_overhead as bench
-from fvgraph.perf.stand_in_step import StandInStep
+from fvgraph.perf.stand_in_step import StandInPrologue, StandInStep
 
 
 def test_the_stand_in_returns_the_first_runs_outputs_without_running_the_step():
@@ -35,8 +35,20 @@ def test_one_run_times_the_mix_with_the_step_warm_and_evicted(capsys):
                 "--batch-sizes", "1", "--stand-in"])  # fmt: skip
     [line] = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
     assert line["bench"] == "scheduler_overhead_stand_in"
-    for mode in ("step", "warm", "evict"):  # the same mix each way: 2 requests of 2 and 1 steps
+    for mode in ("step", "warm", "evict", "host"):  # the same mix each way: 2 requests of 2 and 1 steps
         assert (line[mode]["request_steps"], line[mode]["batches"]) == (3, 3), mode
         assert line[mode]["prologue_runs"] == 2, mode  # stood in for or not, each request's prologue runs
+        assert line[mode]["hoisted_rows_copied"] == 2, mode  # copied or, in "host", counted
         assert line[mode]["overhead_us_per_batch"]["repeats"] == 3
-    assert line["warm_over_step"]["repeats"] == 3 and line["evict_over_step"]["min"] > 0
+    assert line["warm_over_step"]["repeats"] == 3 and line["evict_over_step"]["min"] > 0 and line["host_over_step"]["min"] > 0
+
+
+def test_in_host_mode_a_prologue_returns_its_first_outputs_without_running():
+    step, calls = StandInStep(lambda entry: ()), []
+    prologue = StandInPrologue(lambda *args: calls.append(args) or (torch.full((2,), float(len(calls))),), step)
+    first = prologue(1)
+    for mode in ("step", "warm", "evict"):  # the prologue runs
+        step.mode = mode
+        assert prologue(2)[0][0] == float(len(calls)) and calls[-1] == (2,), mode
+    step.mode = "host"
+    assert prologue(3) is first and len(calls) == 4  # its first outputs, as they are; no run
