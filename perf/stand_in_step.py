@@ -14,8 +14,9 @@ on finite values, without the step's work:
   machine's last-level cache): the same stand-in with a step's effect on the caches, so the gap to
   "warm" is the caches and not the stand-in.
 - "host": as "warm", and the rest of the device's work stood in for too: a prologue returns its
-  bucket's first outputs as they are (`StandInPrologue`), and the hoisted values are not copied into
-  batch rows (`skip_row_copies`; they are still counted). On a GPU all of it is device work that
+  bucket's first outputs as they are (`StandInPrologue`), the texts it reads are not copied into its
+  buffers, and the hoisted values are not copied into batch rows (`skip_in_host_mode`; rows are
+  still counted). On a GPU all of it is device work that
   leaves the host's caches alone, so this is the host's own cost as a GPU host pays it.
 
 In the other modes a new request's prologue (its hoisted values) still runs and its values are
@@ -74,12 +75,15 @@ class StandInPrologue:
         return outs
 
 
-def skip_row_copies(copy_hoisted, step: StandInStep):
-    """The graph runner's `_copy_hoisted`, skipped in the step's "host" mode (the rows are counted as copied)."""
+def skip_in_host_mode(copy, step: StandInStep):
+    """One of the graph runner's copies of device data (`_copy_hoisted`, `_copy_prologue_constants`),
+    skipped in the step's "host" mode; hoisted rows are counted as copied all the same."""
 
-    def copy_or_count(entry, rows, owners, values):
+    def copy_or_skip(*args):
         if step.mode != "host":
-            return copy_hoisted(entry, rows, owners, values)
-        copy_hoisted.__self__.counters.hoisted_rows_copied += sum(owners[i] is not None for i in rows)
+            return copy(*args)
+        if copy.__name__ == "_copy_hoisted":
+            _, rows, owners, _ = args
+            copy.__self__.counters.hoisted_rows_copied += sum(owners[i] is not None for i in rows)
 
-    return copy_or_count
+    return copy_or_skip

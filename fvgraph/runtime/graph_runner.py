@@ -262,9 +262,7 @@ class GraphRunner:
             rows, args = [0], self._own_args(source, plans[missing[0]])
         else:
             rows = missing if source is entry else self._constants_into_first_rows(source, plans, slots, missing)
-            for name, buffer in source.prologue_constants:  # kept current nowhere: written for each request computed
-                for i, row in zip(missing, rows):
-                    buffer[row : row + 1].copy_(plans[i].inputs[name])
+            self._copy_prologue_constants(source, [plans[i] for i in missing], rows)
             args = source.base_args()
         values = source.compiled.prologue_fn(*args)
         self.counters.prologue_runs += 1
@@ -285,6 +283,12 @@ class GraphRunner:
         self._write_constants(source, changed, owners, lambda r: plans[missing[r]].inputs)
         source.input_owners = owners
         return list(range(len(missing)))
+
+    def _copy_prologue_constants(self, source: BucketGraph, plans: list[WorkPlan], rows: list[int]) -> None:
+        """The constants only the prologue reads (kept current nowhere) of `plans` into their `rows`."""
+        for name, buffer in source.prologue_constants:
+            for plan, row in zip(plans, rows):
+                buffer[row : row + 1].copy_(plan.inputs[name])
 
     def _own_args(self, source: BucketGraph, plan: WorkPlan) -> list[torch.Tensor]:
         """A batch-1 prologue's arguments: the plan's own inputs, laid out as the buffers they stand
