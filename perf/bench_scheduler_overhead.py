@@ -31,8 +31,9 @@ With `--stand-in` each round times the mix four times (each after an untimed run
 the order rotating: with the real step, and
 with perf/stand_in_step.py in its place returning recorded outputs, once as they are ("warm": the
 host's caches as a GPU step leaves them), once after sweeping more memory than the last-level
-cache ("evict": as the CPU step leaves them), and once with the prologues and the row copies stood
-in for too ("host": no device work at all touches the host's caches, as on a GPU). On the CPU the
+cache ("evict": as the CPU step leaves them), and once with the prologues and the device copies
+(texts into a prologue's buffers, hoisted rows) stood in for too ("host": no device work at all
+touches the host's caches, as on a GPU). On the CPU the
 gap between warm and step is what the step's memory traffic costs the host code after it, not host
 work.
 """
