@@ -213,7 +213,7 @@ def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> No
             entry.compiled.prologue_fn = bench.watch.wrap("prologue", stand_in_step.StandInPrologue(prologue, step))
     copy_hoisted = getattr(runner._copy_hoisted, "__wrapped__", None)
     if copy_hoisted is not None:
-        runner._copy_hoisted = bench.watch.wrap("row_copies", stand_in_step.skip_in_host_mode(copy_hoisted, step))
+        runner._copy_hoisted = bench.watch.wrap("row_copies", stand_in_step.skip_in_host_mode(copy_hoisted, step, runner.counters))
     if hasattr(runner, "_copy_prologue_constants"):
         runner._copy_prologue_constants = stand_in_step.skip_in_host_mode(runner._copy_prologue_constants, step)
     bench.run()  # untimed: every bucket's outputs recorded from a real run

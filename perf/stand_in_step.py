@@ -75,15 +75,16 @@ class StandInPrologue:
         return outs
 
 
-def skip_in_host_mode(copy, step: StandInStep):
+def skip_in_host_mode(copy, step: StandInStep, counters=None):
     """One of the graph runner's copies of device data (`_copy_hoisted`, `_copy_prologue_constants`),
-    skipped in the step's "host" mode; hoisted rows are counted as copied all the same."""
+    skipped in the step's "host" mode. Given the engine's `counters`, it is the hoisted-row copy, whose
+    rows are counted as copied all the same."""
 
     def copy_or_skip(*args):
         if step.mode != "host":
             return copy(*args)
-        if copy.__name__ == "_copy_hoisted":
+        if counters is not None:
             _, rows, owners, _ = args
-            copy.__self__.counters.hoisted_rows_copied += sum(owners[i] is not None for i in rows)
+            counters.hoisted_rows_copied += sum(owners[i] is not None for i in rows)
 
     return copy_or_skip
