@@ -49,7 +49,7 @@ from fvgraph.contract.model_facts import ModelFacts
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.runtime.request_slot import RequestSlots
-from fvgraph.runtime.scheduler import Scheduler
+from fvgraph.runtime.scheduler import Group, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -427,18 +427,10 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
     def _run_group(self, group: list[tuple[LoopState, WorkPlan]], on_step: StepCallback | None,
                    on_result: ResultCallback | None = None, lane: int = 0) -> list[tuple]:  # fmt: skip
         """Execute one group and fold the results back; returns the (state, error) pairs that failed."""
-        plans = [plan for _, plan in group]
-        slots = [self._slots.of(state) for state, _ in group]
-        began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
-        try:
-            if self._warming is not None:
-                self._prepare(plans[0])
-            results = self.executor.run_batch(plans, slots, lane)  # under the math mode of the tick or step
-        except Exception as err:  # one request's failure must not take the others down
-            return self._retry_alone(group, on_step, on_result, err)
-        compiled_for_it = self.counters.compile_seconds - compile_seconds  # reported apart from step time
-        elapsed = time.perf_counter() - began - compiled_for_it
-        return fold_back(self.loop, group, results, elapsed, compiled_for_it, on_step, on_result)
+        run = self._run_batch_of(Group(group, lane))
+        if run.error is not None:
+            return self._retry_alone(group, on_step, on_result, run.error)
+        return fold_back(self.loop, group, run.results, run.elapsed, run.compiled_for_it, on_step, on_result)
 
     def _retry_alone(self, group: list[tuple[LoopState, WorkPlan]], on_step: StepCallback | None,
                      on_result: ResultCallback | None, err: Exception) -> list[tuple]:  # fmt: skip

@@ -64,8 +64,8 @@ def _same_group(a: Group, b: Group) -> bool:
 
 class RunAhead:
     """The engine's run-ahead order. Reads the engine's `run_ahead`, `before_commit`, `_launched`, `_early`,
-    `_scheduler`, `_slots`, `executor`, `counters`, `loop`, `_warming`, `_retry_alone` and `_fail`; it runs
-    inside a tick, under the engine's math mode."""
+    `_scheduler`, `_slots`, `executor`, `counters`, `loop`, `_warming`, `_prepare`, `_retry_alone` and
+    `_fail`; it runs inside a tick, under the engine's math mode."""
 
     def _ahead(self, on_result: Callable | None) -> bool:
         return self.run_ahead and on_result is None and self._warming is None
@@ -94,12 +94,15 @@ class RunAhead:
         return self._scheduler.commit(tick)
 
     def _run_batch_of(self, group: Group) -> GroupRun:
-        """Run `group`'s batch now, its requests not advanced yet; an error is kept for the tick's run."""
+        """Run `group`'s batch now, its requests not advanced yet (serially too: Engine._run_group);
+        an error is kept for whoever advances the group, which retries it member by member."""
         plans, slots = [plan for _, plan in group.members], [self._slots.of(state) for state, _ in group.members]
         began, compile_seconds = time.perf_counter(), self.counters.compile_seconds
         try:
-            results, error = self.executor.run_batch(plans, slots, group.lane), None
-        except Exception as err:  # reported by the tick's run of the group, member by member
+            if self._warming is not None:  # warming up runs serially: each signature compiled first
+                self._prepare(plans[0])
+            results, error = self.executor.run_batch(plans, slots, group.lane), None  # under the tick's math mode
+        except Exception as err:  # one request's failure must not take the others down
             results, error = None, err
         compiled_for_it = self.counters.compile_seconds - compile_seconds
         return GroupRun(group, results, error, time.perf_counter() - began - compiled_for_it, compiled_for_it)
