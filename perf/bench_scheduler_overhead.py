@@ -5,6 +5,7 @@
     python perf/bench_scheduler_overhead.py --against-commit SHA   # A/B: SHA's tree vs this one, one run
     python perf/bench_scheduler_overhead.py --phases   # also the overhead by phase, us per batch
     python perf/bench_scheduler_overhead.py --stand-in # also with the step stood in for: warm vs evicted caches
+    python perf/bench_scheduler_overhead.py --against-commit SHA --stand-in   # A/B of the host cost alone
     python perf/bench_scheduler_overhead.py --idle --gpu   # device idle between replays, serial vs run-ahead (perf/replay_idle.py)
 
 Runs a mix of requests at the smallest shape (1 frame, 32x32: the step is kept short, since it is
@@ -25,7 +26,9 @@ mix: at most 100 us per batch plus 10 us per request in it (`--batch-sizes N` gi
 With `--against-commit SHA` the same mix runs on SHA's tree and on this one, each in a worker process
 of its own (perf/commit_tree.py), timed by this script's method on both: after both are warm, each
 round times one mix on each side, the order alternating, never both at once. The line then holds
-both spreads and the per-round ratio (this tree / SHA) of the overhead per batch.
+both spreads and the per-round ratio (this tree / SHA) of the overhead per batch. With `--stand-in`
+as well, both sides run in the "host" mode below (each records its outputs from real runs first), so
+the ratio is the host's own cost on both trees, as a GPU host pays it.
 
 With `--stand-in` each round times the mix four times (each after an untimed run in the same mode),
 the order rotating: with the real step, and
@@ -204,18 +207,7 @@ class Bench:
 def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> None:
     """--stand-in: the mix with the real step, warm and evict (perf/stand_in_step.py), interleaved."""
     bench = Bench(args, backend, device)
-    runner = bench.engine.executor.runner
-    step = stand_in_step.StandInStep(runner._replay)  # the stopwatch's "step": both are subtracted
-    runner._replay = bench.watch.wrap("step", step)
-    for entry in runner._graphs.values():  # inside the stopwatch's "prologue" wrapper: subtracted either way
-        prologue = getattr(entry.compiled.prologue_fn, "__wrapped__", None)
-        if prologue is not None:
-            entry.compiled.prologue_fn = bench.watch.wrap("prologue", stand_in_step.StandInPrologue(prologue, step))
-    copy_hoisted = getattr(runner._copy_hoisted, "__wrapped__", None)
-    if copy_hoisted is not None:
-        runner._copy_hoisted = bench.watch.wrap("row_copies", stand_in_step.skip_in_host_mode(copy_hoisted, step, runner.counters))
-    if hasattr(runner, "_copy_prologue_constants"):
-        runner._copy_prologue_constants = stand_in_step.skip_in_host_mode(runner._copy_prologue_constants, step)
+    step = stand_in_wiring(bench)
     bench.run()  # untimed: every bucket's outputs recorded from a real run
     modes = stand_in_step.MODES
     runs = {mode: [] for mode in modes}
@@ -233,6 +225,24 @@ def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> No
         "evict_over_step": paired_ratio(per_batch["evict"], per_batch["step"]),
         "host_over_step": paired_ratio(per_batch["host"], per_batch["step"]),
     })  # fmt: skip
+
+
+def stand_in_wiring(bench: Bench) -> stand_in_step.StandInStep:
+    """The step, the prologues and the device copies of `bench`'s engine routed through a StandInStep
+    (in its "step" mode: everything runs until the mode is switched), inside the stopwatch's labels."""
+    runner = bench.engine.executor.runner
+    step = stand_in_step.StandInStep(runner._replay)  # the stopwatch's "step": both are subtracted
+    runner._replay = bench.watch.wrap("step", step)
+    for entry in runner._graphs.values():  # inside the stopwatch's "prologue" wrapper: subtracted either way
+        prologue = getattr(entry.compiled.prologue_fn, "__wrapped__", None)
+        if prologue is not None:
+            entry.compiled.prologue_fn = bench.watch.wrap("prologue", stand_in_step.StandInPrologue(prologue, step))
+    copy_hoisted = getattr(runner._copy_hoisted, "__wrapped__", None)
+    if copy_hoisted is not None:
+        runner._copy_hoisted = bench.watch.wrap("row_copies", stand_in_step.skip_in_host_mode(copy_hoisted, step, runner.counters))
+    if hasattr(runner, "_copy_prologue_constants"):
+        runner._copy_prologue_constants = stand_in_step.skip_in_host_mode(runner._copy_prologue_constants, step)
+    return step
 
 
 def figures(runs: list[dict], requests: int) -> dict:
@@ -265,7 +275,13 @@ def worker(args: argparse.Namespace, backend: str, device: torch.device) -> None
         mixed = commit_tree.foreign_modules(Path(args.worker_root))
         if mixed:
             raise RuntimeError(f"fvgraph modules from outside {args.worker_root}: {', '.join(mixed[:3])}")
-        emit({"ready": True, "engine_module": type(bench.engine).__module__})
+        mode = "step"
+        if args.stand_in:  # host mode: every bucket's outputs recorded from a real run, then stood in for
+            step = stand_in_wiring(bench)
+            bench.run()
+            mode = step.mode = "host"
+            bench.run()  # untimed: the run after the switch frees what the real runs allocated
+        emit({"ready": True, "engine_module": type(bench.engine).__module__, "mode": mode})
         for command in sys.stdin:
             if command.strip() != "run":
                 raise RuntimeError(f"unknown command {command.strip()!r} (expected 'run')")
@@ -282,14 +298,15 @@ def against_commit(args: argparse.Namespace, device: torch.device, backend: str)
     sha = commit_tree.resolve_commit(args.against_commit)
     forwarded = ["--card", args.card, "--requests", str(args.requests), "--steps", str(args.steps), "--backend", backend,
                  "--batch-sizes", *map(str, args.batch_sizes), *(["--gpu"] if args.gpu else []),
-                 *(["--phases"] if args.phases else [])]  # fmt: skip
+                 *(["--phases"] if args.phases else []), *(["--stand-in"] if args.stand_in else [])]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fvgraph-ab-") as tmp:
         trees = {"base": commit_tree.materialize(sha, Path(tmp)), "this": commit_tree.REPO}
         workers, engines = {}, {}
         try:
             for side, root in trees.items():  # one at a time: their compiles do not overlap
                 workers[side] = commit_tree.Worker(side, root, Path(__file__).resolve(), forwarded)
-                engines[side] = workers[side].read()["engine_module"]
+                ready = workers[side].read()
+                engines[side] = {"engine_module": ready["engine_module"], "mode": ready["mode"]}
             runs = {side: [] for side in trees}
             for r in range(args.repeats):
                 for side in (("base", "this") if r % 2 == 0 else ("this", "base")):
@@ -301,8 +318,8 @@ def against_commit(args: argparse.Namespace, device: torch.device, backend: str)
     emit({
         **provenance("scheduler_overhead_ab", device), "card": args.card, "opt_level": 2 if args.gpu else 1,
         "backend": backend, "requests": args.requests, "batch_sizes": args.batch_sizes, "base_commit": sha,
-        "base": {"engine_module": engines["base"], **figures(runs["base"], args.requests)},
-        "this": {"engine_module": engines["this"], **figures(runs["this"], args.requests)},
+        "base": {**engines["base"], **figures(runs["base"], args.requests)},
+        "this": {**engines["this"], **figures(runs["this"], args.requests)},
         "overhead_ratio_this_over_base": paired_ratio(per_batch["this"], per_batch["base"])
     })  # fmt: skip
 
@@ -343,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
                              "host outputs, finite check, advance, other), in us per batch")  # fmt: skip
     parser.add_argument("--stand-in", action="store_true",
                         help="also time the mix with the step stood in for by its recorded outputs, caches warm and "
-                             "evicted (perf/stand_in_step.py), interleaved with the real step")  # fmt: skip
+                             "evicted (perf/stand_in_step.py), interleaved with the real step; with --against-commit, "
+                             "both trees in host mode")  # fmt: skip
     parser.add_argument("--idle", action="store_true", help="device idle time between replays, serial vs run-ahead, per bucket")
     parser.add_argument("--idle-buckets", type=int, nargs="+", default=[1, 4, 8], help="with --idle: one engine per bucket")
     parser.add_argument("--idle-shape", help="with --idle: HxWxF (default 256x256x17 with --gpu, else 32x32x1)")
@@ -361,8 +379,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         return worker(args, backend, device)
     if args.against_commit:
-        if args.stand_in:
-            raise SystemExit("--stand-in times this tree only: leave out --against-commit")
         return against_commit(args, device, backend)
     if args.stand_in:
         return stand_in(args, backend, device)

@@ -36,6 +36,21 @@ def test_one_run_times_both_trees_interleaved(capsys):
     assert line["overhead_ratio_this_over_base"]["repeats"] == 2 and line["overhead_ratio_this_over_base"]["min"] > 0
 
 
+WITH_HOST_MODE = "17ee7b9"  # the graph runner's copies apart (_copy_hoisted, _copy_prologue_constants)
+
+
+@pytest.mark.skipif(not _have(WITH_HOST_MODE), reason="a checkout without that history")
+def test_with_the_stand_in_both_trees_are_timed_in_host_mode(capsys):
+    bench.main(["--card", "tiny-wan", "--requests", "3", "--steps", "3", "--repeats", "2", "--backend", "eager",
+                "--batch-sizes", "1", "2", "--against-commit", WITH_HOST_MODE, "--stand-in"])  # fmt: skip
+    [line] = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
+    for side in ("base", "this"):  # each side stood its step in for after recording it, as its ready line says
+        assert line[side]["mode"] == "host" and line[side]["engine_module"] == "fvgraph.engine.engine"
+        assert line[side]["request_steps"] == 6 and line[side]["hoisted_rows_copied"] > 0
+        assert line[side]["row_copies_us_per_batch"]["max"] < line[side]["overhead_us_per_batch"]["min"]
+    assert line["overhead_ratio_this_over_base"]["repeats"] == 2
+
+
 def test_an_unknown_commit_is_refused_naming_it():
     with pytest.raises(ValueError, match="--against-commit='no-such-ref' is not a commit"):
         bench.main(["--against-commit", "no-such-ref"])

@@ -37,7 +37,7 @@ class ShapeSignature:
         return cls(kind, facts)
 
 
-@dataclass
+@dataclass(slots=True)  # one per request per step
 class WorkPlan:
     """One step of one request: `inputs` are batch-1 tensors, keyed by the step function's arguments;
     their roles (which stay constant for the request, which are carried) are its StepKind's."""

@@ -36,17 +36,21 @@ def fold_back(loop: Loop, group: list[tuple[LoopState, WorkPlan]], results: list
     except Exception as err:  # outputs not as the kind declares them: the group fails, the tick goes on
         log.exception("%s step: its outputs could not be read back", group[0][1].kind)
         return [(state, err) for state, _ in group]
-    failures = []
+    failures, phase, advance = [], kind.phase, loop.advance
     for (state, plan), result, finite in zip(group, results, finite_rows):
         if not finite:  # garbage must not come back as ok: the request fails here, naming the step
             failures.append((state, _not_finite(plan, result)))
             continue
-        _add_time(state, kind.phase, elapsed, compiled_for_it)
+        timings = state.timings  # _add_time written out: this runs for every request of every batch
+        timings[phase] = timings.get(phase, 0.0) + elapsed
+        if compiled_for_it:
+            timings["compile"] = timings.get("compile", 0.0) + compiled_for_it
         if on_result is not None:
             on_result(state, plan, result)
-        error = _advance(loop, state, plan, result)
-        if error is not None:
-            failures.append((state, error))
+        try:
+            advance(state, result)
+        except Exception as err:  # this request's outputs do not fold back: it fails, the others carry on
+            failures.append((state, _advance_error(state, plan, err)))
             continue
         if on_step is not None:
             on_step(state, plan.kind)
@@ -102,6 +106,10 @@ def _advance(loop: Loop, state: LoopState, plan: WorkPlan, result: StepResult) -
     try:
         loop.advance(state, result)
     except Exception as err:  # this request's outputs do not fold back: it fails, the others carry on
-        log.exception("request %s failed folding back %s step %d", state.request_id, plan.kind, plan.step_index)
-        return RuntimeError(f"{plan.kind} step {plan.step_index}: its outputs do not fold back into the request: {err!r}")
+        return _advance_error(state, plan, err)
     return None
+
+
+def _advance_error(state: LoopState, plan: WorkPlan, err: Exception) -> RuntimeError:
+    log.exception("request %s failed folding back %s step %d", state.request_id, plan.kind, plan.step_index)
+    return RuntimeError(f"{plan.kind} step {plan.step_index}: its outputs do not fold back into the request: {err!r}")

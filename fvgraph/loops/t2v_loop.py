@@ -326,15 +326,12 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
     # -- next / advance ----------------------------------------------------------------------------
 
     def next(self, state: T2VState) -> WorkPlan | Done:
-        device = self.components.device
-        if state.phase == "encode":
-            inputs = {"input_ids": state.input_ids.to(device), "attention_mask": state.attention_mask.to(device)}
-            return WorkPlan(state.request_id, TEXT_ENCODE, inputs)
-        if state.phase == "denoise":
+        phase = state.phase
+        if phase == "denoise":  # first: every step but a few is one (this runs per request per step)
             facts = state.derived or self._denoise_facts(state)
             i = state.step_index
-            inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i],
-                      **facts.constants, **dict(zip(facts.carry_names, state.carry))}  # fmt: skip
+            inputs = {"latents": state.latents, "timestep": facts.timesteps[i], "coeffs": facts.coeffs[i], **facts.constants}
+            inputs.update(zip(facts.carry_names, state.carry))
             if state.fresh_noise is not None:
                 inputs["fresh_noise"] = state.fresh_noise
             if state.caching is not None:
@@ -346,7 +343,11 @@ class TextToVideoLoop(StepCaching, LoopAdapters, LoopRollouts):
                 plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
                 state.derived = facts._replace(signature=plan.signature)
             return plan
-        if state.phase == "decode":
+        if phase == "encode":
+            device = self.components.device
+            inputs = {"input_ids": state.input_ids.to(device), "attention_mask": state.attention_mask.to(device)}
+            return WorkPlan(state.request_id, TEXT_ENCODE, inputs)
+        if phase == "decode":
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
         return Done()
 

@@ -45,7 +45,8 @@ class BatchResults(list):
 def request_rows(out: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, ...]:
     """The first n requests' rows of a batch's (copied-out) output, as views: row i for request i, or
     rows i, bucket + i, ... when the output holds several rows per request branch-major (a fused-CFG
-    tap). One unbind rather than n slices: this runs for every output of every batch."""
+    tap). One split rather than n slices: this runs for every output of every batch."""
     if out.shape[0] == bucket:
-        return out[:n].unsqueeze(1).unbind(0)
+        return out.split_with_sizes([1] * n if n == bucket else [*[1] * n, bucket - n])[:n]
     return out.view(-1, bucket, *out.shape[1:])[:, :n].unbind(1)
+

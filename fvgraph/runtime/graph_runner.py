@@ -228,12 +228,16 @@ class GraphRunner:
             if n < entry.pad_from:  # rows from pad_from on still hold padding from an earlier run
                 buffer[n : entry.pad_from].fill_(self.pad_value if buffer.is_floating_point() else 0)
         entry.pad_from = n
+        if owners == entry.input_owners:  # the usual step: every request kept its row (owners compare by identity)
+            return
         changed = _changed_rows(owners, entry.input_owners)
         if changed:
             self._write_constants(entry, changed, owners, lambda i: plans[i].inputs)
             entry.input_owners = owners
 
     def _fill_hoisted(self, entry: BucketGraph, plans: list[WorkPlan], slots: list[RequestSlot], owners: list) -> None:
+        if owners == entry.hoisted_for:  # every row holds its request's values already (owners compare by identity)
+            return
         key = entry.values_key
         missing = [i for i, slot in enumerate(slots) if slot.hoisted_for(key) is None]
         if missing:

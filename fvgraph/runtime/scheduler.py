@@ -109,14 +109,15 @@ class Scheduler:
             tick.cancelled += running_cancelled
         while waiting and len(running) < self.max_running:
             running.append(waiting.popleft())
-        plans = [self._next(state) for state in running]
-        # A request whose loop cannot go on fails alone, the tick goes on; a finished one leaves.
-        tick.failed = [(state, plan) for state, plan in zip(running, plans) if isinstance(plan, Exception)]
-        tick.finished = [state for state, plan in zip(running, plans) if isinstance(plan, Done)]
-        if tick.failed or tick.finished:
+        members = [(state, self._next(state)) for state in running]
+        if not all(isinstance(plan, WorkPlan) for _, plan in members):
+            # A request whose loop cannot go on fails alone, the tick goes on; a finished one leaves.
+            tick.failed = [(state, plan) for state, plan in members if isinstance(plan, Exception)]
+            tick.finished = [state for state, plan in members if isinstance(plan, Done)]
             running = self._leave(running, tick, waiting)
+            members = [(state, self._asked[id(state)][1]) for state in running]
         tick.running, tick.waiting = running, waiting
-        tick.groups = self._grouped([(state, self._asked[id(state)][1]) for state in running])
+        tick.groups = self._grouped(members)
         return tick
 
     def commit(self, tick: Tick) -> Tick:
@@ -166,7 +167,11 @@ class Scheduler:
     def _grouped(self, members: list[tuple[LoopState, WorkPlan]]) -> list[Group]:
         by_signature: dict[object, list] = {}
         for member in members:  # in row order
-            by_signature.setdefault(member[1].signature, []).append(member)
+            same = by_signature.get(member[1].signature)
+            if same is None:
+                by_signature[member[1].signature] = [member]
+            else:
+                same.append(member)
         groups = []
         for same in by_signature.values():
             start = 0
