@@ -5,6 +5,7 @@
     python perf/bench_scheduler_overhead.py --against-commit SHA   # A/B: SHA's tree vs this one, one run
     python perf/bench_scheduler_overhead.py --phases   # also the overhead by phase, us per batch
     python perf/bench_scheduler_overhead.py --stand-in # also with the step stood in for: warm vs evicted caches
+    python perf/bench_scheduler_overhead.py --stand-in host   # the host's own cost alone (any of the modes below)
     python perf/bench_scheduler_overhead.py --against-commit SHA --stand-in   # A/B of the host cost alone
     python perf/bench_scheduler_overhead.py --idle --gpu   # device idle between replays, serial vs run-ahead (perf/replay_idle.py)
 
@@ -209,7 +210,7 @@ def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> No
     bench = Bench(args, backend, device)
     step = stand_in_wiring(bench)
     bench.run()  # untimed: every bucket's outputs recorded from a real run
-    modes = stand_in_step.MODES
+    modes = tuple(args.stand_in) or stand_in_step.MODES
     runs = {mode: [] for mode in modes}
     for r in range(args.repeats):
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
@@ -221,9 +222,7 @@ def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> No
         **provenance("scheduler_overhead_stand_in", device), "card": args.card, "opt_level": bench.engine.opt_level,
         "backend": backend, "requests": args.requests, "batch_sizes": args.batch_sizes,
         **{mode: figures(runs[mode], args.requests) for mode in modes},
-        "warm_over_step": paired_ratio(per_batch["warm"], per_batch["step"]),
-        "evict_over_step": paired_ratio(per_batch["evict"], per_batch["step"]),
-        "host_over_step": paired_ratio(per_batch["host"], per_batch["step"]),
+        **{f"{mode}_over_step": paired_ratio(per_batch[mode], per_batch["step"]) for mode in modes if "step" in modes and mode != "step"},
     })  # fmt: skip
 
 
@@ -276,7 +275,7 @@ def worker(args: argparse.Namespace, backend: str, device: torch.device) -> None
         if mixed:
             raise RuntimeError(f"fvgraph modules from outside {args.worker_root}: {', '.join(mixed[:3])}")
         mode = "step"
-        if args.stand_in:  # host mode: every bucket's outputs recorded from a real run, then stood in for
+        if args.stand_in is not None:  # host mode: every bucket's outputs recorded from a real run, then stood in for
             step = stand_in_wiring(bench)
             bench.run()
             mode = step.mode = "host"
@@ -298,7 +297,7 @@ def against_commit(args: argparse.Namespace, device: torch.device, backend: str)
     sha = commit_tree.resolve_commit(args.against_commit)
     forwarded = ["--card", args.card, "--requests", str(args.requests), "--steps", str(args.steps), "--backend", backend,
                  "--batch-sizes", *map(str, args.batch_sizes), *(["--gpu"] if args.gpu else []),
-                 *(["--phases"] if args.phases else []), *(["--stand-in"] if args.stand_in else [])]  # fmt: skip
+                 *(["--phases"] if args.phases else []), *(["--stand-in"] if args.stand_in is not None else [])]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="fvgraph-ab-") as tmp:
         trees = {"base": commit_tree.materialize(sha, Path(tmp)), "this": commit_tree.REPO}
         workers, engines = {}, {}
@@ -358,10 +357,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--phases", action="store_true",
                         help="also time the overhead by phase (scheduling, next(), static inputs, hoisted rows, scatter, "
                              "host outputs, finite check, advance, other), in us per batch")  # fmt: skip
-    parser.add_argument("--stand-in", action="store_true",
+    parser.add_argument("--stand-in", nargs="*", choices=stand_in_step.MODES, metavar="MODE",
                         help="also time the mix with the step stood in for by its recorded outputs, caches warm and "
-                             "evicted (perf/stand_in_step.py), interleaved with the real step; with --against-commit, "
-                             "both trees in host mode")  # fmt: skip
+                             "evicted (perf/stand_in_step.py), interleaved with the real step; given modes, those "
+                             f"alone (of {', '.join(stand_in_step.MODES)}); with --against-commit, both trees in host mode")  # fmt: skip
     parser.add_argument("--idle", action="store_true", help="device idle time between replays, serial vs run-ahead, per bucket")
     parser.add_argument("--idle-buckets", type=int, nargs="+", default=[1, 4, 8], help="with --idle: one engine per bucket")
     parser.add_argument("--idle-shape", help="with --idle: HxWxF (default 256x256x17 with --gpu, else 32x32x1)")
@@ -380,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         return worker(args, backend, device)
     if args.against_commit:
         return against_commit(args, device, backend)
-    if args.stand_in:
+    if args.stand_in is not None:
         return stand_in(args, backend, device)
     bench = Bench(args, backend, device)
     runs = [bench.run() for _ in range(args.repeats)]

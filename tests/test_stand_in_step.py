@@ -43,6 +43,15 @@ def test_one_run_times_the_mix_with_the_step_warm_and_evicted(capsys):
     assert line["warm_over_step"]["repeats"] == 3 and line["evict_over_step"]["min"] > 0 and line["host_over_step"]["min"] > 0
 
 
+def test_named_modes_are_timed_alone(capsys):
+    bench.main(["--card", "tiny-wan", "--requests", "2", "--steps", "2", "--repeats", "2", "--backend", "eager",
+                "--batch-sizes", "1", "--stand-in", "host"])  # fmt: skip
+    [line] = [json.loads(s) for s in capsys.readouterr().out.splitlines() if s.startswith("{")]
+    assert [mode for mode in ("step", "warm", "evict", "host") if mode in line] == ["host"]
+    assert line["host"]["overhead_us_per_batch"]["repeats"] == 2 and line["host"]["hoisted_rows_copied"] == 2
+    assert not any(key.endswith("_over_step") for key in line)  # no ratio without the real step beside it
+
+
 def test_in_host_mode_a_prologue_returns_its_first_outputs_without_running():
     step, calls = StandInStep(lambda entry: ()), []
     prologue = StandInPrologue(lambda *args: calls.append(args) or (torch.full((2,), float(len(calls))),), step)
