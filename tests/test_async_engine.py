@@ -62,6 +62,26 @@ def test_generate_matches_the_engine_and_stream_reports_every_step(tiny_engine):
     assert events[-1].result.frames.shape == (1, 32, 32, 3)
 
 
+def test_a_subscriber_that_comes_after_the_first_steps_gets_them_first(tiny_engine, monkeypatch):
+    _inject(monkeypatch, tiny_engine, slow="late")  # 50 ms a step: the subscriber comes between two
+
+    async def main():
+        async with _served(tiny_engine) as served:
+            two_done = asyncio.Event()
+            served.listeners.append(lambda e: e.step == 2 and two_done.set())
+            served.submit(_request("late", steps=5))
+            await asyncio.wait_for(two_done.wait(), 30)
+            events = served.subscribe("late")
+            seen = []
+            while not seen or not seen[-1].terminal:
+                seen.append(await asyncio.wait_for(events.get(), 30))
+            return seen
+
+    kinds = [(e.kind, e.step) for e in asyncio.run(main())]
+    assert kinds[:2] == [("queued", None), ("started", None)] and kinds[-1] == ("done", None)
+    assert [step for kind, step in kinds if kind == "step" and step is not None] == [1, 2, 3, 4, 5]  # each once, in order
+
+
 def test_cancel_timeout_and_an_injected_step_failure_end_only_their_request(tiny_engine, monkeypatch):
     _inject(monkeypatch, tiny_engine, slow="late", broken="broken")
 

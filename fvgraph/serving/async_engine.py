@@ -60,6 +60,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._known: set[str] = set()  # accepted and not yet ended (event-loop side)
         self._subscribers: dict[str, list[asyncio.Queue]] = {}
+        self._history: dict[str, list[RequestEvent]] = {}  # each known request's events so far, for a late subscriber
         self._idle = asyncio.Event()
         # engine-thread side only
         self._deadlines: dict[str, float] = {}
@@ -163,8 +164,12 @@ class AsyncEngine:
         return resolved.request_id
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
-        """A queue that receives this request's events from now on, up to and including its terminal one."""
+        """A queue that receives this request's events, up to and including its terminal one: those
+        it already had (a client that asks after submitting misses none: a fast first step), then the
+        rest as they come."""
         events: asyncio.Queue = asyncio.Queue()
+        for event in self._history.get(request_id, ()):
+            events.put_nowait(event)
         self._subscribers.setdefault(request_id, []).append(events)
         return events
 
@@ -216,6 +221,9 @@ class AsyncEngine:
                 events_queue.put_nowait(event)
             if event.terminal:
                 self._known.discard(event.request_id)
+                self._history.pop(event.request_id, None)
+            elif event.request_id in self._known:
+                self._history.setdefault(event.request_id, []).append(event)
         if not self._known:
             self._idle.set()
 
