@@ -49,4 +49,3 @@ def request_rows(out: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, 
     if out.shape[0] == bucket:
         return out.split_with_sizes([1] * n if n == bucket else [*[1] * n, bucket - n])[:n]
     return out.view(-1, bucket, *out.shape[1:])[:, :n].unbind(1)
-

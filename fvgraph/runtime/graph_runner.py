@@ -15,9 +15,10 @@ arrival into a running batch costs a batch-1 prologue), and kept in that request
 the batch in dim 0, branch-major (rows `k * bucket + i` for CFG branch k), so a value is `m` rows
 per request with `m = rows / bucket`. A row of the static buffers (hoisted values, and inputs that
 are constant for a request) is rewritten only when it changes hands; the scheduler keeps requests
-in their rows, so most runs find every row's owner as it was and look no further. A constant the step no longer reads (a text whose every use was hoisted) is written
-only for the requests a prologue computes, and not at all for a lone arrival: a batch-1 prologue
-reads the request's own tensors.
+in their rows, so most runs find every row's owner as it was and look no further. A constant the
+step no longer reads (a text whose every use was hoisted) is written only for the requests a
+prologue computes, and not at all for a lone arrival: a batch-1 prologue reads the request's own
+tensors.
 
 Callers hold `torch.no_grad()` (the compiled executor does, once per batch).
 """
