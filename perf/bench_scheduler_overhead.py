@@ -378,6 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         return worker(args, backend, device)
     if args.against_commit:
+        if args.stand_in not in (None, [], ["host"]):
+            raise SystemExit(f"--stand-in {' '.join(args.stand_in)}: with --against-commit both trees run in host mode alone")
         return against_commit(args, device, backend)
     if args.stand_in is not None:
         return stand_in(args, backend, device)

@@ -51,6 +51,11 @@ def test_with_the_stand_in_both_trees_are_timed_in_host_mode(capsys):
     assert line["overhead_ratio_this_over_base"]["repeats"] == 2
 
 
+def test_an_ab_times_host_mode_alone():
+    with pytest.raises(SystemExit, match="--stand-in warm: with --against-commit both trees run in host mode alone"):
+        bench.main(["--against-commit", "HEAD", "--stand-in", "warm"])
+
+
 def test_an_unknown_commit_is_refused_naming_it():
     with pytest.raises(ValueError, match="--against-commit='no-such-ref' is not a commit"):
         bench.main(["--against-commit", "no-such-ref"])
