@@ -6,11 +6,13 @@ Needs the ray extra (`pip install -e '.[test,ray]'`, as `make test` does); skipp
 import concurrent.futures
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,10 +26,51 @@ pytestmark = [pytest.mark.ray, pytest.mark.filterwarnings("ignore::DeprecationWa
 KEY = "ray-test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def _quiet_port() -> int:
+    """A free port in 20000 up to the kernel's ephemeral range: neither the kernel (for a connection or
+    a bind to port 0) nor Ray (its workers take 10002-19999) hands it to the processes Ray starts, so
+    none of them takes it before Ray Serve's proxy binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(20000, max(low, 20001)), min(200, max(low - 20000, 1))):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError(f"no free port in 20000..{low}")
+
+
+def _launch(storage: Path, port: int, log: Path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "fvgraph", "serve-ray", "--replicas", "2", "--replica-cpus", "0.5",
+               "--ray-address", "local", "--ray-cpus", "2", "-O0", "--device", "cpu", "--api-key", KEY, "--port", str(port),
+               "--storage-dir", str(storage), "--drain-timeout", "0.05"]  # fmt: skip
+    with open(log, "wb") as output:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _serving(process: subprocess.Popen, log: Path) -> bool:
+    """True once the command says it serves; False when it exited 2 over its port (taken after the probe
+    chose it); anything else fails the test."""
+    deadline = time.monotonic() + 180
+    while b"serving tiny-wan -O0 on Ray Serve" not in log.read_bytes():
+        if process.poll() is not None:
+            if process.returncode == 2 and "--port=" in log.read_text():
+                return False
+            raise AssertionError(f"fvgraph serve-ray exited {process.returncode}:\n{log.read_text()[-3000:]}")
+        assert time.monotonic() < deadline, f"fvgraph serve-ray did not start:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
+    return True
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:  # a test failed before the shutdown test: stop it, then make sure
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 @pytest.fixture(scope="module")
@@ -35,28 +78,39 @@ def ray_app(tmp_path_factory):
     """`fvgraph serve-ray` with 2 tiny-wan replicas at -O0 on a local Ray instance (no dashboard), in
     a process of its own; yields (base URL, the shared store, the process)."""
     storage = tmp_path_factory.mktemp("ray-videos")
-    port = _free_port()
-    command = [sys.executable, "-m", "fvgraph", "serve-ray", "--replicas", "2", "--replica-cpus", "0.5",
-               "--ray-address", "local", "--ray-cpus", "2", "-O0", "--device", "cpu", "--api-key", KEY, "--port", str(port),
-               "--storage-dir", str(storage), "--drain-timeout", "0.05"]  # fmt: skip
     log = storage.parent / "serve-ray.log"
-    with open(log, "wb") as output:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while b"serving tiny-wan -O0 on Ray Serve" not in log.read_bytes():
-            assert process.poll() is None, f"fvgraph serve-ray exited {process.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"fvgraph serve-ray did not start:\n{log.read_text()[-3000:]}"
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}", storage, process
-    finally:
-        if process.poll() is None:  # a test failed before the shutdown test: stop it, then make sure
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    for _ in range(3):  # a port another process took between the probe and the proxy's bind: another port
+        port = _quiet_port()
+        process = _launch(storage, port, log)
+        try:
+            if _serving(process, log):
+                yield f"http://127.0.0.1:{port}", storage, process
+                return
+        finally:
+            _stop(process)
+    raise AssertionError(f"three ports were taken before fvgraph serve-ray bound them:\n{log.read_text()[-3000:]}")
+
+
+def test_a_port_taken_while_ray_starts_exits_2_naming_it(tmp_path):
+    """The port is free when the command checks it and taken when Ray Serve's proxy binds it: exit 2 with
+    one line naming --port, and Ray shut down. (The check is made to pass: a socket holds the port.)"""
+    script = (
+        "import importlib, socket, sys\n"
+        "from fvgraph.cli import app\n"
+        "importlib.import_module('fvgraph.cli.serve_ray')._bind_error = lambda host, port: None\n"
+        "holder = socket.socket(); holder.bind(('127.0.0.1', 0)); holder.listen()\n"
+        "print('port', holder.getsockname()[1], flush=True)\n"
+        "sys.argv = ['fvgraph', 'serve-ray', '--port', str(holder.getsockname()[1]), *sys.argv[1:]]\n"
+        "app()\n"
+    )
+    args = ["--replicas", "1", "--replica-cpus", "0.5", "--ray-address", "local", "--ray-cpus", "1", "-O0",
+            "--device", "cpu", "--storage-dir", str(tmp_path)]  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=180)
+    port = done.stdout.split()[1]
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2, said[-3000:]
+    assert f"error: --port={port}: Ray Serve's proxy cannot bind 127.0.0.1:{port}: another process took it" in said
+    assert "Traceback" not in said
 
 
 def test_eight_requests_over_http_complete_on_both_replicas_and_any_replica_serves_any_video(ray_app):

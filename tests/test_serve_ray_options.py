@@ -1,6 +1,7 @@
 """`fvgraph serve-ray` and ReplicaSpec refuse bad options before Ray starts, naming the option and the rule."""
 
 import importlib
+import socket
 import sys
 import types
 
@@ -40,6 +41,18 @@ def test_without_ray_the_error_names_the_extra(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "fvgraph.serving.ray_deployment", raising=False)
     result = runner.invoke(app, ["serve-ray", "--storage-dir", str(tmp_path)])
     assert result.exit_code == 2 and "pip install 'fvgraph[ray]'" in " ".join(result.output.split()), result.output
+
+
+def test_a_port_in_use_exits_2_before_ray_starts(tmp_path, monkeypatch):
+    pytest.importorskip("ray", reason="the ray extra is not installed")
+    monkeypatch.setattr(SERVE_RAY, "_run", lambda *args: pytest.fail("Ray started on a port in use"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = runner.invoke(app, ["serve-ray", "--storage-dir", str(tmp_path), "--port", str(port)])
+    assert result.exit_code == 2, result.output
+    assert f"--port={port}: Ray Serve's proxy cannot bind 127.0.0.1:{port}: Address already in use" in " ".join(result.output.split())
 
 
 def _built_spec(monkeypatch, tmp_path, args: list[str]) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
@@ -93,6 +94,9 @@ def serve_ray(
     except Exception as error:  # a bad option, or Ray missing: say why and stop
         err.print(f"[red]error:[/red] {escape(str(error))}")  # escaped: "fvgraph[ray]" is not markup
         raise typer.Exit(2) from None
+    if (taken := _bind_error(host, port)) is not None:  # before Ray starts: that takes a while, and then fails late
+        err.print(f"[red]error:[/red] --port={port}: Ray Serve's proxy cannot bind {escape(host)}:{port}: {escape(taken)}")
+        raise typer.Exit(2)
     local = {"include_dashboard": dashboard, **({"num_cpus": ray_cpus} if ray_cpus is not None else {})}
     _run(app, ray_address, local, host, port, f"{card} -O{opt_level}", err)
 
@@ -110,14 +114,33 @@ def _run(app, ray_address: Optional[str], local: dict, host: str, port: int, lab
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(app, name="fvgraph", route_prefix="/")
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            serve.run(app, name="fvgraph", route_prefix="/")
+        except RuntimeError as error:  # the port was free when checked, and taken before the proxy bound it
+            if "Failed to bind" not in str(error):
+                raise
+            err.print(f"[red]error:[/red] --port={port}: Ray Serve's proxy cannot bind {escape(host)}:{port}: "
+                      "another process took it while Ray started")  # fmt: skip
+            raise typer.Exit(2) from None
         err.print(f"serving {label} on Ray Serve at http://{host}:{port}/v1", highlight=False)
         stop.wait()
         err.print("stopping: each replica drains, then Ray Serve shuts down", highlight=False)
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _bind_error(host: str, port: int) -> Optional[str]:
+    """Why a listening socket cannot bind host:port now (None when it can), bound as uvicorn binds it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            return error.strerror or str(error)
+    return None
 
 
 def _autoscaling(text: str) -> dict:
