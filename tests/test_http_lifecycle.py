@@ -96,6 +96,25 @@ def test_serve_port_refuses_bad_options_by_name(tmp_path):
         assert result.exit_code == 2 and "(--retention-s) must be a finite, positive number" in result.output, result.output
 
 
+def test_serve_port_in_use_exits_2_before_the_engine_loads(tmp_path, monkeypatch):
+    import importlib
+    import socket
+
+    from typer.testing import CliRunner
+
+    from fvgraph.cli import app
+
+    serve = importlib.import_module("fvgraph.cli.serve")  # the module: fvgraph.cli.serve names the command
+    monkeypatch.setattr(serve, "serving_engine", lambda *args, **kwargs: pytest.fail("the engine loaded for a port in use"))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        result = CliRunner().invoke(app, ["serve", "-O0", "--port", str(port), "-o", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert f"--port={port}: cannot bind 127.0.0.1:{port}: Address already in use" in " ".join(result.output.split())
+
+
 def test_sigterm_stops_the_cli_server_cleanly(tmp_path):
     command = [sys.executable, "-m", "fvgraph", "serve", "-O0", "--port", "0", "-o", str(tmp_path), "--drain-timeout", "10"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "FVGRAPH_API_KEY": KEY})

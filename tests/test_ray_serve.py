@@ -97,7 +97,7 @@ def test_a_port_taken_while_ray_starts_exits_2_naming_it(tmp_path):
     script = (
         "import importlib, socket, sys\n"
         "from fvgraph.cli import app\n"
-        "importlib.import_module('fvgraph.cli.serve_ray')._bind_error = lambda host, port: None\n"
+        "importlib.import_module('fvgraph.cli.options').bindable = lambda host, port: None\n"
         "holder = socket.socket(); holder.bind(('127.0.0.1', 0)); holder.listen()\n"
         "print('port', holder.getsockname()[1], flush=True)\n"
         "sys.argv = ['fvgraph', 'serve-ray', '--port', str(holder.getsockname()[1]), *sys.argv[1:]]\n"

@@ -52,7 +52,7 @@ def test_a_port_in_use_exits_2_before_ray_starts(tmp_path, monkeypatch):
         port = holder.getsockname()[1]
         result = runner.invoke(app, ["serve-ray", "--storage-dir", str(tmp_path), "--port", str(port)])
     assert result.exit_code == 2, result.output
-    assert f"--port={port}: Ray Serve's proxy cannot bind 127.0.0.1:{port}: Address already in use" in " ".join(result.output.split())
+    assert f"--port={port}: cannot bind 127.0.0.1:{port}: Address already in use" in " ".join(result.output.split())
 
 
 def _built_spec(monkeypatch, tmp_path, args: list[str]) -> dict:

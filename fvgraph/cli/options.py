@@ -179,6 +179,19 @@ def writable_dir(folder: Path, option: str) -> None:
         raise ValueError(f"{option}: cannot write into {folder}: {err}") from None
 
 
+def bindable(host: str, port: int) -> None:
+    """ValueError naming --port unless a listening socket can bind host:port now, bound as uvicorn binds
+    it. Checked before the engine loads (or Ray starts), which takes a while and would then fail late."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            raise ValueError(f"--port={port}: cannot bind {host}:{port}: {err.strerror or err}") from None
+
+
 def parse_shape(text: str, option: str = "--shape") -> tuple[int, int, int]:
     """FRAMESxHEIGHTxWIDTH as three ints; ValueError naming the option."""
     try:

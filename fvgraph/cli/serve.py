@@ -12,7 +12,7 @@ from rich.console import Console
 from fvgraph.cli.caching import CACHE_HELP
 from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
                                  MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, at_least_one,
-                                 parse_shape, parse_size, serving_engine, writable_dir)  # fmt: skip
+                                 bindable, parse_shape, parse_size, serving_engine, writable_dir)  # fmt: skip
 
 
 def serve(
@@ -74,6 +74,8 @@ def serve(
             parse_size(memory_budget, "--memory-budget")
         at_least_one(max_body_bytes, "--max-body-bytes", "bytes of the largest request body accepted")
         check_origins(allowed_origins)
+        if port is not None:
+            bindable(host, port)
         # Bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input.
         if port is None:
             source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115

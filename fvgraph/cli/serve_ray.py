@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -60,7 +59,8 @@ def serve_ray(
 ) -> None:
     """Serve the OpenAI videos and images API (as `fvgraph serve --port`) from N engine replicas on
     Ray Serve, routed and scaled by Ray Serve (docs/parallel.md, "Ray Serve replicas")."""
-    from fvgraph.cli.options import at_least_one, compile_config, parse_cache_methods, parse_shape, parse_size, writable_dir
+    from fvgraph.cli.options import (at_least_one, bindable, compile_config, parse_cache_methods, parse_shape, parse_size,
+                                     writable_dir)  # fmt: skip
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     err = Console(stderr=True)
@@ -76,6 +76,7 @@ def serve_ray(
         at_least_one(max_body_bytes, "--max-body-bytes", "bytes of the largest request body accepted")
         scaling = _autoscaling(autoscaling) if autoscaling is not None else None
         writable_dir(storage_dir, "--storage-dir")
+        bindable(host, port)
         spec = ReplicaSpec(
             storage_dir=str(storage_dir.resolve()), card=card, checkpoint=_absolute(checkpoint), opt_level=opt_level,
             device=device, cache_dir=_absolute(cache_dir), freeze=fail_on_recompile, max_queue=max_queue,
@@ -94,9 +95,6 @@ def serve_ray(
     except Exception as error:  # a bad option, or Ray missing: say why and stop
         err.print(f"[red]error:[/red] {escape(str(error))}")  # escaped: "fvgraph[ray]" is not markup
         raise typer.Exit(2) from None
-    if (taken := _bind_error(host, port)) is not None:  # before Ray starts: that takes a while, and then fails late
-        err.print(f"[red]error:[/red] --port={port}: Ray Serve's proxy cannot bind {escape(host)}:{port}: {escape(taken)}")
-        raise typer.Exit(2)
     local = {"include_dashboard": dashboard, **({"num_cpus": ray_cpus} if ray_cpus is not None else {})}
     _run(app, ray_address, local, host, port, f"{card} -O{opt_level}", err)
 
@@ -129,18 +127,6 @@ def _run(app, ray_address: Optional[str], local: dict, host: str, port: int, lab
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-def _bind_error(host: str, port: int) -> Optional[str]:
-    """Why a listening socket cannot bind host:port now (None when it can), bound as uvicorn binds it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
-        try:
-            probe.bind((host, port))
-        except OSError as error:
-            return error.strerror or str(error)
-    return None
 
 
 def _autoscaling(text: str) -> dict:
