@@ -76,8 +76,7 @@ def serve(
         check_origins(allowed_origins)
         if port is not None:
             bindable(host, port)
-        # Bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input.
-        if port is None:
+        else:  # bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input
             source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
         engine = serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache,
