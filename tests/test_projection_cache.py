@@ -34,6 +34,117 @@ def _counts(stats: ProjectionCacheStats) -> tuple[int, int, dict]:
     return stats.hits, stats.misses, stats.bypasses
 
 
+# -- the documented usage, in its order ------------------------------------------------------
+
+
+@torch.no_grad()
+def test_the_documented_usage_runs_in_its_order():
+    """docs/projection_cache.md's usage as written: a cache with a byte budget, prepare() on the
+    conditioning, then project() for each projection; then the rules it states, one after another."""
+    torch.manual_seed(0)
+    projection, conditioning = nn.Linear(8, 16), torch.randn(2, 8)  # each output: 2 x 16 fp32 = 128 bytes
+    cache = ExactProjectionCache(max_bytes=2 * 128)
+
+    cache.prepare(conditioning)
+    assert cache.stats.hashes == 1  # the key is computed here, once
+    modulation = cache.project("block.0.modulation", projection, conditioning, lambda: projection(F.silu(conditioning)))
+    assert torch.equal(modulation, projection(F.silu(conditioning)))
+
+    compute = counted(lambda: projection(F.silu(conditioning)))  # warm: the stored tensor, bit for bit
+    assert cache.project("block.0.modulation", projection, conditioning, compute) is modulation
+    assert compute.call_count == 0
+
+    projection.weight.add_(0.5)  # an in-place update invalidates the entry
+    updated = cache.project("block.0.modulation", projection, conditioning, lambda: projection(F.silu(conditioning)))
+    assert torch.equal(updated, projection(F.silu(conditioning))) and not torch.equal(updated, modulation)
+    stats = cache.stats
+    assert (stats.hits, stats.misses, stats.invalidations, stats.hashes, stats.unprepared_hashes) == (1, 2, 1, 1, 0)
+
+    handle = projection.register_forward_hook(lambda module, args, out: out)  # a hook: steps aside
+    cache.project("block.0.modulation", projection, conditioning, lambda: projection(F.silu(conditioning)))
+    handle.remove()
+    with torch.enable_grad():  # gradients on: steps aside, and the output has its autograd graph
+        graded = cache.project("block.0.modulation", projection, conditioning, lambda: projection(F.silu(conditioning)))
+    assert graded.grad_fn is not None
+    assert cache.stats.bypasses == {"module_hooks": 1, "grad_enabled": 1}
+
+    for block in (1, 2):  # three outputs against a budget of two: the oldest goes
+        cache.project(f"block.{block}.modulation", projection, conditioning, lambda: projection(F.silu(conditioning)))
+        assert cache.stats.bytes_held <= cache.max_bytes
+    stats = cache.stats
+    assert (stats.entries, stats.bytes_held, stats.evictions) == (2, 256, 1)
+
+    cache.clear()
+    stats = cache.stats
+    assert (stats.entries, stats.bytes_held) == (0, 0)
+    compute = counted(lambda: projection(F.silu(conditioning)))
+    cache.project("block.2.modulation", projection, conditioning, compute)
+    assert compute.call_count == 1 and cache.stats.unprepared_hashes == 1  # clear() forgot the key too
+
+
+# -- prepare ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def test_prepare_hashes_once_for_all_the_projections_that_follow(setup):
+    proj, cond, cache = setup
+    cache.prepare(cond)
+    cache.prepare(cond)  # prepared already and unchanged: not hashed again
+    for name in ("a", "b", "c"):
+        cache.project(name, proj, cond, lambda: proj(cond))
+    stats = cache.stats
+    assert (stats.hashes, stats.unprepared_hashes, stats.misses) == (1, 0, 3)
+    cond.add_(1)  # against the contract; prepare sees the new version and hashes again
+    cache.prepare(cond)
+    assert cache.stats.hashes == 2
+
+
+@torch.no_grad()
+def test_project_without_prepare_hashes_on_first_use(setup):
+    proj, cond, cache = setup
+    for name in ("a", "b"):
+        cache.project(name, proj, cond, lambda: proj(cond))
+    assert torch.equal(cache.project("a", proj, cond, lambda: proj(cond)), proj(cond))
+    stats = cache.stats
+    assert (stats.hits, stats.misses, stats.hashes, stats.unprepared_hashes) == (1, 2, 1, 1)
+
+
+def test_prepare_hashes_nothing_where_every_projection_steps_aside(setup, monkeypatch):
+    proj, cond, cache = setup
+    cache.prepare(cond)  # gradients on
+    with torch.no_grad():
+        handle = global_hook(lambda *args: None)
+        try:
+            cache.prepare(cond)
+        finally:
+            handle.remove()
+        with monkeypatch.context() as capture:
+            capture.setattr(torch.cuda, "is_available", lambda: True)
+            capture.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+            cache.prepare(cond)
+    assert cache.stats.hashes == 0 and cache.stats.bypasses == {}
+
+
+@torch.no_grad()
+def test_prepare_traces_whole_and_hashes_nothing(setup):
+    proj, cond, cache = setup
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def step(x):
+        cache.prepare(x)
+        return cache.project("p", proj, x, lambda: proj(x))
+
+    compiled = torch.compile(step, backend=counting_backend, fullgraph=True)
+    for _ in range(2):
+        assert torch.equal(compiled(cond), proj(cond))
+    assert len(graphs) == 1 and cache.stats.hashes == 0
+    _assert_bypassed_after(cache, {"compiling": 1})
+
+
 # -- cold vs warm parity ---------------------------------------------------------------------
 
 

@@ -5,8 +5,10 @@ embedding) through the same weights at every step. ``ExactProjectionCache`` keep
 and returns it while its key still holds: projection name, conditioning content hash, identity,
 storage and version of every weight/buffer, and the numerical settings of the ``project()`` call.
 What the key cannot see (compilation, CUDA-graph capture, autograd, hooks, unversioned or subclass
-weights) runs the original computation instead. The cache is per process and never communicates:
-a parallel engine runs without it (fvgraph/engine/builder.py).
+weights) runs the original computation instead. ``prepare(conditioning)`` hashes a conditioning
+once, before the projections that read it; ``project()`` hashes an unprepared one itself on first
+use. The cache is per process and never communicates: a parallel engine runs without it
+(fvgraph/engine/builder.py).
 See docs/projection_cache.md for usage and integration rules.
 """
 
@@ -51,6 +53,8 @@ class ProjectionCacheStats:
     """Entries dropped to stay within ``max_bytes``."""
     hashes: int = 0
     """Conditionings hashed (once per tensor object, and again after it is changed in place)."""
+    unprepared_hashes: int = 0
+    """Of ``hashes``, those ``project()`` did itself because no ``prepare()`` had seen the tensor."""
     bytes_held: int = 0
     """Bytes of storage kept alive by cached outputs."""
     entries: int = 0
@@ -118,6 +122,18 @@ class ExactProjectionCache:
         self._hashed.clear()
         self._bytes_held = 0
 
+    def prepare(self, conditioning: Tensor) -> None:
+        """Compute ``conditioning``'s key now, so the ``project()`` calls that follow find it.
+
+        Call it once per conditioning tensor, before its projections: the hash (one host copy, a
+        device sync) then happens here, once, at a point the caller chooses. A tensor already
+        prepared, and not changed since, is not hashed again. Does nothing where every ``project()``
+        steps aside whatever the projection: while compiling, during CUDA-graph capture, with
+        gradients on, or with a global module hook."""
+        if torch.compiler.is_compiling() or _call_bypass_reason() is not None:
+            return  # no host sync in a trace or a capture, and no hash that no lookup would use
+        self._key_for(conditioning, in_project=False)
+
     def project(
         self, name: str, projection: nn.Module, conditioning: Tensor, compute: Callable[[], Tensor],
         variant: Callable[[], Hashable] | None = None,
@@ -136,7 +152,7 @@ class ExactProjectionCache:
             return compute()
         tensors = _tensors_of(projection)
         weights = _weights_signature(tensors)
-        cond_key = self._key_for(conditioning)
+        cond_key = self._key_for(conditioning, in_project=True)
         key = (name, cond_key, _numerics_signature(conditioning, tensors), None if variant is None else variant())
         entry = self._entries.get(key)
         if entry is not None and not _same_weights(entry, weights, tensors):
@@ -175,9 +191,11 @@ class ExactProjectionCache:
         self._count_bypass(COMPILING)
         return True
 
-    def _remember(self, conditioning: Tensor) -> ConditioningKey:
+    def _remember(self, conditioning: Tensor, in_project: bool) -> ConditioningKey:
         """Hash `conditioning` (one host copy: a device sync) and remember the key for this tensor."""
         self._stats.hashes += 1
+        if in_project:
+            self._stats.unprepared_hashes += 1
         key = _hash_conditioning(conditioning)
         self._hashed = {k: p for k, p in self._hashed.items() if p.ref() is not None}
         storage, version = conditioning.untyped_storage(), _version_of(conditioning)
@@ -186,7 +204,7 @@ class ExactProjectionCache:
         )
         return key
 
-    def _key_for(self, conditioning: Tensor) -> ConditioningKey:
+    def _key_for(self, conditioning: Tensor, in_project: bool) -> ConditioningKey:
         # Identity alone is not enough: ids are reused after GC and a tensor can be mutated or
         # re-pointed, so the object, its storage, its address and its version must all match.
         p = self._hashed.get(id(conditioning))
@@ -198,7 +216,7 @@ class ExactProjectionCache:
             and p.version == _version_of(conditioning)
         ):
             return p.key
-        return self._remember(conditioning)
+        return self._remember(conditioning, in_project)
 
     def _store(self, key: tuple, weights: tuple, tensors: list, output: Tensor) -> bool:
         """Store ``output`` under ``key``, evicting least recently used entries; False if it
@@ -228,14 +246,22 @@ class ExactProjectionCache:
             self._bytes_held -= entry.nbytes
 
 
-def _symmetric_bypass_reason(projection: nn.Module) -> str | None:
-    """Why the cache must not be used for this call, or None. Checked before any hashing."""
+def _call_bypass_reason() -> str | None:
+    """Why no call may use the cache right now, whatever its projection, or None."""
     if _capturing_cuda_graph():
         return CUDA_GRAPH_CAPTURE  # hashing syncs, and a stored output would live in the graph pool
     if torch.is_grad_enabled():
         return GRAD_ENABLED  # a cached output has no autograd history for this forward
     if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
         return GLOBAL_HOOKS  # hooks may observe or rewrite the call we would skip
+    return None
+
+
+def _symmetric_bypass_reason(projection: nn.Module) -> str | None:
+    """Why the cache must not be used for this call, or None. Checked before any hashing."""
+    reason = _call_bypass_reason()
+    if reason is not None:
+        return reason
     for module in projection.modules():
         if module._forward_hooks or module._forward_pre_hooks:
             return MODULE_HOOKS
