@@ -26,7 +26,7 @@ from fvgraph.cards.wan import WAN_1_3B_TRANSFORMER, WAN_2_1_T2V_1_3B
 from fvgraph.models.components import _cast
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 from fvgraph.runtime.projection_cache import ExactProjectionCache
-from fvgraph.runtime.projection_cache_wan import apply_projection_cache, remove_projection_cache
+from fvgraph.models.wan_projections import apply_projection_cache, remove_projection_cache
 from fvgraph.loops.samplers import build_sampler
 from fvgraph.loops.steps import DenoiseStep
 

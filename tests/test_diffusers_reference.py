@@ -13,7 +13,7 @@ from diffusers import WanPipeline
 from fvgraph.cards import get_card
 from fvgraph.models.components import load_components
 from fvgraph.engine.engine import Engine
-from fvgraph.runtime.projection_cache_wan import request_constant_projections
+from fvgraph.models.wan_projections import request_constant_projections
 from fvgraph.request import Request
 from fvgraph.models.components import diffusers_scheduler
 from fvgraph.loops import steps

@@ -1,5 +1,6 @@
-"""The Wan projection-cache adapter on tiny-wan: bit-identical generations, exact hit counts,
-untouched state_dict, clean removal, and a fullgraph trace of the denoise step with no breaks.
+"""The Wan projection-cache layout (fvgraph/models/wan_projections.py) on tiny-wan: bit-identical
+generations, exact hit counts, each conditioning prepared once per denoiser call before its
+projections, untouched state_dict, clean removal, and a fullgraph trace of the denoise step with no breaks.
 
 This module builds its own engine; the session's `tiny_engine` is never modified.
 """
@@ -17,7 +18,9 @@ from diffusers import WanTransformer3DModel
 from fvgraph.cards import get_card
 from fvgraph.engine.engine import Engine
 from fvgraph.runtime.projection_cache import ExactProjectionCache
-from fvgraph.runtime.projection_cache_wan import (
+from fvgraph.models.projection_cache_protocol import ProjectionCache
+from fvgraph.models.wan_projections import (
+    TEXT_EMBEDDER,
     apply_projection_cache,
     remove_projection_cache,
     request_constant_projections,
@@ -113,8 +116,65 @@ def test_each_projection_misses_once_per_branch_then_hits_every_step(wan, cfg):
     stats = cache.stats
     assert (stats.misses, stats.hits, stats.bypasses, stats.entries) == (pairs, (steps - 1) * pairs, {}, pairs)
     # Hashing is once per conditioning tensor, not per step or per block: the prompt embeddings and
-    # the text_embedder output of each branch. K/V lookups find the remembered key of the latter.
-    assert stats.hashes == 2 * branches
+    # the text_embedder output of each branch, both in prepare(); no projection hashed anything itself.
+    assert (stats.hashes, stats.unprepared_hashes) == (2 * branches, 0)
+
+
+# -- (b2) prepare is wired -------------------------------------------------------------------
+
+
+class _Recorder:
+    """The cache's prepare/project calls in order, each with its conditioning tensor and the hash count
+    after it; `calls` collects them per denoiser call."""
+
+    def __init__(self, cache: ExactProjectionCache) -> None:
+        self.cache, self.calls = cache, []
+        real_prepare, real_project = cache.prepare, cache.project
+
+        def prepare(conditioning):
+            real_prepare(conditioning)
+            self.calls[-1].append(("prepare", None, conditioning, cache.stats.hashes))
+
+        def project(name, projection, conditioning, compute, variant=None):
+            out = real_project(name, projection, conditioning, compute, variant)
+            self.calls[-1].append(("project", name, conditioning, cache.stats.hashes))
+            return out
+
+        cache.prepare, cache.project = prepare, project  # the instance attributes the forwards call
+
+    def denoiser_call(self, module, args) -> None:  # a forward pre-hook on condition_embedder
+        self.calls.append([])
+
+
+def test_each_conditioning_is_prepared_once_per_denoiser_call_before_its_projections(wan):
+    transformer, step, steps = wan.loop.components.transformer, wan.executor.steps[DENOISE_CFG], 3
+    cache = _new_cache()
+    assert isinstance(cache, ProjectionCache)
+    recorder = _Recorder(cache)
+    # The embedder runs once per denoiser call, in the whole forward and in Wan's sections alike; it is
+    # no projection, so its hook does not make the cache step aside.
+    handle = transformer.condition_embedder.register_forward_pre_hook(recorder.denoiser_call)
+    inputs = _first_denoise_inputs(wan, 51)
+    try:
+        with cached(wan, cache), torch.no_grad():
+            for _ in range(steps):
+                step(**inputs)
+    finally:
+        handle.remove()
+    assert len(recorder.calls) == steps * 2  # one denoiser call per CFG branch and step
+    for call in recorder.calls:
+        prepared = [c for kind, _, c, _ in call if kind == "prepare"]
+        projected = [(name, c) for kind, name, c, _ in call if kind == "project"]
+        assert len(prepared) == 2 and prepared[0] is not prepared[1]  # prompt embeddings, then ctx: once each
+        assert len(projected) == _num_projections(wan) and projected[0][0] == TEXT_EMBEDDER
+        assert projected[0][1] is prepared[0] and all(c is prepared[1] for _, c in projected[1:])
+        order = [kind for kind, *_ in call]
+        assert order == ["prepare", "project", "prepare", *["project"] * (_num_projections(wan) - 1)]
+        hashes = [after for *_, after in call]  # no project() hashed: the keys came from prepare()
+        assert all(hashes[i] == hashes[i - 1] for i, kind in enumerate(order) if kind == "project")
+    stats = cache.stats
+    assert (stats.hashes, stats.unprepared_hashes) == (2 * 2, 0)  # once per conditioning of each branch
+    assert (stats.misses, stats.hits) == (2 * _num_projections(wan), (steps - 1) * 2 * _num_projections(wan))
 
 
 # -- (c) the model is untouched ----------------------------------------------------------------

@@ -40,7 +40,7 @@ from fvgraph.parallel.config import ParallelConfig
 from fvgraph.parallel.plan import RankSetup, setup_rank
 from fvgraph.runtime.opt_levels import OptLevel, opt_level
 from fvgraph.runtime.projection_cache import ExactProjectionCache
-from fvgraph.runtime.projection_cache_wan import apply_projection_cache
+from fvgraph.models.wan_projections import apply_projection_cache
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
-"""Wan text-to-video: route the request-constant projections through an ExactProjectionCache.
+"""Wan text-to-video's projection-cache layout: its request-constant projections routed through a cache.
 
-    cache = ExactProjectionCache(max_bytes=512 * 1024**2)
+    cache = ExactProjectionCache(max_bytes=512 * 1024**2)     # fvgraph/runtime/projection_cache.py
     apply_projection_cache(transformer, cache)   # from outside: no diffusers code is changed
     ...                                          # run requests; K/V of the prompt are computed once
     remove_projection_cache(transformer)
@@ -24,10 +24,13 @@ child would prefix every key), adds no hooks (the cache steps aside for modules 
 no diffusers class (other instances are unaffected), and traces cleanly: under torch.compile the
 cache bypasses itself and Dynamo inlines the original forward, so a fullgraph trace has no breaks.
 
-Hashing: the prompt embeddings are hashed once per tensor object by the cache (it remembers the key
-of every tensor it has seen, checked by identity, storage, address and version). On a text_embedder
-hit the very same `ctx` tensor comes back each step, so every K/V lookup finds its key without
-hashing again; `ctx` itself is hashed once, on the step that computed it.
+Preparing: a denoiser call has two conditionings, the prompt embeddings and `ctx`, and the text
+embedder's forward is where both enter, once per call (the whole forward and Wan's sections in
+fvgraph/models/wan_sections.py alike). So that forward calls `cache.prepare` on each before the
+projections that read it: on the prompt embeddings before projecting them, and on `ctx` as soon as it
+exists, before any block's K/V. The cache remembers each prepared tensor's key (checked by identity,
+storage, address and version), so a conditioning is hashed once per tensor object: on a text_embedder
+hit the very same `ctx` comes back every step and its prepare finds the key it already has.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from diffusers import WanTransformer3DModel
 from torch import Tensor, nn
 
 from fvgraph.adapters.slots import slot_store
-from fvgraph.runtime.projection_cache import ExactProjectionCache
+from fvgraph.models.projection_cache_protocol import ProjectionCache
 
 TEXT_EMBEDDER = "condition_embedder.text_embedder"
 CROSS_ATTENTION_KV = ("to_k", "to_v")
@@ -49,19 +52,29 @@ class _CachedForward:
     """A projection's forward routed through the cache; installed as the module's instance `forward`.
 
     Holds the module weakly so the module -> forward -> module cycle cannot delay freeing the model;
-    `previous` is an instance-level forward that was already installed (by another tool), if any."""
+    `previous` is an instance-level forward that was already installed (by another tool), if any.
+    With `prepares` (the text embedder) it prepares its input before projecting it and its output,
+    the input of every cross-attention K/V, before returning it."""
 
-    def __init__(self, cache: ExactProjectionCache, name: str, module: nn.Module, variant=None) -> None:
+    def __init__(
+        self, cache: ProjectionCache, name: str, module: nn.Module, variant=None, prepares: bool = False
+    ) -> None:
         self.cache = cache
         self.name = name
         self.variant = variant  # the adapters this call runs with (SlotStore.cache_variant), or None
+        self.prepares = prepares
         self.previous = module.__dict__.get("forward")
         self._module = weakref.ref(module)
         self._class_forward = type(module).forward
 
     def __call__(self, conditioning: Tensor) -> Tensor:
         module = self._module()
-        return self.cache.project(self.name, module, conditioning, lambda: self.original(module, conditioning), self.variant)
+        if self.prepares:
+            self.cache.prepare(conditioning)
+        output = self.cache.project(self.name, module, conditioning, lambda: self.original(module, conditioning), self.variant)
+        if self.prepares:
+            self.cache.prepare(output)
+        return output
 
     def original(self, module: nn.Module, conditioning: Tensor) -> Tensor:
         if self.previous is not None:
@@ -69,7 +82,7 @@ class _CachedForward:
         return self._class_forward(module, conditioning)
 
 
-def apply_projection_cache(transformer: WanTransformer3DModel, cache: ExactProjectionCache) -> None:
+def apply_projection_cache(transformer: WanTransformer3DModel, cache: ProjectionCache) -> None:
     """Route `transformer`'s text embedding and every cross-attention K/V projection through `cache`.
 
     Use one cache per transformer. Call `cache.clear()` after loading weights into it; adapter slots
@@ -78,7 +91,7 @@ def apply_projection_cache(transformer: WanTransformer3DModel, cache: ExactProje
     store = slot_store(transformer)  # with adapter slots, each entry is also keyed by the rows' adapters
     variant = None if store is None else store.cache_variant
     for name, module in request_constant_projections(transformer):
-        module.forward = _CachedForward(cache, name, module, variant)
+        module.forward = _CachedForward(cache, name, module, variant, prepares=name == TEXT_EMBEDDER)
 
 
 def remove_projection_cache(transformer: nn.Module) -> None:
