@@ -118,7 +118,7 @@ def test_o3_fp8_on_cuda_stays_within_the_fp8_tolerance(tiny_card):
 def test_fresh_noise_drawn_each_step_gives_the_serial_results_running_ahead():
     """tiny-wan-4step's sampler draws fresh noise on the host every step, in `advance`, while the batch
     just launched still runs; that noise (and an arrival's schedule) reaches the device through pinned
-    memory without waiting for the stream (t2v_loop.to_device). Running ahead must still give the
+    memory without waiting for the stream (denoise_state.to_device). Running ahead must still give the
     serial results bit for bit: a copy racing its pinned source would not."""
     from fvgraph.runtime.buckets import BucketSpec
 

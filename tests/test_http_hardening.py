@@ -201,7 +201,7 @@ def test_an_image_to_video_request_without_an_image_or_with_a_cache_is_a_400(i2v
 
 def test_magcache_with_nothing_calibrated_is_a_400(server, tiny_engine, tmp_path, monkeypatch):
     srv, url = server
-    monkeypatch.setattr(tiny_engine.loop.calibration, "root", tmp_path)  # nothing calibrated here
+    monkeypatch.setattr(tiny_engine.loop.caching.calibration, "root", tmp_path)  # nothing calibrated here
     before = len(srv.store)
     for cache in ("magcache", {"method": "magcache", "threshold": 0.1}):
         error = _refused(url, "cache", json={"prompt": "x", "size": "32x32", **QUICK, "cache": cache})

@@ -2,6 +2,7 @@
 built from (card, opt level, switches) in one place."""
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
 
@@ -179,3 +180,106 @@ def test_one_frozen_table_says_what_each_level_turns_on():
 def test_enforce_eager_builds_the_eager_level():
     engine = Engine.from_card("tiny-wan", device="cpu", opt_level=2, enforce_eager=True)
     assert engine.opt_level == 0 and engine.compiler is None and engine.projection_cache is not None
+
+
+# -- loops composed of family parts (docs/loops.md) ----------------------------------------------------
+
+
+def _fvgraph_classes() -> list[type]:
+    """Every class defined in fvgraph's modules (passes/ and cards/ included)."""
+    import importlib
+    import inspect
+
+    classes = []
+    for name in sorted(n for n in _modules() if not n.endswith("__main__")):  # __main__ runs the CLI
+        try:
+            module = importlib.import_module(name)
+        except ImportError:  # an optional extra not installed here (Ray Serve): checked where it is
+            continue
+        classes += [c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == name]
+    return classes
+
+
+def _defines_methods(base: type) -> bool:
+    """A base that brings behaviour: neither a Protocol, a dataclass, an exception, an enum, nor a
+    class from outside fvgraph (nn.Module, BaseModel) whose methods are the library's."""
+    import dataclasses
+    import enum
+
+    if not base.__module__.startswith("fvgraph") or getattr(base, "_is_protocol", False):
+        return False
+    if dataclasses.is_dataclass(base) or issubclass(base, BaseException | enum.Enum):
+        return False
+    return any(callable(v) or isinstance(v, property) for k, v in vars(base).items() if not k.startswith("__"))
+
+
+def test_no_class_has_two_bases_that_define_methods():
+    """Strategies and engine collaborators are parts handed in, not mixins reading a host's privates."""
+    for cls in _fvgraph_classes():
+        behaving = [b.__name__ for b in cls.__bases__ if _defines_methods(b)]
+        assert len(behaving) <= 1, f"{cls.__module__}.{cls.__name__} has bases {behaving}"
+
+
+def test_no_image_loop_or_state_has_a_video_one_among_its_bases():
+    from fvgraph.loops.denoise_state import DenoiseState
+    from fvgraph.loops.flux_loop import FluxLoop, FluxState
+    from fvgraph.loops.qwen_image_loop import QwenImageLoop, QwenImageState
+
+    from fvgraph.loops.i2v_loop import I2VState
+    from fvgraph.loops.ti2v_loop import TI2VState
+
+    video = {loop_class(i) for i in ("t2v", "i2v", "t2v_two_expert", "i2v_two_expert", "ti2v")} | {T2VState, I2VState, TI2VState}
+    for image_class in (FluxLoop, QwenImageLoop, FluxState, QwenImageState):
+        assert not set(image_class.__mro__) & video, image_class
+    assert FluxState.__bases__ == QwenImageState.__bases__ == (DenoiseState,)
+    assert not {"decoded_video", "video", "num_frames"} & {f for f in FluxState.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("card, field, value", [
+    ("tiny-wan", "prompt_2", "a second text"),
+    ("tiny-wan", "max_sequence_length", 8),
+    ("tiny-wan", "image", torch.zeros(64, 64, 3, dtype=torch.uint8)),
+    ("tiny-wan", "guidance_scale_2", 3.0),
+    ("tiny-wan", "prompt_embeds_mask", torch.ones(4, dtype=torch.int64)),
+    ("tiny-flux", "prompt_embeds_mask", torch.ones(4, dtype=torch.int64)),
+    ("tiny-flux", "image", torch.zeros(64, 64, 3, dtype=torch.uint8)),
+    ("tiny-qwen-image", "prompt_2", "a second text"),
+])  # fmt: skip
+def test_a_field_only_other_families_read_is_refused_naming_it(card, field, value):
+    from fvgraph.request import RequestRejected
+
+    engine = Engine.from_card(card, device="cpu")
+    assert field not in engine.loop.reads
+    with pytest.raises(RequestRejected, match=rf"^{field}: card '{card}' runs loop '\w+', which takes no {field}; leave it unset"):
+        text = {"prompt_embeds": torch.zeros(4, 16)} if field == "prompt_embeds_mask" else {"prompt": "a fox"}  # a mask needs embeddings
+        engine.loop.check_request(Request(**text, seed=0, **{field: value}))
+
+
+def test_a_state_saves_its_phase_as_text_and_refuses_an_unknown_one(tmp_path, tiny_engine):
+    from fvgraph.contract.phase import Phase
+
+    state = tiny_engine.start(Request(prompt="x", seed=0, num_inference_steps=2, num_frames=1))
+    assert state.phase is Phase.ENCODE and state.phase == "encode"
+    state.save(tmp_path / "s.pt")
+    saved = torch.load(tmp_path / "s.pt", weights_only=True)
+    assert saved["fields"]["phase"] == "encode" and type(saved["fields"]["phase"]) is str
+    assert T2VState.load(tmp_path / "s.pt").phase is Phase.ENCODE
+    saved["fields"]["phase"] = "warp"
+    torch.save(saved, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match="field phase: 'warp' is not a valid Phase"):
+        T2VState.load(tmp_path / "bad.pt")
+
+
+def test_a_loop_is_built_complete_from_one_config():
+    """The deployment's choices reach the loop at construction (LoopConfig), never set on it after."""
+    from fvgraph.caching.calibration_store import CalibrationStore
+    from fvgraph.loops.loop_parts import LoopConfig
+
+    engine = Engine.from_card("tiny-wan", device="cpu", cache_methods=["fbcache"], calibration_dir="/tmp/fvgraph-calib")
+    loop = engine.loop
+    assert loop.cache_methods == ("fbcache",) and loop.caching.calibration.root == CalibrationStore("/tmp/fvgraph-calib").root
+    assert loop.rollouts.run_facts == {"opt_level": 0, "parallel": "single"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LoopConfig().cache_methods = ()
+    source = (PACKAGE / "engine" / "parts.py").read_text()
+    assert not re.search(r"\bloop\.\w+ = |hasattr\(loop|isinstance\(loop", source)

@@ -204,9 +204,9 @@ def test_a_saved_rollout_resumes_with_its_record(engine, tmp_path):
     state.save(tmp_path / "s.pt")
     resumed = engine.finish(engine.resume(type(state).load(tmp_path / "s.pt")))
     assert torch.equal(resumed.record.latents, whole.record.latents) and torch.equal(resumed.record.log_probs, whole.record.log_probs)
-    state.record_log_probs = state.record_log_probs[:1]  # one transition's log-prob lost
+    state.rollout.log_probs = state.rollout.log_probs[:1]  # one transition's log-prob lost
     state.save(tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match="record_log_probs"):
+    with pytest.raises(ValueError, match=r"rollout\.log_probs"):
         engine.resume(type(state).load(tmp_path / "bad.pt"))
 
 

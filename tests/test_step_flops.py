@@ -30,7 +30,7 @@ def test_cached_request_flops_equal_an_independent_count(tiny_engine):
     requests = [Request(prompt_embeds=positive, negative_prompt_embeds=negative, seed=seed, guidance_scale=5.0,
                         num_inference_steps=STEPS, height=64, width=64, num_frames=5, output_type="latent", cache=CACHE)
                 for seed in (4, 5)]  # fmt: skip
-    tiny_engine.loop._flops = None  # counted afresh: other tests of the session ran other signatures
+    tiny_engine.loop.caching._flops = None  # counted afresh: other tests of the session ran other signatures
     results = tiny_engine.generate(requests)
     assert all(r.ok for r in results)
     latents, text = tuple(results[0].latents.shape), (1, card.shapes.text_len, positive.shape[-1])
@@ -46,6 +46,6 @@ def test_cached_request_flops_equal_an_independent_count(tiny_engine):
         assert cache["reused"] > 0 and cache["computed"] > 0
         assert cache["flops"] == cache["computed"] * forward + cache["reused"] * (forward - blocks)
         assert cache["flops_uncached"] == 2 * STEPS * forward
-    counted = tiny_engine.loop._flops._counted
+    counted = tiny_engine.loop.caching._flops._counted
     assert {signature.kind for signature in counted} == {"denoise_cfg_keep", "denoise_cfg_reuse", "denoise_cfg"}
     assert len(counted) == 3  # once per signature: the second request and every later step counted nothing

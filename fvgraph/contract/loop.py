@@ -14,22 +14,31 @@ A loop is the only place that knows its step kinds: it declares them (`StepKind`
 kind runs, whether it is compiled, its timing phase), builds their step modules, checks a request
 against its card, and moves its state to another device on resume. The runtime reads those
 declarations and names no loop; fvgraph/loops/registry.py picks a card's loop by id.
+
+The contract is typed end to end: `Loop[S]` runs states of type S (each a LoopState, whose `phase`
+is a `Phase`), takes a `Request` and gives a `Result`. Those two live a layer above (fvgraph/request.py)
+and are named here for type checkers only, so the contract still imports nothing of fvgraph above it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from torch import nn
 
-Request = Any  # fvgraph.request.Request, a layer above: the contract names it and imports nothing of it
-
+from fvgraph.contract.phase import Phase
 from fvgraph.contract.plan import Done, StepResult, WorkPlan
 from fvgraph.contract.saved_state import read_saved_fields
 from fvgraph.contract.step_kind import StepKind
+
+if TYPE_CHECKING:  # a layer above: named for type checkers, never imported at run time
+    from fvgraph.models.components import Components
+    from fvgraph.request import Request, Result
 
 
 class LoopState(Protocol):
@@ -37,31 +46,39 @@ class LoopState(Protocol):
 
     request_id: str
     seed: int
+    phase: Phase
+    step_index: int
     timings: dict[str, float]
 
     def save(self, path: str | Path) -> None: ...
 
 
-class Loop(Protocol):
+S = TypeVar("S", bound=LoopState)
+
+
+class Loop(Protocol[S]):
     """The contract between a loop and the runtime. The runtime reads `loop_id`, `step_kinds` and
     `components` and calls the methods; everything else about the loop is its own."""
 
-    loop_id: ClassVar[str]
-    state_type: ClassVar[type]  # has .load(path): what save() wrote
+    loop_id: str
+    state_type: type[S]  # has .load(path): what save() wrote
     step_kinds: dict[str, StepKind]
-    components: Any  # fvgraph.models.components.Components
+    components: Components
+    reads: frozenset[str]  # the family-specific Request fields it reads; it refuses the others
+    cache_methods: tuple[str, ...]  # the step-caching methods its requests may pick
+    projection_layout: Callable[[nn.Module, Any], None] | None  # the eager path's projection reuse; None: none
 
     def check_request(self, request: Request) -> Request: ...  # resolved against the card; raises RequestRejected
 
-    def init(self, request: Request) -> LoopState: ...
+    def init(self, request: Request) -> S: ...
 
-    def next(self, state: Any) -> WorkPlan | Done: ...
+    def next(self, state: S) -> WorkPlan | Done: ...
 
-    def advance(self, state: Any, result: StepResult) -> Any: ...
+    def advance(self, state: S, result: StepResult) -> S: ...
 
-    def finalize(self, state: Any) -> Any: ...
+    def finalize(self, state: S) -> Result: ...
 
-    def adopt(self, state: Any) -> Any: ...  # a state saved elsewhere (same card), moved onto this loop's device
+    def adopt(self, state: S) -> S: ...  # a state saved elsewhere (same card), moved onto this loop's device
 
     def build_steps(self, taps: bool = False) -> dict[str, nn.Module]: ...  # one module per kind; taps: parity variants
 
@@ -96,6 +113,8 @@ class SavedPart(Protocol):
 
 
 def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):  # a phase: saved as its value, read back by the field's "load" reader
+        return value.value
     return value.saved() if isinstance(value, SavedPart) else value
 
 

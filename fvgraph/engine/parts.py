@@ -34,13 +34,12 @@ from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.caching.calibration_store import CalibrationStore, calibration_root
 from fvgraph.caching.methods import METHODS, enabled_methods
 from fvgraph.contract.loop import Loop
+from fvgraph.loops.loop_parts import LoopConfig
 from fvgraph.loops.registry import build_loop
-from fvgraph.loops.step_caching import StepCaching
 from fvgraph.parallel.config import ParallelConfig
 from fvgraph.parallel.plan import RankSetup, setup_rank
 from fvgraph.runtime.opt_levels import OptLevel, opt_level
 from fvgraph.runtime.projection_cache import ExactProjectionCache
-from fvgraph.models.wan_projections import apply_projection_cache
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +98,12 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
         if switches.parallel is not None:
             raise ValueError("LoRA adapters do not run on a parallel engine yet: build it without `parallel`")
         adapters = apply_adapters(components, card.pipeline_class, switches.adapters)
-    loop = build_loop(card, components)
-    if adapters is not None:
-        loop.adapters = adapters
-    if isinstance(loop, StepCaching):  # a loop with step caching finds calibrated settings here
-        loop.calibration = CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir))
-        loop.cache_methods = switches.cache_methods
-    if hasattr(loop, "run_facts"):  # what a rollout's record says produced it (fvgraph/behavior.py)
-        plan = "single" if switches.parallel is None else f"cfg{switches.parallel.cfg}xulysses{switches.parallel.ulysses}"
-        loop.run_facts = {"opt_level": effective.level, "parallel": plan}
+    plan = "single" if switches.parallel is None else f"cfg{switches.parallel.cfg}xulysses{switches.parallel.ulysses}"
+    loop = build_loop(card, components, LoopConfig(
+        calibration=CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir)),
+        cache_methods=switches.cache_methods, adapters=adapters,
+        run_facts={"opt_level": effective.level, "parallel": plan},  # what a rollout's record says produced it
+    ))  # fmt: skip
     counters = Counters()
     steps = loop.build_steps(taps=switches.taps)
     parallel = None
@@ -131,13 +127,10 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     elif switches.cache_dir is not None:
         log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.cache_dir)
     projection_cache = None  # per process: on a parallel engine the ranks would have to agree on each hit
-    if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None:
+    layout = loop.projection_layout  # None: the family declares no projection layout
+    if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None and layout is not None:
         projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
-        try:
-            apply_projection_cache(components.transformer, projection_cache)
-        except (TypeError, ValueError) as err:  # a denoiser the adapter does not cover runs without it
-            log.info("eager projection cache off for %s: %s", card.card_id, err)
-            projection_cache = None
+        layout(components.transformer, projection_cache)
     return EngineParts(card, loop, executor, effective, counters, projection_cache, parallel, adapters)
 
 

@@ -1,29 +1,34 @@
 """The FLUX.1 text-to-image loop: text_encode (CLIP pooled + T5) -> denoise x N -> vae_decode.
 
-An image loop (fvgraph/loops/image_loop.py: a one-frame video, the shifted image schedule, true CFG);
-what differs from Wan is what diffusers' FluxPipeline does differently: two text encoders (CLIP's
-pooled output and T5's sequence, used as given, at the request's `max_sequence_length`) and guidance
-as an input of the denoiser where the weights take one (FLUX.1-dev; none for schnell).
+The family-neutral DenoiseLoop with FLUX's parts: what differs from Wan is what diffusers' FluxPipeline
+does differently: two text encoders (CLIP's pooled output and T5's sequence, used as given, at the
+request's `max_sequence_length`: `FluxText`), guidance as an input of the denoiser where the weights
+take one (FLUX.1-dev; none for schnell: `FluxDenoising`), and an image's latents and schedule
+(fvgraph/loops/image_parts.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from fvgraph.caching.methods import caching_step_kinds, caching_steps
-from fvgraph.contract.plan import StepResult, WorkPlan
+from fvgraph.card import ModelCard
+from fvgraph.contract.denoiser_sections import DenoiserSections
+from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
+from fvgraph.loops.denoise_loop import TEXT_ENCODE, VAE_DECODE, DenoiseLoop
+from fvgraph.loops.denoise_state import DenoiseState
 from fvgraph.loops.flux_steps import FluxDenoiseStep, FluxTextEncodeStep, ImageVaeDecodeStep
-from fvgraph.loops.image_loop import ImageLoop, image_denoise_kind
-from fvgraph.loops.t2v_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, T2VState
-from fvgraph.loops.t2v_state_check import EMBED_SLOTS
+from fvgraph.loops.image_parts import ImageLatents, image_denoise_kind, refuse_embedded_guidance
+from fvgraph.loops.loop_parts import Decoder, FamilyParts, LoopConfig
+from fvgraph.loops.state_check import EMBED_SLOTS
 from fvgraph.loops.taps import TapPoints
+from fvgraph.loops.wan_parts import DENOISE, DENOISE_CFG
 from fvgraph.models.components import Components
 from fvgraph.models.flux_sections import FluxSections
-from fvgraph.card import ModelCard
 from fvgraph.request import Request, RequestRejected
 
 
@@ -37,22 +42,17 @@ def flux_denoise_kind(name: str, cfg: bool) -> StepKind:
 
 
 DENOISE_KINDS = {False: flux_denoise_kind(DENOISE, cfg=False), True: flux_denoise_kind(DENOISE_CFG, cfg=True)}
-STEP_KINDS = {
-    TEXT_ENCODE: StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode",
-                          inputs={"input_ids": Role.STEP, "input_ids_2": Role.STEP},
-                          outputs={"pooled": Role.RESULT, "embeds": Role.RESULT}),
-    DENOISE: DENOISE_KINDS[False],
-    DENOISE_CFG: DENOISE_KINDS[True],
-    VAE_DECODE: StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
-                         outputs={"video": Role.RESULT}),
-    **caching_step_kinds(DENOISE_KINDS, FluxSections.teacache_signal),  # a request with step caching (fvgraph/caching/)
-}  # fmt: skip
+TEXT_ENCODE_KIND = StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode",
+                            inputs={"input_ids": Role.STEP, "input_ids_2": Role.STEP},
+                            outputs={"pooled": Role.RESULT, "embeds": Role.RESULT})  # fmt: skip
+FLUX_DECODER = Decoder(StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
+                                outputs={"video": Role.RESULT}), lambda c: ImageVaeDecodeStep(c.vae))  # fmt: skip
 POOLED = {"prompt_embeds": "pooled_prompt_embeds", "negative_prompt_embeds": "negative_pooled_prompt_embeds"}
 
 
 @dataclass
-class FluxState(T2VState):
-    """T2VState plus the pooled texts, the T5 ids and the embedded guidance; `guidance_scale` is the
+class FluxState(DenoiseState):
+    """DenoiseState plus the pooled texts, the T5 ids and the embedded guidance; `guidance_scale` is the
     true-CFG scale and `latents` are [1, C, 1, h, w]."""
 
     pooled_prompt_embeds: torch.Tensor | None = None  # [1, P]
@@ -62,35 +62,22 @@ class FluxState(T2VState):
     guidance: float | None = None  # the denoiser's embedded guidance (None: the weights take none)
 
 
-class FluxLoop(ImageLoop):
-    loop_id = "flux"
-    state_type = FluxState
-    step_kinds = STEP_KINDS
-    caches = True
-    device_fields = (*ImageLoop.device_fields, "pooled_prompt_embeds", "negative_pooled_prompt_embeds")
-    text_fields = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds", "max_sequence_length")
+class FluxText:
+    """CLIP's pooled text and T5's sequence (of `prompt_2` where given), both used as given."""
+
+    kind = TEXT_ENCODE_KIND
+    reads = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds", "max_sequence_length")
+    device_fields = ("pooled_prompt_embeds", "negative_pooled_prompt_embeds")
 
     def __init__(self, card: ModelCard, components: Components):
-        super().__init__(card, components)
+        self.card, self.components = card, components
+        self.dtype = components.transformer.dtype
         self.pooled_dim = int(components.transformer.config.pooled_projection_dim)
-        self.sections = FluxSections(components.transformer, self.spatial_scale)  # what step caching runs on
 
-    def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
-        c = self.components
-        steps = {**self._denoise_steps(c.transformer, TapPoints(c.transformer) if taps else None), VAE_DECODE: ImageVaeDecodeStep(c.vae)}
-        if c.text_encoder is not None:
-            steps[TEXT_ENCODE] = FluxTextEncodeStep(c.text_encoder, c.text_encoder_2)
-        return {kind: step.to(c.device).eval() for kind, step in steps.items()}
+    def build(self, components: Components) -> nn.Module:
+        return FluxTextEncodeStep(components.text_encoder, components.text_encoder_2)
 
-    def _denoise_steps(self, transformer: nn.Module, tap_points: TapPoints | None = None) -> dict[str, nn.Module]:
-        plain = {kind: FluxDenoiseStep(transformer, self.sampler, cfg, self.spatial_scale, tap_points)
-                 for kind, cfg in ((DENOISE, False), (DENOISE_CFG, True))}  # fmt: skip
-        return {**plain, **caching_steps(FluxSections(transformer, self.spatial_scale), self.sampler)}
-
-    # -- requests ------------------------------------------------------------------------------------
-
-    def check_request(self, request: Request) -> Request:
-        resolved = super().check_request(request)
+    def check(self, resolved: Request) -> None:
         for embeds, pooled in POOLED.items():
             if getattr(resolved, embeds) is not None and getattr(resolved, pooled) is None:
                 raise RequestRejected(pooled, f"{embeds} comes with {pooled} on card {self.card.card_id!r} (CLIP's pooled text)")
@@ -101,36 +88,21 @@ class FluxLoop(ImageLoop):
         if resolved.do_cfg and positive is not None and negative is not None and positive.shape != negative.shape:
             raise RequestRejected("negative_prompt_embeds", f"shape {list(negative.shape)} must equal prompt_embeds' "
                                                             f"{list(positive.shape)} (both branches run as one batch)")  # fmt: skip
-        return resolved
 
-    def warmup_request(self, num_frames: int, height: int, width: int, guidance_scale: float, steps: int) -> Request:
-        """`guidance_scale` is the embedded guidance (a value of the step, not a kind of it): the request
-        runs the one-branch kind, as the card's default does; a true-CFG kind compiles at its first use."""
-        if self.components.text_encoder is not None:
-            text = {"prompt": "warmup"}
-        else:
-            text = {"prompt_embeds": torch.zeros(self.card.shapes.text_len, self.facts.text_dim),
-                    "pooled_prompt_embeds": torch.zeros(self.pooled_dim)}  # fmt: skip
-        guidance = {"guidance_scale": guidance_scale} if self.guidance_embeds else {}
-        return Request(**text, **guidance, num_inference_steps=steps, height=height, width=width, seed=0)
-
-    # -- init ------------------------------------------------------------------------------------------
-
-    def _conditioning(self, request: Request, latents: torch.Tensor) -> dict:
+    def init_fields(self, request: Request) -> dict[str, Any]:
         device = self.components.device
-        pooled = {name: None if getattr(request, name) is None else getattr(request, name).view(1, -1).to(device, self.embed_dtype)
+        pooled = {name: None if getattr(request, name) is None else getattr(request, name).view(1, -1).to(device, self.dtype)
                   for name in POOLED.values()}  # fmt: skip
         if not request.do_cfg:
             pooled["negative_pooled_prompt_embeds"] = None
         text_len = request.max_sequence_length if request.prompt_embeds is None else request.prompt_embeds.shape[0]
-        guidance = float(request.guidance_scale) if self.guidance_embeds else None
-        return {**pooled, "text_len": int(text_len), "guidance": guidance}
+        return {**pooled, "text_len": int(text_len)}
 
-    def _padded(self, embeds: torch.Tensor | None) -> torch.Tensor | None:
+    def given(self, embeds: torch.Tensor | None) -> torch.Tensor | None:
         """[L, D] user embeddings -> [1, L, D]: FluxPipeline uses them as given (T5 pads with tokens, not zeros)."""
-        return None if embeds is None else embeds.unsqueeze(0).to(self.components.device, self.embed_dtype)
+        return None if embeds is None else embeds.unsqueeze(0).to(self.components.device, self.dtype)
 
-    def _tokenize(self, state: FluxState, request: Request, texts: list[tuple[str, str]]) -> None:
+    def tokenize(self, state: FluxState, request: Request, texts: list[tuple[str, str]]) -> None:
         """CLIP ids of each text and T5 ids of its second text (`prompt_2`, else the text itself)."""
         second = {"prompt_embeds": request.prompt_2, "negative_prompt_embeds": request.negative_prompt_2}
         clip, t5 = self.components.tokenizer, self.components.tokenizer_2
@@ -139,40 +111,32 @@ class FluxLoop(ImageLoop):
         state.input_ids_2 = t5([second[slot] or text for slot, text in texts], padding="max_length", max_length=state.text_len,
                                truncation=True, return_tensors="pt").input_ids  # fmt: skip
 
-    # -- next / advance -----------------------------------------------------------------------------
+    def encode_inputs(self, state: FluxState) -> dict[str, torch.Tensor]:
+        device = self.components.device
+        return {"input_ids": state.input_ids.to(device), "input_ids_2": state.input_ids_2.to(device)}
 
-    def next(self, state: FluxState):
-        if state.phase == "encode":
-            device = self.components.device
-            return WorkPlan(state.request_id, TEXT_ENCODE, {"input_ids": state.input_ids.to(device),
-                                                             "input_ids_2": state.input_ids_2.to(device)})  # fmt: skip
-        return super().next(state)
-
-    def _conditioning_inputs(self, state: FluxState) -> dict[str, torch.Tensor]:
-        inputs = {"pooled_prompt_embeds": state.pooled_prompt_embeds}
-        if state.cfg:
-            inputs["negative_pooled_prompt_embeds"] = state.negative_pooled_prompt_embeds
-        if state.guidance is not None:
-            inputs["guidance"] = torch.tensor([state.guidance], dtype=torch.float32, device=self.components.device)
-        return inputs
-
-    def advance(self, state: FluxState, result: StepResult) -> FluxState:
-        if state.phase != "encode":
-            return super().advance(state, result)
-        embeds, pooled = result["embeds"].to(self.embed_dtype), result["pooled"].to(self.embed_dtype)
+    def take_encoded(self, state: FluxState, result: StepResult) -> None:
+        embeds, pooled = result["embeds"].to(self.dtype), result["pooled"].to(self.dtype)
         for row, slot in enumerate(state.encode_slots):
             setattr(state, slot, embeds[row : row + 1])
             setattr(state, POOLED[slot], pooled[row : row + 1])
-        state.input_ids = state.input_ids_2 = None
-        state.encode_slots = []
-        state.phase = self._phase_after_text(state)
-        return state
+        state.input_ids_2 = None
 
-    def check_saved_text(self, checker, state: FluxState) -> None:
-        """Token ids as _tokenize makes them, and each text as a T5 sequence at the request's own length
+    def finish(self, state: FluxState) -> None:
+        pass
+
+    def constants(self, state: FluxState) -> dict[str, torch.Tensor]:
+        inputs = {"pooled_prompt_embeds": state.pooled_prompt_embeds}
+        if state.cfg:
+            inputs["negative_pooled_prompt_embeds"] = state.negative_pooled_prompt_embeds
+        return inputs
+
+    def check_saved(self, checker: Any, state: FluxState) -> None:
+        """Token ids as `tokenize` makes them, and each text as a T5 sequence at the request's own length
         beside its CLIP pooled vector, in the denoiser's dtype."""
-        if isinstance(state.text_len, bool) or not isinstance(state.text_len, int) or not 1 <= state.text_len <= self.card.shapes.text_len:
-            checker.fail("text_len", f"must be an int in [1, {self.card.shapes.text_len}], got {state.text_len!r}")
+        text_len, text_dim = self.card.shapes.text_len, self.components.facts.text_dim
+        if isinstance(state.text_len, bool) or not isinstance(state.text_len, int) or not 1 <= state.text_len <= text_len:
+            checker.fail("text_len", f"must be an int in [1, {text_len}], got {state.text_len!r}")
         needed = list(EMBED_SLOTS[: 2 if state.cfg else 1])
         if state.phase == "encode":
             if not isinstance(state.encode_slots, list) or not state.encode_slots or not set(state.encode_slots) <= set(needed):
@@ -184,7 +148,67 @@ class FluxLoop(ImageLoop):
                     checker.fail(name, f"must be [{rows}, {length}], got {list(ids.shape)}")
             needed = [name for name in needed if name not in state.encode_slots]
         for name in needed:
-            for field, shape in ((name, (1, state.text_len, self.facts.text_dim)), (POOLED[name], (1, self.pooled_dim))):
+            for field, shape in ((name, (1, state.text_len, text_dim)), (POOLED[name], (1, self.pooled_dim))):
                 value = checker.tensor(field, shape=shape)
-                if value.dtype != self.embed_dtype:
-                    checker.fail(field, f"must be {self.embed_dtype}, got {value.dtype}")
+                if value.dtype != self.dtype:
+                    checker.fail(field, f"must be {self.dtype}, got {value.dtype}")
+
+    def warmup_text(self, guidance_scale: float, with_encoder: bool) -> dict[str, Any]:
+        if with_encoder:
+            return {"prompt": "warmup"}
+        return {"prompt_embeds": torch.zeros(self.card.shapes.text_len, self.components.facts.text_dim),
+                "pooled_prompt_embeds": torch.zeros(self.pooled_dim)}  # fmt: skip
+
+
+class FluxDenoising:
+    """FluxTransformer2DModel's steps: guidance embedded in the denoiser where its weights take it."""
+
+    kinds = DENOISE_KINDS
+    step_kinds = {DENOISE: DENOISE_KINDS[False], DENOISE_CFG: DENOISE_KINDS[True]}
+    reads: tuple[str, ...] = ()
+    teacache_signal = FluxSections.teacache_signal
+
+    def __init__(self, card: ModelCard, components: Components):
+        self.card, self.components = card, components
+        self.spatial = components.facts.vae_spatial
+        self.guidance_embeds = bool(components.transformer.config.get("guidance_embeds", False))
+
+    def step(self, transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module:
+        return FluxDenoiseStep(transformer, sampler, cfg, self.spatial, tap_points)
+
+    def steps(self, components: Components, sampler: Any, taps: bool) -> dict[str, nn.Module]:
+        tap_points = TapPoints(components.transformer) if taps else None
+        return {kind.name: self.step(components.transformer, sampler, cfg, tap_points) for cfg, kind in DENOISE_KINDS.items()}
+
+    def sections(self, transformer: nn.Module) -> DenoiserSections:
+        return FluxSections(transformer, self.spatial)
+
+    def check(self, resolved: Request) -> None:
+        if not self.guidance_embeds:
+            refuse_embedded_guidance(self.card, resolved)
+
+    def init_fields(self, request: Request) -> dict[str, Any]:
+        return {"guidance": float(request.guidance_scale) if self.guidance_embeds else None}
+
+    def constants(self, state: FluxState) -> dict[str, torch.Tensor]:
+        if state.guidance is None:
+            return {}
+        return {"guidance": torch.tensor([state.guidance], dtype=torch.float32, device=self.components.device)}
+
+    def changes_kind(self, state: DenoiseState) -> bool:
+        return False
+
+    def at_step(self, state: DenoiseState, kind: str, constants: dict[str, torch.Tensor]) -> tuple[str, dict]:
+        return kind, constants
+
+    def warmup_guidance(self, guidance_scale: float) -> dict[str, Any]:
+        """`guidance_scale` is the embedded guidance (a value of the step, not a kind of it): the request
+        runs the one-branch kind, as the card's default does; a true-CFG kind compiles at its first use."""
+        return {"guidance_scale": guidance_scale} if self.guidance_embeds else {}
+
+
+class FluxLoop(DenoiseLoop):
+    def __init__(self, card: ModelCard, components: Components, config: LoopConfig | None = None):
+        parts = FamilyParts("flux", FluxState, FluxText(card, components), FluxDenoising(card, components),
+                            ImageLatents(card), FLUX_DECODER)  # fmt: skip
+        super().__init__(card, components, parts, config)

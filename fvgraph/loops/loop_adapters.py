@@ -1,4 +1,4 @@
-"""The loop's side of LoRA adapters (fvgraph/adapters/ holds them): a mixin for the Wan loops.
+"""The loop's side of LoRA adapters (fvgraph/adapters/ holds them), as a part the loop is given at build.
 
 It checks a request's `loras` against the engine's adapters, records the choice (the loop state's one
 `adapters` field), gives each plain denoise step the request's slot rows, and refuses to resume a
@@ -7,27 +7,34 @@ state whose adapters this engine does not hold with the same digests.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from fvgraph.adapters.lora_file import AdapterError
 from fvgraph.adapters.registry import AdapterChoice, AdapterRegistry
 from fvgraph.request import Request, RequestRejected
 
+if TYPE_CHECKING:
+    from fvgraph.loops.denoise_state import DenoiseState
+
 
 class LoopAdapters:
-    """Reads the loop's `adapters` (None: an engine without adapters) and `components`."""
+    """`registry`: the engine's adapters (None: an engine without adapters)."""
 
-    adapters: AdapterRegistry | None
+    def __init__(self, registry: AdapterRegistry | None, device: torch.device):
+        self.registry = registry
+        self.device = device
 
-    def _adapter_choice(self, request: Request) -> AdapterChoice | None:
+    def choice(self, request: Request) -> AdapterChoice | None:
         """The request's `loras` checked against the engine's adapters (RequestRejected naming `loras`)."""
         if not request.loras:
             return None
-        if self.adapters is None:
+        if self.registry is None:
             raise RequestRejected("loras", f"this engine serves no LoRA adapters (asked for {sorted(request.loras)}): "
                                            "load them with --lora NAME=PATH or Engine.from_card(loras=...)")  # fmt: skip
         try:
-            choice = self.adapters.choose(request.loras)
+            choice = self.registry.choose(request.loras)
         except AdapterError as err:
             raise RequestRejected("loras", str(err)) from None
         if choice is not None and request.caching is not None:
@@ -35,26 +42,30 @@ class LoopAdapters:
                                            "send the request without `cache`, or serve the adapter merged")  # fmt: skip
         return choice
 
-    def _adapter_rows(self, state) -> dict[str, torch.Tensor]:
+    def rows(self, state: DenoiseState) -> dict[str, torch.Tensor]:
         """The request's adapter rows on an engine with slots: every plain denoise step takes them (zero
         scales for a request without adapters), so requests with any adapters share one graph. A cached
         request runs without adapters (check_request) and its steps take no rows."""
-        if self.adapters is None or self.adapters.store is None or state.caching is not None:
+        if self.registry is None or self.registry.store is None or state.caching is not None:
             return {}
         try:
-            return self.adapters.rows(state.adapters, self.components.device)
+            return self.registry.rows(state.adapters, self.device)
         except AdapterError as err:  # unloaded or replaced since the request started (Engine.step by hand)
             raise RequestRejected("loras", f"request {state.request_id}: {err}") from None
 
-    def _check_saved_adapters(self, state) -> None:
+    def merged(self) -> dict[str, float]:
+        """The adapters fused into the weights (a recipe's), by scale: every request runs them."""
+        return {} if self.registry is None else {a.name: a.scale for a in self.registry.adapters.values() if a.slot is None}
+
+    def check_saved(self, state: DenoiseState) -> None:
         """A state started with adapters resumes only where the same adapters (by digest) are loaded."""
         if state.adapters is None:
             return
-        if self.adapters is None or self.adapters.store is None:
+        if self.registry is None or self.registry.store is None:
             raise ValueError(f"adapters: request {state.request_id} runs with loras {sorted(state.adapters.scales)}; "
                              "this engine has no adapter slots")  # fmt: skip
         for name, digest in state.adapters.digests.items():
             try:
-                self.adapters.current_slot(name, digest)
+                self.registry.current_slot(name, digest)
             except AdapterError as err:
                 raise ValueError(f"adapters: request {state.request_id}: {err}") from None

@@ -1,6 +1,6 @@
 """Step functions of the Qwen-Image loop (fvgraph/loops/qwen_image_loop.py), pure tensor functions like steps.py's.
 
-The latents are a one-frame video [1, C, 1, h, w] float32 (fvgraph/loops/image_loop.py). Inside the
+The latents are a one-frame video [1, C, 1, h, w] float32 (fvgraph/loops/image_parts.py). Inside the
 step they are packed 2x2 into tokens with diffusers' own QwenImagePipeline helpers, the transformer
 gets the image shape it builds its rotary positions from (static in the trace) and each text's
 padding mask, and the prediction is unpacked before the Euler update: a permutation, which commutes

@@ -1,8 +1,8 @@
 """The loop registry: a card's `recipe.assumes_loop` id -> the class that runs it.
 
 Entries are import paths, imported on first use, so the registry (and the runtime that reads it)
-imports no loop module. Adding a loop: a new file with a class following fvgraph.contract.loop.Loop, one line
-here, and a card naming its id (docs/loops.md).
+imports no loop module. Each names a DenoiseLoop composed of one family's parts (docs/loops.md); adding
+a family is its parts' file, one line here, and a card naming its id.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import importlib
 from fvgraph.card import ModelCard
 from fvgraph.models.components import Components
 from fvgraph.contract.loop import Loop
+from fvgraph.loops.loop_parts import LoopConfig
 
 LOOPS: dict[str, str] = {
     "t2v": "fvgraph.loops.t2v_loop:TextToVideoLoop",
@@ -32,6 +33,7 @@ def loop_class(loop_id: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def build_loop(card: ModelCard, components: Components) -> Loop:
-    """The loop the card's recipe assumes, bound to the loaded components."""
-    return loop_class(card.recipe.assumes_loop)(card, components)
+def build_loop(card: ModelCard, components: Components, config: LoopConfig | None = None) -> Loop:
+    """The loop the card's recipe assumes, bound to the loaded components and built complete with the
+    deployment's `config` (step-caching methods and calibration, adapters, run facts)."""
+    return loop_class(card.recipe.assumes_loop)(card, components, config)

@@ -1,5 +1,4 @@
-"""The loop's side of step caching (fvgraph/caching/ decides): a mixin for loops whose denoiser
-has sections (fvgraph/contract/denoiser_sections.py).
+"""The loop's side of step caching (fvgraph/caching/ decides), as a part the loop is given at build.
 
 It checks a request's `cache` against the methods the deployment enabled, the card and the
 calibration store, starts the request's caching state (the loop state's one `caching` field) when
@@ -10,45 +9,59 @@ one's). What is kept, and why, is the method's.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
-from fvgraph.caching.methods import warmup_variants
+from fvgraph.caching.calibration_store import CalibrationStore
 from fvgraph.caching.settings import CacheSettings, NoCache, PolicyContext
 from fvgraph.caching.state import StepCachingState
-from fvgraph.contract.plan import StepResult, WorkPlan
+from fvgraph.card import ModelCard
+from fvgraph.contract.denoiser_sections import DenoiserSections
+from fvgraph.contract.plan import ShapeSignature, StepResult, WorkPlan
 from fvgraph.loops.step_flops import StepFlops, meta_twin
+from fvgraph.models.components import Components
 from fvgraph.request import Request, RequestRejected
+
+if TYPE_CHECKING:
+    from fvgraph.loops.denoise_state import DenoiseFacts, DenoiseState
 
 
 class StepCaching:
-    """Reads the loop's card, components, facts, calibration store, enabled `cache_methods`,
-    `_signatures`, `_flops`, `_denoise_steps` and `sections`."""
+    """One loop's step caching. `refused`: why this loop's requests may not use it (None: they may);
+    `denoise_steps(transformer)`: the loop's denoise step modules on any copy of the denoiser (FLOPs)."""
 
-    @property
-    def caches(self) -> bool:
-        """Whether this loop serves step caching: not with image conditioning or two experts."""
-        return not self.takes_image and len(self.facts.experts) < 2
+    def __init__(self, card: ModelCard, components: Components, sections: DenoiserSections | None, refused: str | None,
+                 methods: tuple[str, ...], calibration: CalibrationStore,
+                 denoise_steps: Callable[[nn.Module], dict[str, nn.Module]]):  # fmt: skip
+        self.card = card
+        self.components = components
+        self.sections = sections
+        self.refused = refused
+        self.methods = methods
+        self.calibration = calibration
+        self._denoise_steps = denoise_steps
+        self._flops: StepFlops | None = None  # built at the first cached request
 
-    def _deployed_default(self, request: Request) -> Request:
+    def deployed_default(self, request: Request) -> Request:
         """`request` (before resolve) with the card's default caching left off where this deployment did
         not enable its method: a card default is a suggestion the deployment overrides. NoCache, not
         None, so resolving never brings the default back (nor checks the steps it would pin)."""
         default = self.card.default_cache
-        if request.cache is None and default is not None and default.method not in self.cache_methods:
+        if request.cache is None and default is not None and default.method not in self.methods:
             return request.model_copy(update={"cache": NoCache()})
         return request
 
-    def _check_caching(self, resolved: Request) -> Request:
+    def check(self, resolved: Request) -> Request:
         """`resolved` with its calibrated cache settings filled in; RequestRejected naming the field."""
         if resolved.caching is None:
             return resolved
-        if resolved.caching.method not in self.cache_methods:
+        if self.refused is not None:
+            raise RequestRejected("cache", self.refused)
+        if resolved.caching.method not in self.methods:
             raise RequestRejected("cache", self._not_enabled(resolved.caching.method))
-        if not self.caches:
-            raise RequestRejected("cache", f"card {self.card.card_id!r} runs loop {self.loop_id!r}; step caching "
-                                           "runs on single-expert text-to-video loops only")  # fmt: skip
         try:
             settings = resolved.caching.for_sections(self.sections)
         except ValueError as err:
@@ -63,7 +76,7 @@ class StepCaching:
         return resolved
 
     def _not_enabled(self, method: str) -> str:
-        enabled = ", ".join(self.cache_methods) or "none (exact execution only)"
+        enabled = ", ".join(self.methods) or "none (exact execution only)"
         return (f"step-caching method {method!r} is not enabled on this deployment; enabled: {enabled}; pass "
                 "cache='none' for exact execution, or deploy with `--cache-methods` (Engine.from_card(cache_methods=...)) "
                 "naming it")  # fmt: skip
@@ -79,20 +92,18 @@ class StepCaching:
                                   f"--card {self.card.card_id} [--checkpoint P] --steps N` or pass {missing[0]}")  # fmt: skip
         return settings.calibrated(record["values"])
 
-    def warmup_variants(self, plan: WorkPlan) -> list[WorkPlan]:
-        """The loop contract's warmup hook: the kinds a caching method may run in `plan`'s place."""
-        return warmup_variants(plan)
+    def _policy_context(self, state: DenoiseState) -> PolicyContext:
+        c = self.components
+        return PolicyContext(state.timesteps, c.transformer, c.transformer.dtype, self.card, self.sections)
 
-    def _policy_context(self, state: Any) -> PolicyContext:
-        return PolicyContext(state.timesteps, self.components.transformer, self.embed_dtype, self.card, self.sections)
-
-    def _start_caching(self, state: Any, request: Request) -> None:
+    def start(self, state: DenoiseState, request: Request) -> None:
         # The policy is built here, before any step is queued: one that plans from the denoiser
         # (TeaCache runs its condition embedder on the timesteps) reads the device only now.
         if request.caching is not None:
             state.caching = request.caching.start(self._policy_context(state))
 
-    def _cached_plan(self, state: Any, facts: Any, inputs: dict[str, torch.Tensor]) -> WorkPlan:
+    def plan(self, state: DenoiseState, facts: DenoiseFacts, inputs: dict[str, torch.Tensor],
+             signatures: dict[ShapeSignature, ShapeSignature]) -> WorkPlan:  # fmt: skip
         """The launch the request's caching state decides on; its FLOPs and the uncached step's."""
         caching: StepCachingState = state.caching
         if caching.policy is None:  # a resumed state: its policy is rebuilt on this engine
@@ -103,10 +114,10 @@ class StepCaching:
             self._flops = StepFlops(self._denoise_steps(meta_twin(self.components.transformer)))
         caching.flops = (self._flops.count(kind, inputs), self._flops.count(facts.kind, plain))
         plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels)
-        plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
+        plan.signature = signatures.setdefault(plan.signature, plan.signature)
         return plan
 
-    def _advance_caching(self, state: Any, result: StepResult) -> bool:
+    def advance(self, state: DenoiseState, result: StepResult) -> bool:
         """Hand the launch's outputs to the caching state; False when the step has a launch still to run."""
         caching: StepCachingState = state.caching
         ran, uncached = caching.flops or (0, 0)

@@ -15,85 +15,104 @@ Phases: text_encode -> vae_encode (image requests only) -> denoise x N -> vae_de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from diffusers.video_processor import VideoProcessor
 from torch import nn
 
 from fvgraph.card import ModelCard
-from fvgraph.models.components import Components
+from fvgraph.contract.phase import Phase
+from fvgraph.contract.plan import StepResult, WorkPlan
+from fvgraph.loops.denoise_loop import DenoiseLoop
+from fvgraph.loops.denoise_state import DenoiseState
+from fvgraph.loops.i2v_loop import CACHING_REFUSED, VAE_ENCODE, VAE_ENCODE_KIND
 from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
-from fvgraph.loops.i2v_loop import VAE_ENCODE, I2VState, ImageToVideoLoop
 from fvgraph.loops.i2v_steps import FirstFrameEncodeStep
-from fvgraph.contract.plan import StepResult
+from fvgraph.loops.loop_parts import FamilyParts, LoopConfig
+from fvgraph.loops.t2v_loop import WAN_DECODER
+from fvgraph.loops.wan_parts import VideoLatents, WanDenoiser, WanText
+from fvgraph.models.components import Components
+from fvgraph.models.wan_projections import apply_projection_cache
 from fvgraph.request import Request
 
 STEP_KINDS = {kind: spec for kind, spec in I2V_STEP_KINDS.items() if spec.component != "image_encoder"}
 
 
 @dataclass
-class TI2VState(I2VState):
-    """I2VState where `condition` holds the given first frame's latents [1, C, 1, h, w] (zeros for a
-    text-only request) and `frame_mask` [1, 1, f, h, w] is 0 on given latent frames, 1 elsewhere."""
+class TI2VState(DenoiseState):
+    """DenoiseState plus the first frame: `image` until encoded, then `condition`, its latents
+    [1, C, 1, h, w] (zeros for a text-only request); `frame_mask` [1, 1, f, h, w] is 0 on given
+    latent frames, 1 elsewhere."""
 
+    image: torch.Tensor | None = None  # [1, 3, H, W] in [-1, 1], until vae_encode ran
+    condition: torch.Tensor | None = None
     frame_mask: torch.Tensor | None = None
 
 
-class TextImageToVideoLoop(ImageToVideoLoop):
-    loop_id = "ti2v"
-    state_type = TI2VState
-    step_kinds = STEP_KINDS
-    device_fields = (*ImageToVideoLoop.device_fields, "frame_mask")
-    image_required = False
-    pre_denoise_phases = (VAE_ENCODE,)
+class OptionalFirstFrame:
+    """TI2V's optional image: the first latent frame, given at every denoise step."""
+
+    phases = (Phase.VAE_ENCODE,)
+    step_kinds = {VAE_ENCODE: VAE_ENCODE_KIND}
+    reads = ("image",)
+    device_fields = ("image", "condition", "frame_mask")
 
     def __init__(self, card: ModelCard, components: Components):
-        super().__init__(card, components)
-        if self.facts.denoiser_in_channels != self.latent_channels:
+        facts = components.facts
+        if facts.denoiser_in_channels != facts.latent_channels:
             raise ValueError(
                 f"card {card.card_id!r}: loop 'ti2v' gives the first frame as latents, so the denoiser must take "
-                f"exactly the VAE's {self.latent_channels} latent channels; its weights take {self.facts.denoiser_in_channels}"
+                f"exactly the VAE's {facts.latent_channels} latent channels; its weights take {facts.denoiser_in_channels}"
             )
-        if self.facts.image_dim is not None:
+        if facts.image_dim is not None:
             raise ValueError(f"card {card.card_id!r}: loop 'ti2v' has no image encoder, but the denoiser takes "
-                             f"image embeddings (image_dim={self.facts.image_dim})")  # fmt: skip
+                             f"image embeddings (image_dim={facts.image_dim})")  # fmt: skip
+        self.components = components
+        self.video_processor = VideoProcessor(vae_scale_factor=facts.vae_spatial)
 
-    def build_steps(self, taps: bool = False) -> dict[str, nn.Module]:
-        steps = super().build_steps(taps)
-        c = self.components
-        steps[VAE_ENCODE] = FirstFrameEncodeStep(c.vae).to(c.device).eval()
-        return steps
+    def build(self, components: Components) -> dict[str, nn.Module]:
+        return {VAE_ENCODE: FirstFrameEncodeStep(components.vae)}
 
-    def _warmup_inputs(self, height: int, width: int) -> dict:
-        return {}  # a text-only request runs the same denoise step; `fvgraph warmup` need not encode an image
+    def check(self, resolved: Request) -> None:
+        pass
 
-    def _conditioning(self, request: Request, latents: torch.Tensor) -> dict:
-        """The frame mask, and for a text-only request the (zero) given frame; an image request's
-        given frame comes from the vae_encode step."""
+    def init_fields(self, request: Request, latents: torch.Tensor) -> dict[str, Any]:
+        """The frame mask, and the given frame: zeros for a text-only request; an image request's comes
+        from the vae_encode step."""
         _, channels, frames, h, w = latents.shape
         device = self.components.device
         mask = torch.ones(1, 1, frames, h, w, device=device)
         if request.image is None:
             return {"frame_mask": mask, "condition": torch.zeros(1, channels, 1, h, w, device=device)}
         mask[:, :, 0] = 0
-        return {**super()._conditioning(request, latents), "frame_mask": mask}
+        image = self.video_processor.preprocess(request.image, height=request.height, width=request.width)
+        return {"image": image.to(device, torch.float32), "frame_mask": mask}
 
-    def advance(self, state: TI2VState, result: StepResult) -> TI2VState:
-        state = super().advance(state, result)
-        if state.step_index == state.num_steps and state.frame_mask is not None:
-            # after the last step: the given frame back in place of the denoised one (as the pipeline does)
-            state.latents = (1 - state.frame_mask) * state.condition + state.frame_mask * state.latents
-            state.frame_mask = state.condition = None
-        return state
+    def first_phase(self, state: TI2VState) -> Phase | None:
+        return Phase.VAE_ENCODE if state.image is not None else None
 
-    def _conditioning_inputs(self, state: TI2VState) -> dict[str, torch.Tensor]:
+    def plan(self, state: TI2VState) -> WorkPlan:
+        return WorkPlan(state.request_id, VAE_ENCODE, {"image": state.image, "latents": state.latents})
+
+    def take(self, state: TI2VState, result: StepResult) -> None:
+        state.condition, state.image = result["condition"], None
+        state.phase = Phase.DENOISE
+
+    def constants(self, state: TI2VState) -> dict[str, torch.Tensor]:
         return {"first_frame": state.condition, "frame_mask": state.frame_mask}
 
-    def adopt(self, state: TI2VState) -> TI2VState:
-        """As the t2v loop's, plus the first-frame fields: until the last denoise step ran, a mask of
-        the latents' frames holding only 0 and 1, and a given frame of the latents' channels and size."""
-        state = super().adopt(state)
-        if state.phase in ("decode", "done") and state.frame_mask is None and state.condition is None:
-            return state
+    def after_last_step(self, state: TI2VState) -> None:
+        """The given frame back in place of the denoised one (as the pipeline does)."""
+        if state.frame_mask is not None:
+            state.latents = (1 - state.frame_mask) * state.condition + state.frame_mask * state.latents
+            state.frame_mask = state.condition = None
+
+    def check_saved(self, state: TI2VState) -> None:
+        """Until the last denoise step ran: a mask of the latents' frames holding only 0 and 1, and a
+        given frame of the latents' channels and size."""
+        if state.phase in (Phase.DECODE, Phase.DONE) and state.frame_mask is None and state.condition is None:
+            return
         _, channels, frames, h, w = state.latents.shape
         for name, shape in (("frame_mask", (1, 1, frames, h, w)), ("condition", (1, channels, 1, h, w))):
             value = getattr(state, name)
@@ -106,4 +125,15 @@ class TextImageToVideoLoop(ImageToVideoLoop):
                                  f"of shape {list(shape)}, got {got}")  # fmt: skip
         if not ((state.frame_mask == 0) | (state.frame_mask == 1)).all():
             raise ValueError(f"state of request {state.request_id!r}: frame_mask: must hold only 0 and 1")
-        return state
+
+    def warmup_inputs(self, height: int, width: int) -> dict[str, Any]:
+        return {}  # a text-only request runs the same denoise step; `fvgraph warmup` need not encode an image
+
+
+class TextImageToVideoLoop(DenoiseLoop):
+    def __init__(self, card: ModelCard, components: Components, config: LoopConfig | None = None):
+        parts = FamilyParts("ti2v", TI2VState, WanText(card, components), WanDenoiser(card, components), VideoLatents(),
+                            WAN_DECODER, OptionalFirstFrame(card, components),
+                            caching_refused=f"card {card.card_id!r} runs loop 'ti2v'; {CACHING_REFUSED}",
+                            projection_layout=apply_projection_cache)  # fmt: skip
+        super().__init__(card, components, parts, config)

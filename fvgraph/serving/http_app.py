@@ -218,7 +218,7 @@ class VideoApi(ImageRoutes):
             if not isinstance(reference, bytes):  # a URL or file id: fetching what a client names is not done here
                 raise RequestRejected("input_reference", "must be the image itself, uploaded as a file in a multipart "
                                                          "form; this server fetches no URLs or file ids")  # fmt: skip
-            image = check_input_reference(reference, self.card, self.served.engine.loop.takes_image)
+            image = check_input_reference(reference, self.card, "image" in self.served.engine.loop.reads)
         parsed = video_request(body, self.card, self.store.new_id("video"), self.settings.max_prompt_chars,
                                self.facts.temporal_multiple, image)  # fmt: skip
         return self._start_video(parsed, None, body.model or self.card.card_id)

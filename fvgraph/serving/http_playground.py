@@ -47,13 +47,13 @@ class PlaygroundApi:
         card, loop, facts = engine.card, engine.loop, engine.facts
         rules, recipe = card.shapes, card.recipe
         admitted = recipe.step_caching  # the weights' own list (None: every method)
-        methods = [m for m in loop.cache_methods if admitted is None or m in admitted] if loop.caches else []
+        methods = [m for m in loop.cache_methods if admitted is None or m in admitted]
         default_cache = card.default_cache.method if card.default_cache is not None else None
         return {
             "object": "playground.config",
             "model": card.card_id,
             "loop": loop.loop_id,
-            "takes_image": loop.takes_image,
+            "takes_image": "image" in loop.reads,
             "defaults": {
                 "width": rules.default_width, "height": rules.default_height, "num_frames": rules.default_frames,
                 "num_inference_steps": recipe.default_steps, "guidance_scale": recipe.default_guidance_scale,

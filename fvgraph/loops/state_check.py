@@ -1,4 +1,4 @@
-"""The full check of a T2VState (or a subclass) before it is resumed: a state from disk is untrusted input.
+"""The full check of a DenoiseState (any family's) before it is resumed: a state from disk is untrusted input.
 
 A state another engine saved (or someone edited) must not run, and must never come back "ok", when
 it belongs to another card, sampler or set of weights, or when a field holds something the loop
@@ -14,9 +14,10 @@ import torch
 from fvgraph.caching.settings import NoCache
 from fvgraph.caching.state import StepCachingState, TensorLayouts
 from fvgraph.contract.loop import Loop, LoopState
+from fvgraph.contract.phase import Phase
 from fvgraph.loops.samplers import num_coeffs
 
-PHASES = ("encode", "denoise", "decode", "done")
+PHASES = (Phase.ENCODE, Phase.DENOISE, Phase.DECODE, Phase.DONE)
 EMBED_SLOTS = ("prompt_embeds", "negative_prompt_embeds")
 
 
@@ -45,7 +46,7 @@ class _Checker:
         return t
 
 
-def check_t2v_state(state: LoopState, loop: Loop) -> None:
+def check_state(state: LoopState, loop: Loop) -> None:
     """Raise ValueError (request, field, rule) unless `state` is one `loop` could resume correctly."""
     c = _Checker(state)
     card = loop.card
@@ -59,7 +60,7 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
                                   f"{loop.components.weights_version!r}: resuming would mix two models")  # fmt: skip
     phases = (*PHASES, *loop.pre_denoise_phases)
     if state.phase not in phases:
-        c.fail("phase", f"{state.phase!r} is not one of {', '.join(phases)}")
+        c.fail("phase", f"{str(state.phase)!r} is not one of {', '.join(phases)}")
     if state.output_type not in ("np", "latent"):
         c.fail("output_type", f"{state.output_type!r} must be 'np' or 'latent'")
     if not isinstance(state.guidance_scale, float | int) or not torch.isfinite(torch.tensor(float(state.guidance_scale))):
@@ -68,9 +69,8 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
     steps = int(timesteps.shape[0])
     if steps < 1:
         c.fail("timesteps", "the schedule is empty")
-    level = state.rollout_noise_level
-    if level is not None and (isinstance(level, bool) or not isinstance(level, float | int) or not 0 < level <= 2):
-        c.fail("rollout_noise_level", f"must be a number in (0, 2], got {level!r}")
+    if state.rollout is not None and loop.rollouts is None:
+        c.fail("rollout", f"loop {loop.loop_id!r} runs no rollouts")
     sampler = loop.sampler_of(state)
     coeffs = c.tensor("coeffs", dims=2)
     if tuple(coeffs.shape) != (steps, num_coeffs(sampler)):
@@ -86,7 +86,7 @@ def check_t2v_state(state: LoopState, loop: Loop) -> None:
     _check_carry(c, state, loop)
     _check_fresh_noise(c, state, loop)
     _check_record(c, state, loop)
-    loop.check_saved_text(c, state)
+    loop.text.check_saved(c, state)
     _check_caching(c, state, loop)
 
 
@@ -116,10 +116,10 @@ def _check_progress(c: _Checker, state: LoopState, steps: int, pre_denoise: tupl
     expected = {"encode": range(0, 1), "denoise": range(0, steps), "decode": range(steps, steps + 1),
                 "done": range(steps, steps + 1), **{phase: range(0, 1) for phase in pre_denoise}}[state.phase]  # fmt: skip
     if index not in expected:
-        c.fail("step_index", f"{index} is outside [{expected.start}, {expected.stop - 1}] for phase {state.phase!r} "
+        c.fail("step_index", f"{index} is outside [{expected.start}, {expected.stop - 1}] for phase {str(state.phase)!r} "
                              f"of a {steps}-step schedule")  # fmt: skip
-    if state.video is not None and state.phase != "done":
-        c.fail("video", f"a decoded video belongs to phase 'done', not {state.phase!r}")
+    if state.decoded is not None and state.phase != Phase.DONE:
+        c.fail("decoded", f"decoded pixels belong to phase 'done', not {str(state.phase)!r}")
 
 
 def _check_carry(c: _Checker, state: LoopState, loop: Loop) -> None:
@@ -139,7 +139,7 @@ def _check_fresh_noise(c: _Checker, state: LoopState, loop: Loop) -> None:
     running = loop.sampler_of(state).draws_noise and state.phase not in ("decode", "done")
     for name in ("fresh_noise", "generator_state"):
         if not running and getattr(state, name) is not None:
-            c.fail(name, f"must be None: the request's sampler draws no noise in phase {state.phase!r}")
+            c.fail(name, f"must be None: the request's sampler draws no noise in phase {str(state.phase)!r}")
     if not running:
         return
     c.tensor("fresh_noise", shape=tuple(state.latents.shape))
@@ -152,18 +152,16 @@ def _check_fresh_noise(c: _Checker, state: LoopState, loop: Loop) -> None:
 
 def _check_record(c: _Checker, state: LoopState, loop: Loop) -> None:
     """A rollout's record: one latents tensor per transition taken plus the first, one log-prob each."""
-    if state.rollout_noise_level is None:
-        if state.record_latents or state.record_log_probs:
-            c.fail("record_latents", "a request that is not a rollout records nothing")
+    trace = state.rollout
+    if trace is None:
         return
-    taken = state.step_index if state.phase == "denoise" else state.num_steps if state.phase in ("decode", "done") else 0
-    if not isinstance(state.record_latents, list) or len(state.record_latents) != taken + 1:
-        c.fail("record_latents", f"must hold {taken + 1} latents after {taken} transitions")
-    for i, t in enumerate(state.record_latents):
-        c.tensor(f"record_latents[{i}]", shape=tuple(state.latents.shape), value=t)
-    if not isinstance(state.record_log_probs, list) or len(state.record_log_probs) != taken or \
-            not all(isinstance(v, float) and torch.isfinite(torch.tensor(v)) for v in state.record_log_probs):  # fmt: skip
-        c.fail("record_log_probs", f"must hold {taken} finite floats, one per transition taken")
+    taken = state.step_index if state.phase == Phase.DENOISE else state.num_steps if state.phase in (Phase.DECODE, Phase.DONE) else 0
+    if len(trace.latents) != taken + 1:
+        c.fail("rollout.latents", f"must hold {taken + 1} latents after {taken} transitions")
+    for i, t in enumerate(trace.latents):
+        c.tensor(f"rollout.latents[{i}]", shape=tuple(state.latents.shape), value=t)
+    if len(trace.log_probs) != taken:
+        c.fail("rollout.log_probs", f"must hold {taken} finite floats, one per transition taken")
 
 
 def check_text(c: _Checker, state: LoopState, text_len: int, text_dim: int, dtype: torch.dtype) -> None:
