@@ -44,21 +44,21 @@ def _drive(engine: Engine, ahead: bool, monkeypatch) -> tuple[dict, dict]:
 
     def before_commit():
         seen["ticks"] += 1
-        seen["launched_at_commit"] += engine._launched is not None  # the batch before is not settled yet
+        seen["launched_at_commit"] += engine._ahead.launched is not None  # the batch before is not settled yet
         for request in LATE.get(seen["ticks"], []):
             engine.submit(request)
         for request_id in CANCELS.get(seen["ticks"], []):
             assert engine.cancel(request_id)
 
-    planned_ahead = engine._planned_ahead
+    planned_ahead = engine._ahead.planned_ahead
 
     def counting_planned_ahead():
         tick = planned_ahead()
-        seen["early"] += engine._early is not None  # the tick committed with its first batch launched
+        seen["early"] += engine._ahead.early is not None  # the tick committed with its first batch launched
         return tick
 
     monkeypatch.setattr(engine.loop, "advance", poisoning_advance)
-    monkeypatch.setattr(engine, "_planned_ahead", counting_planned_ahead)
+    monkeypatch.setattr(engine._ahead, "planned_ahead", counting_planned_ahead)
     engine.before_commit = before_commit
     before = engine.counters.snapshot()
     results = {}
@@ -112,9 +112,9 @@ def test_drain_settles_the_batch_a_tick_left_running_ahead(engine):
         engine.submit(_request(20, 1.0, 2))
         engine.tick()  # text encode
         engine.tick()  # first denoise step, launched and left to settle
-        assert engine._launched is not None
+        assert engine._ahead.launched is not None
         engine.drain()
-        assert engine._launched is None
+        assert engine._ahead.launched is None
         results = []
         while engine.has_work():
             results += engine.tick()

@@ -11,15 +11,22 @@ the other requests carry on. `generate` runs a list of requests to the end; `sub
 same machinery for serving, where requests arrive while others are mid-run. The engine holds no
 per-request state beyond its queue: that is all in each request's loop state, which `start` / `step`
 / `finish` / `resume` expose for saving and resuming.
+
+The engine is composed, as vLLM's v1 engine holds its scheduler and executor: beside the scheduler
+and the executor it holds the run-ahead order of a tick's batches (fvgraph/engine/run_ahead.py), the
+adapter admin (adapter_admin.py), weight sync (weight_sync.py) and rollouts (rollouts.py), each
+handed exactly the parts and engine calls it uses; its methods for those delegate to them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from pydantic import ValidationError
@@ -30,13 +37,15 @@ from fvgraph.card_choices import chosen_card
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.contract.counters import Counters
+from fvgraph.adapters.registry import AdapterRegistry
 from fvgraph.adapters.setup import engine_adapter_setup
 from fvgraph.adapters.slots import LoraSlots
+from fvgraph.behavior import BehaviorRecord
 from fvgraph.engine.adapter_admin import AdapterAdmin
 from fvgraph.engine.builder import build_engine_parts
-from fvgraph.engine.fold_back import fold_back
-from fvgraph.engine.rollouts import RolloutAdmin
-from fvgraph.engine.run_ahead import GroupRun, Launched, RunAhead
+from fvgraph.engine.fold_back import ResultCallback, StepCallback
+from fvgraph.engine.rollouts import Rollouts
+from fvgraph.engine.run_ahead import RunAhead
 from fvgraph.engine.weight_sync import WeightSync
 from fvgraph.engine.parts import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
@@ -49,17 +58,15 @@ from fvgraph.contract.model_facts import ModelFacts
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.runtime.request_slot import RequestSlots
-from fvgraph.runtime.scheduler import Group, Scheduler
+from fvgraph.runtime.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
-StepCallback = Callable[[LoopState, str], None]
-ResultCallback = Callable[[LoopState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
 
-
-class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
-    def __init__(self, card: ModelCard, loop: Loop, executor: EagerExecutor | CompiledExecutor,
-                 opt_level: int, counters: Counters, buckets: BucketSpec, max_running: int, run_ahead: bool = False):  # fmt: skip
+class Engine:
+    def __init__(self, card: ModelCard, loop: Loop, executor: EagerExecutor | CompiledExecutor, opt_level: int,
+                 counters: Counters, buckets: BucketSpec, max_running: int, run_ahead: bool = False,
+                 projection_cache: ExactProjectionCache | None = None, adapters: AdapterRegistry | None = None):  # fmt: skip
         self.card = card
         self.buckets = buckets
         self.max_running = max_running
@@ -70,19 +77,36 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         self.executor = executor
         self.opt_level = opt_level
         self.counters = counters
-        self.projection_cache: ExactProjectionCache | None = None  # set by from_card when eager
-        self.adapters = None  # the LoRA adapters (fvgraph/engine/adapter_admin.py), set by from_card
+        self.projection_cache = projection_cache  # an eager engine's (None: compiled, or turned off)
+        self.adapters = adapters  # the LoRA adapters (None: none loaded, no slots)
         self._math = math_mode(card.recipe.precision)  # held around every call that runs steps (fvgraph/runtime/tf32_switch.py)
-        # While warmup() serves its requests: the signatures prepared at every batch bucket, and its progress callback.
-        self._warming, self._warm_progress = None, None
         self._slots = RequestSlots()  # what the runtime keeps per request (hoisted values, row owner)
         self._running_steps = False  # a tick or step is under way: its callbacks may not drive the engine
-        # Prepare the next batch before reading the last one back (fvgraph/engine/run_ahead.py).
-        self.run_ahead = run_ahead
-        self._launched: Launched | None = None  # launched and advanced, not yet settled
-        self._early: GroupRun | None = None  # the committed tick's first group, launched before the commit
-        # Called once per tick before it is committed; running ahead, after its first batch was launched.
-        self.before_commit: Callable[[], None] | None = None
+        # Each collaborator is handed the parts and engine calls it uses, nothing else. The bound methods
+        # they hold make a reference cycle: a dropped engine is freed by the cyclic collector.
+        self._ahead = RunAhead(loop, self._scheduler, self._slots, executor, counters, self._fail, run_ahead)
+        self._adapter_admin = AdapterAdmin(adapters, projection_cache, self._live_states, self._refuse_reentry, self.drain)
+        self._weight_sync = WeightSync(loop, executor, projection_cache, self._scheduler, self._live_states, self._refuse_reentry,
+                                       self.cancel, partial(self._tick, None, None), self.drain)  # fmt: skip
+        self._rollouts = Rollouts(self.start, self.step, self.generate)
+
+    @property
+    def run_ahead(self) -> bool:
+        """Whether the host prepares the next batch before reading the last one back (fvgraph/engine/run_ahead.py)."""
+        return self._ahead.enabled
+
+    @run_ahead.setter
+    def run_ahead(self, enabled: bool) -> None:
+        self._ahead.enabled = enabled
+
+    @property
+    def before_commit(self) -> Callable[[], None] | None:
+        """Called once per tick before it is committed; running ahead, after its first batch was launched."""
+        return self._ahead.before_commit
+
+    @before_commit.setter
+    def before_commit(self, call: Callable[[], None] | None) -> None:
+        self._ahead.before_commit = call
 
     @property
     def facts(self) -> ModelFacts:
@@ -149,9 +173,8 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)  # with its worker ranks when parallel
         ahead = parts.loop.components.device.type == "cuda" if run_ahead is None else run_ahead
-        engine = cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running, ahead)
-        engine.projection_cache, engine.adapters = parts.projection_cache, parts.adapters
-        return engine
+        return cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running,
+                   ahead, parts.projection_cache, parts.adapters)  # fmt: skip
 
     @property
     def unavailable(self) -> str | None:
@@ -162,6 +185,30 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         """Release what the engine holds beyond memory: a parallel engine's worker processes."""
         self.drain()
         self.executor.close()
+
+    # -- adapters, weights, rollouts: each its collaborator's ----------------------------------------
+
+    def loras(self) -> list[dict[str, Any]]:
+        """The loaded adapters: name, path, digest, rank, adapted modules, slot (None: merged)."""
+        return self._adapter_admin.loras()
+
+    def load_lora(self, name: str, path: str | Path) -> dict[str, Any]:
+        """Read a local LoRA file into a free slot, between ticks (fvgraph/engine/adapter_admin.py)."""
+        return self._adapter_admin.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> dict[str, Any]:
+        """Free `name`'s slot; refused while a request in flight chose it (fvgraph/engine/adapter_admin.py)."""
+        return self._adapter_admin.unload_lora(name)
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: str,
+                       in_flight: Literal["finish", "stop"] = "finish") -> dict:  # fmt: skip
+        """New denoiser weights, called `version`, with nothing recompiled (fvgraph/engine/weight_sync.py)."""
+        return self._weight_sync.update_weights(weights, version, in_flight)
+
+    def rollout(self, prompts: Sequence[str], group_size: int, seed: int, noise_level: float = 0.7,
+                on_step: StepCallback | None = None, **fields) -> list[BehaviorRecord]:  # fmt: skip
+        """One BehaviorRecord per sample, `group_size` per prompt (fvgraph/engine/rollouts.py)."""
+        return self._rollouts.rollout(prompts, group_size, seed, noise_level, on_step, **fields)
 
     # -- one request at a time -------------------------------------------------------------------
 
@@ -181,7 +228,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         if isinstance(plan, Done):
             return False
         with torch.compiler.set_stance(self._stance()), self._math, self._not_reentrant("step"):
-            failures = self._run_group([(state, plan)], on_step)
+            failures = self._ahead.run_group([(state, plan)], on_step)
         if failures:
             raise failures[0][1]
         return True
@@ -192,8 +239,8 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         fail_on_recompile. Every other compiled step kind the requests run while served (step
         caching's keep and reuse kinds, a second expert's) is prepared at every bucket too, the
         first time it runs. `on_bucket(batch)` is called as each bucket is ready (progress bars)."""
-        self._warming, self._warm_progress = set(), on_bucket
-        try:
+        prepare = partial(self._prepare, set(), on_bucket)  # with the signatures prepared so far
+        with self._ahead.warming(prepare):
             if isinstance(self.executor, CompiledExecutor):
                 for request in requests:
                     try:
@@ -202,24 +249,22 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
                         continue  # generate() below hands it back as rejected, naming the rule
                     while not isinstance(plan := self.loop.next(state), Done):
                         if self.compiler.wants(plan.kind):
-                            self._prepare(plan)
+                            prepare(plan)
                             break
                         self.step(state)
             results = self.generate(requests)
-        finally:
-            self._warming, self._warm_progress = None, None
         self.freeze()
         return results
 
-    def _prepare(self, plan: WorkPlan) -> None:
+    def _prepare(self, prepared: set, on_bucket: Callable[[int], None] | None, plan: WorkPlan) -> None:
         """During warmup: compile (or load) `plan`'s signature at every batch bucket, once."""
-        if plan.signature in self._warming or not isinstance(self.executor, CompiledExecutor):
+        if plan.signature in prepared or not isinstance(self.executor, CompiledExecutor):
             return
-        self._warming.add(plan.signature)
+        prepared.add(plan.signature)
         with self._math:
-            self.executor.prepare(plan, self._warm_progress)
+            self.executor.prepare(plan, on_bucket)
         for variant in self.loop.warmup_variants(plan):  # kinds chosen by data the warmup run need not produce
-            self._prepare(variant)
+            self._prepare(prepared, on_bucket, variant)
 
     def freeze(self) -> None:
         """Refuse any new compile from now on (fail_on_recompile): a step whose signature is neither
@@ -267,9 +312,9 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
     def drain(self) -> None:
         """Settle the batch a tick left running ahead (its requests' failures and on_step); a no-op
         serially. What reads or changes the engine's requests or weights outside a tick calls it."""
-        if self._launched is not None:
+        if self._ahead.launched is not None:
             with torch.compiler.set_stance(self._stance()), self._not_reentrant("drain"):
-                self._settle_launched()
+                self._ahead.settle_launched()
 
     def has_work(self) -> bool:
         """Whether some submitted request has not come back from tick() yet."""
@@ -315,7 +360,7 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
             # (each tick enters the math mode again, which inside this costs a counter).
             with torch.compiler.set_stance(self._stance()), self._math:
                 while pending:
-                    if not self._scheduler.has_work() and self._launched is None:
+                    if not self._scheduler.has_work() and self._ahead.launched is None:
                         raise RuntimeError(f"requests {sorted(pending)} neither ran nor ended")  # a bug, never a hang
                     self._tick(on_step, on_result, "generate")
                     for result in self._take_results(pending):
@@ -338,12 +383,11 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         finally:
             self._running_steps = False
 
-    def _refuse_reentry(self, what: str) -> None:
+    def _refuse_reentry(self, what: str, instead: str = "the engine is not re-entrant; submit or cancel from the "
+                        "callback and drive the engine after it returns") -> None:  # fmt: skip
         if self._running_steps:
-            raise RuntimeError(
-                f"Engine.{what}() was called from inside a callback (on_step / on_result) of a running tick: "
-                "the engine is not re-entrant; submit or cancel from the callback and drive the engine after it returns"
-            )
+            raise RuntimeError(f"Engine.{what}() was called from inside a callback (on_step / on_result) of a running tick: "
+                               f"{instead}")  # fmt: skip
 
     def _tick(self, on_step: StepCallback | None, on_result: ResultCallback | None, what: str = "tick") -> None:
         # _not_reentrant written out: this runs every tick, where a generator-based context manager
@@ -357,13 +401,14 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
             self._running_steps = False
 
     def _tick_once(self, on_step: StepCallback | None, on_result: ResultCallback | None) -> None:
-        ahead = self._ahead(on_result)
+        order = self._ahead  # the order this tick's batches run and are read back in
+        ahead = order.tick_runs_ahead(on_result)
         if ahead:
-            tick = self._planned_ahead()
+            tick = order.planned_ahead()
         else:
-            self._settle_launched()
-            if self.before_commit is not None:
-                self.before_commit()
+            order.settle_launched()
+            if order.before_commit is not None:
+                order.before_commit()
             tick = self._scheduler.tick()
         for state, err in tick.failed:
             log.error("request %s failed planning its next step: %r", state.request_id, err)
@@ -385,11 +430,11 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         while groups:  # a step of a kind that `continues` has its request's next step run in this tick too
             continuing = []
             for group in groups:
-                if ahead and self._runs_ahead(group):
-                    self._launch_ahead(group, on_step)  # settles the group launched before it
+                if ahead and order.runs_ahead(group):
+                    order.launch_ahead(group, on_step)  # settles the group launched before it
                     continue
-                self._settle_launched()
-                failed = self._run_group(group.members, on_step, on_result, group.lane)
+                order.settle_launched()
+                failed = order.run_group(group.members, on_step, on_result, group.lane)
                 self._fail(failed)
                 if self.loop.step_kinds[group.members[0][1].kind].continues:
                     gone = {id(state) for state, _ in failed}
@@ -405,11 +450,15 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
 
     def _abandon(self, ids: set[str]) -> None:
         """Drop these requests wherever they are (waiting, running, ended): nobody will take their results."""
-        self._launched = self._early = None  # their requests' results are this call's, dropped with it
+        self._ahead.drop()  # their requests' results are this call's, dropped with it
         self._scheduler.abandon(ids)
         self._outbox = [r for r in self._outbox if r.request_id not in ids]
         for request_id in ids:
             self._in_flight.pop(request_id, None)
+
+    def _live_states(self) -> list[LoopState]:
+        """The states of the requests submitted and not ended: waiting, then running."""
+        return [*self._scheduler.waiting, *self._scheduler.running]
 
     def _done(self, result: Result) -> None:
         result.timings["total"] = time.perf_counter() - self._in_flight[result.request_id]
@@ -423,20 +472,3 @@ class Engine(AdapterAdmin, RolloutAdmin, WeightSync, RunAhead):
         for result in taken:
             del self._in_flight[result.request_id]
         return taken
-
-    def _run_group(self, group: list[tuple[LoopState, WorkPlan]], on_step: StepCallback | None,
-                   on_result: ResultCallback | None = None, lane: int = 0) -> list[tuple]:  # fmt: skip
-        """Execute one group and fold the results back; returns the (state, error) pairs that failed."""
-        run = self._run_batch_of(Group(group, lane))
-        if run.error is not None:
-            return self._retry_alone(group, on_step, on_result, run.error)
-        return fold_back(self.loop, group, run.results, run.elapsed, run.compiled_for_it, on_step, on_result)
-
-    def _retry_alone(self, group: list[tuple[LoopState, WorkPlan]], on_step: StepCallback | None,
-                     on_result: ResultCallback | None, err: Exception) -> list[tuple]:  # fmt: skip
-        """A group whose batch raised: each member run alone, so only the request at fault fails."""
-        if len(group) > 1:
-            return [failure for member in group for failure in self._run_group([member], on_step, on_result)]
-        state, plan = group[0]
-        log.exception("request %s failed at %s step %d", state.request_id, plan.kind, plan.step_index, exc_info=err)
-        return [(state, err)]

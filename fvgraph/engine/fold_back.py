@@ -25,9 +25,12 @@ from fvgraph.runtime.host_outputs import copy_to_host
 
 log = logging.getLogger(__name__)
 
+StepCallback = Callable[[LoopState, str], None]  # after each request's step: its state and the step kind
+ResultCallback = Callable[[LoopState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
+
 
 def fold_back(loop: Loop, group: list[tuple[LoopState, WorkPlan]], results: list[StepResult], elapsed: float,
-              compiled_for_it: float, on_step: Callable | None, on_result: Callable | None) -> list[tuple]:  # fmt: skip
+              compiled_for_it: float, on_step: StepCallback | None, on_result: ResultCallback | None) -> list[tuple]:  # fmt: skip
     kind = loop.step_kinds[group[0][1].kind]
     try:
         if kind.host_outputs:
@@ -69,7 +72,7 @@ def advance_ahead(loop: Loop, group: list[tuple[LoopState, WorkPlan]], results: 
 
 
 def settle(loop: Loop, group: list[tuple[LoopState, WorkPlan]], results: list[StepResult], advanced: dict[int, Exception],
-           elapsed: float, compiled_for_it: float, on_step: Callable | None) -> list[tuple]:  # fmt: skip
+           elapsed: float, compiled_for_it: float, on_step: StepCallback | None) -> list[tuple]:  # fmt: skip
     """The rest of fold_back for a group advanced ahead: its finite flags read, then per request the
     failure or its time and on_step, in group order as fold_back. Returns the failed (state, error)."""
     kind = loop.step_kinds[group[0][1].kind]

@@ -1,4 +1,4 @@
-"""Grouped RL rollouts on the serving loop (the Engine's `rollout`).
+"""Grouped RL rollouts on the serving loop (the Engine's `rollout` delegates here).
 
     records = engine.rollout(["a red fox", "a lighthouse"], group_size=8, seed=7, num_inference_steps=10)
 
@@ -10,12 +10,14 @@ BehaviorRecord (fvgraph/behavior.py) with `group` set to its prompt's index.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from fvgraph.behavior import BehaviorRecord, RolloutSampling
-from fvgraph.request import Request
+from fvgraph.contract.loop import LoopState
+from fvgraph.engine.fold_back import StepCallback
+from fvgraph.request import Request, Result
 
 
 def sample_seed(seed: int, group: int, sample: int) -> int:
@@ -23,9 +25,16 @@ def sample_seed(seed: int, group: int, sample: int) -> int:
     return int(np.random.SeedSequence((seed, group, sample)).generate_state(1, np.uint64)[0] % (2**63))
 
 
-class RolloutAdmin:
-    def rollout(self, prompts: Sequence[str], group_size: int, seed: int, noise_level: float = 0.7, on_step=None,
-                **fields) -> list[BehaviorRecord]:  # fmt: skip
+class Rollouts:
+    """Handed the three engine calls a rollout is made of: `start` (a request's loop state), `step` (its
+    next step: the text encode) and `generate` (the samples, interleaved)."""
+
+    def __init__(self, start: Callable[[Request], LoopState], step: Callable[[LoopState, StepCallback | None], bool],
+                 generate: Callable[..., list[Result]]):  # fmt: skip
+        self._start, self._step, self._generate = start, step, generate
+
+    def rollout(self, prompts: Sequence[str], group_size: int, seed: int, noise_level: float = 0.7,
+                on_step: StepCallback | None = None, **fields) -> list[BehaviorRecord]:  # fmt: skip
         """One BehaviorRecord per sample, group by group. `fields` are Request's (num_inference_steps,
         guidance_scale, negative_prompt, sizes, loras, ...); `on_step` is generate's. A sample that does
         not come back 'ok' raises RuntimeError naming it and its error."""
@@ -44,7 +53,7 @@ class RolloutAdmin:
                 requests.append(Request(**{**fields, "negative_prompt": None}, **embeds, seed=sample_seed(seed, group, sample),
                                         rollout=sampling, output_type="latent",
                                         request_id=f"rollout-{seed}-{group}-{sample}"))  # fmt: skip
-        results = self.generate(requests, on_step=on_step)
+        results = self._generate(requests, on_step=on_step)
         records = []
         for i, result in enumerate(results):
             if not result.ok:
@@ -53,12 +62,12 @@ class RolloutAdmin:
             records.append(result.record)
         return records
 
-    def _encoded(self, request: Request, on_step) -> dict:
+    def _encoded(self, request: Request, on_step: StepCallback | None) -> dict:
         """The request's text encoded once, as prompt embeddings a group's samples share: its first
         step alone (the text encode), and the state then dropped."""
-        state = self.start(request)
+        state = self._start(request)
         if state.phase == "encode":
-            self.step(state, on_step)
+            self._step(state, on_step)
         embeds = {"prompt_embeds": state.prompt_embeds[0]}
         if state.negative_prompt_embeds is not None:
             embeds["negative_prompt_embeds"] = state.negative_prompt_embeds[0]

@@ -1,4 +1,4 @@
-"""New weights into a running engine with nothing recompiled (the Engine's `update_weights`).
+"""New weights into a running engine with nothing recompiled (the Engine's `update_weights` delegates here).
 
     engine.update_weights(trainer.transformer.state_dict(), version="step-120")
 
@@ -18,52 +18,68 @@ hold their own copies).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
 
+from fvgraph.contract.loop import Loop, LoopState
 from fvgraph.parallel.executor import ParallelExecutor
+from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
+from fvgraph.runtime.projection_cache import ExactProjectionCache
+from fvgraph.runtime.scheduler import Scheduler
 
 
 class WeightSync:
+    """Handed the engine's loop (its components: the denoiser and the weights version), executor and
+    eager projection cache, its scheduler (whether requests remain), and the engine calls it drives:
+    `live_states`, `refuse_in_tick(what, instead)`, `cancel(request_id)`, `tick(what)` (one tick
+    without callbacks, its results left for the next `Engine.tick`) and `drain`."""
+
+    def __init__(self, loop: Loop, executor: EagerExecutor | CompiledExecutor | ParallelExecutor,
+                 projection_cache: ExactProjectionCache | None, scheduler: Scheduler,
+                 live_states: Callable[[], list[LoopState]], refuse_in_tick: Callable[[str, str], None],
+                 cancel: Callable[[str], bool], tick: Callable[[str], None], drain: Callable[[], None]):  # fmt: skip
+        self._loop, self._executor, self._projection_cache, self._scheduler = loop, executor, projection_cache, scheduler
+        self._live_states, self._refuse_in_tick = live_states, refuse_in_tick
+        self._cancel, self._tick, self._drain = cancel, tick, drain
+
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: str,
                        in_flight: Literal["finish", "stop"] = "finish") -> dict:  # fmt: skip
         """Copy `weights` (the denoiser's state-dict names: all of its parameters, or a subset) into the
         denoiser and call the result `version`. Returns what happened to the requests in flight."""
-        if self._running_steps:
-            raise RuntimeError("Engine.update_weights() was called from inside a callback of a running tick: "
-                               "sync weights between ticks, after the callback returns")  # fmt: skip
+        self._refuse_in_tick("update_weights", "sync weights between ticks, after the callback returns")
         if in_flight not in ("finish", "stop"):
             raise ValueError(f"in_flight={in_flight!r} must be 'finish' or 'stop'")
-        if not isinstance(version, str) or not version or version == self.loop.components.weights_version:
+        components = self._loop.components
+        if not isinstance(version, str) or not version or version == components.weights_version:
             raise ValueError(f"version={version!r} must be a new, non-empty name for these weights "
-                             f"(the engine runs {self.loop.components.weights_version!r})")  # fmt: skip
+                             f"(the engine runs {components.weights_version!r})")  # fmt: skip
         targets = self._weight_targets(weights)
         ids = [s.request_id for s in self._live_states()]
         if in_flight == "stop":
             for request_id in ids:
-                self.cancel(request_id)
+                self._cancel(request_id)
         while self._scheduler.has_work():  # finished or stopped at a step boundary; their results wait in the outbox
-            self._tick(None, None, "update_weights")
-        self.drain()
+            self._tick("update_weights")
+        self._drain()
         with torch.no_grad():
             for target, value in targets:
                 target.copy_(value)
-        self.loop.components.weights_version = version
-        if self.projection_cache is not None:
-            self.projection_cache.clear()
+        components.weights_version = version
+        if self._projection_cache is not None:
+            self._projection_cache.clear()
         return {"version": version, "finished" if in_flight == "finish" else "stopped": ids}
 
     def _weight_targets(self, weights: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(parameter, new value) pairs, every one checked before any is copied."""
-        if isinstance(self.executor, ParallelExecutor):
+        if isinstance(self._executor, ParallelExecutor):
             raise ValueError("update_weights on a parallel engine is not supported: its worker ranks hold their own weights")
-        compiler = self.compiler
+        compiler = self._executor.compiler
         if compiler is not None and compiler.config.passes.runs("quantize"):
             raise ValueError("update_weights at -O3: the denoiser runs FP8 copies of its weights, which would go stale; "
                              "serve rollouts at -O2 or below")  # fmt: skip
-        own = dict(self.loop.components.transformer.named_parameters())
+        own = dict(self._loop.components.transformer.named_parameters())
         unknown = sorted(set(weights) - set(own))
         if unknown:
             raise KeyError(f"update_weights: {unknown[0]!r} ({len(unknown)} such names) is not a parameter of the denoiser")
