@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -104,7 +103,7 @@ def test_an_unreadable_saved_state_names_the_file(tiny_engine, tmp_path):
     for name in ("empty.pt", "cut.pt"):
         with pytest.raises(ValueError, match=f"{name}: not a readable saved state"):
             T2VState.load(tmp_path / name)
-    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if not f.metadata.get("transient")}
+    fields = state.saved_fields()
     for broken, message in ((dict(fields, colour="red"), "unknown field colour"),
                             ({k: v for k, v in fields.items() if k != "latents"}, "missing field latents"),
                             (dict(fields, step_index="3"), "step_index must be an int")):  # fmt: skip

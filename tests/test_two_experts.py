@@ -98,7 +98,7 @@ def test_each_expert_compiles_its_own_signature_and_matches_eager():
 
 def test_guidance_scale_2_is_for_two_expert_cards_only(tiny_engine):
     [result] = tiny_engine.generate([Request(prompt="x", guidance_scale_2=2.0, seed=0, num_inference_steps=1, num_frames=1)])
-    assert result.status == "rejected" and "guidance_scale_2: card 'tiny-wan' has one denoiser expert" in result.error
+    assert result.status == "rejected" and "guidance_scale_2: card 'tiny-wan' runs loop 't2v', which takes no guidance_scale_2" in result.error
 
 
 def test_two_expert_image_to_video_matches_diffusers_without_an_image_encoder(tmp_path):

@@ -96,8 +96,11 @@ class SerializableState:
         """Fields marked `metadata={"transient": True}` hold derived data and are rebuilt on resume; a
         field marked `metadata={"load": reader}` holds a part that saves itself (`.saved()`) and that
         `reader` reads back (a loop state's step caching)."""
-        payload = {f.name: _compact(_plain(getattr(self, f.name))) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
-        torch.save({"type": type(self).__name__, "fields": payload}, path)
+        torch.save({"type": type(self).__name__, "fields": self.saved_fields()}, path)
+
+    def saved_fields(self) -> dict[str, Any]:
+        """What `save` writes for each field: plain tensors and Python values."""
+        return {f.name: _compact(_plain(getattr(self, f.name))) for f in dataclasses.fields(self) if not f.metadata.get("transient")}
 
     @classmethod
     def load(cls, path: str | Path):

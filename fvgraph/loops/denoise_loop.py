@@ -34,6 +34,8 @@ from fvgraph.models.components import Components
 from fvgraph.request import Request, RequestRejected, Result
 
 TEXT_ENCODE, VAE_DECODE = "text_encode", "vae_decode"
+# Looked up once: next() and advance() compare a phase per request per step.
+_ENCODE, _DENOISE, _DECODE = Phase.ENCODE, Phase.DENOISE, Phase.DECODE
 
 
 class DenoiseLoop:
@@ -236,7 +238,7 @@ class DenoiseLoop:
 
     def next(self, state: DenoiseState) -> WorkPlan | Done:
         phase = state.phase
-        if phase == Phase.DENOISE:  # first: every step but a few is one (this runs per request per step)
+        if phase == _DENOISE:  # first: every step but a few is one (this runs per request per step)
             if state.derived is not None and self.denoiser.changes_kind(state):
                 state.derived = None  # crossing an expert boundary: the other expert's facts from here on
             facts = state.derived or self._denoise_facts(state)
@@ -254,9 +256,9 @@ class DenoiseLoop:
                 plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
                 state.derived = facts._replace(signature=plan.signature)
             return plan
-        if phase == Phase.ENCODE:
+        if phase == _ENCODE:
             return WorkPlan(state.request_id, TEXT_ENCODE, self.text.encode_inputs(state))
-        if phase == Phase.DECODE:
+        if phase == _DECODE:
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
         if phase in self.pre_denoise_phases:
             return self.conditioning.plan(state)
@@ -285,7 +287,7 @@ class DenoiseLoop:
 
     def advance(self, state: DenoiseState, result: StepResult) -> DenoiseState:
         phase = state.phase
-        if phase == Phase.DENOISE:
+        if phase == _DENOISE:
             if state.caching is not None and not self.caching.advance(state, result):
                 return state  # the first of the step's two launches ran (FBCache)
             state.latents = result["latents"]
@@ -297,12 +299,12 @@ class DenoiseLoop:
                 self._draw_fresh_noise(state)
             if state.step_index == state.num_steps:
                 self._after_last_step(state)
-        elif phase == Phase.ENCODE:
+        elif phase == _ENCODE:
             self.text.take_encoded(state, result)
             state.input_ids = state.attention_mask = None
             state.encode_slots = []
             self._texts_known(state)
-        elif phase == Phase.DECODE:
+        elif phase == _DECODE:
             state.decoded = result["video"]
             state.phase = Phase.DONE
         elif phase in self.pre_denoise_phases:
