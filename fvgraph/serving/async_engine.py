@@ -8,10 +8,11 @@
 
 `submit` checks a request against the card and the admission queue at once (RequestRejected: 400;
 QueueFull: 429; EngineClosed: 503) and never blocks. Everything else reaches the engine thread as a
-command; the thread admits requests as memory frees (fvgraph.serving.admission), ticks the engine, cancels
-requests whose deadline passed, and sends each request's events (fvgraph.serving.request_events) back to the
-event loop, where listeners (the HTTP front end's store and metrics) and per-request subscribers see
-them in order. Every accepted request ends with exactly one terminal event, whose Result's
+command (fvgraph/serving/engine_commands.py: a frozen dataclass each, dispatched by type); the thread
+admits requests as memory frees (fvgraph.serving.admission), ticks the engine, cancels requests whose
+deadline passed, and sends each request's events (fvgraph.serving.request_events) back to the event
+loop, where listeners (the HTTP front end's store and metrics) and per-request subscribers see them in
+order. Every accepted request ends with exactly one terminal event, whose Result's
 `timings["total"]` runs from acceptance (time spent waiting for memory counts) to the end.
 """
 
@@ -24,9 +25,11 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 from fvgraph.serving.admission import Admission
 from fvgraph.engine.engine import Engine
+from fvgraph.serving.engine_commands import Accepted, Call, Cancel, EngineCommand, Refused, Stop, Warmup
 from fvgraph.serving.memory_reservation import MemoryModel, default_budget
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.serving.request_events import CancelReason, RequestEvent
@@ -55,7 +58,7 @@ class AsyncEngine:
         self.accepting = False
         self.error: BaseException | None = None  # set if the engine thread died
         self._idle_wait_s = idle_wait_s
-        self._commands: queue.Queue = queue.Queue()
+        self._commands: queue.Queue[EngineCommand] = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._known: set[str] = set()  # accepted and not yet ended (event-loop side)
@@ -86,14 +89,14 @@ class AsyncEngine:
         shapes, then refuse recompiles); requests accepted meanwhile wait until it is done."""
         if requests:
             done: concurrent.futures.Future = concurrent.futures.Future()
-            self._commands.put(("warmup", list(requests), done))
+            self._commands.put(Warmup(tuple(requests), done))
             await asyncio.wrap_future(done)
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """`fn(engine)` on the engine thread, between two ticks (loading or unloading an adapter); its
         exception is raised here."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", fn, done))
+        self._commands.put(Call(fn, done))
         return await asyncio.wrap_future(done)
 
     async def drain(self, timeout_s: float) -> None:
@@ -112,7 +115,7 @@ class AsyncEngine:
         if self._thread is None:
             return
         await self.drain(drain_timeout_s)
-        self._commands.put(("stop",))
+        self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join)
         self._thread = None
 
@@ -152,11 +155,11 @@ class AsyncEngine:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         # The thread learns of the request before admission can hand it over, so its deadline and
         # start time are known when it enters the engine.
-        self._commands.put(("accepted", resolved.request_id, deadline, time.perf_counter()))
+        self._commands.put(Accepted(resolved.request_id, deadline, time.perf_counter()))
         try:
             self.admission.offer(resolved)
         except BaseException:
-            self._commands.put(("refused", resolved.request_id))
+            self._commands.put(Refused(resolved.request_id))
             raise
         self._known.add(resolved.request_id)
         self._idle.clear()
@@ -206,7 +209,7 @@ class AsyncEngine:
         if request_id not in self._known:
             return False
         answer: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("cancel", request_id, reason, answer))
+        self._commands.put(Cancel(request_id, reason, answer))
         return await asyncio.wrap_future(answer)
 
     def _deliver(self, events: list[RequestEvent]) -> None:
@@ -275,40 +278,38 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _handle(self, command: tuple) -> None:
-        name = command[0]
-        if name == "accepted":
-            _, request_id, deadline, accepted_at = command
-            self._accepted_at[request_id] = accepted_at
-            if deadline is not None:
-                self._deadlines[request_id] = deadline
-        elif name == "refused":
-            self._deadlines.pop(command[1], None)
-            self._accepted_at.pop(command[1], None)
-        elif name == "cancel":
-            _, request_id, reason, answer = command
-            cancelled = self._cancel(request_id, reason)
-            if answer.set_running_or_notify_cancel():  # False: the caller stopped waiting (its task was cancelled)
-                answer.set_result(cancelled)
-        elif name == "warmup":
-            _, requests, done = command
-            if not done.set_running_or_notify_cancel():  # the server stopped before its warmup began
-                return
-            try:
-                self.engine.warmup(requests)
-                done.set_result(None)
-            except Exception as err:
-                done.set_exception(err)
-        elif name == "call":
-            _, fn, done = command
-            if not done.set_running_or_notify_cancel():
-                return
-            try:
-                done.set_result(fn(self.engine))
-            except Exception as err:
-                done.set_exception(err)
-        elif name == "stop":
-            self._stopping = True
+    def _handle(self, command: EngineCommand) -> None:
+        match command:
+            case Accepted():
+                self._accepted_at[command.request_id] = command.accepted_at
+                if command.deadline is not None:
+                    self._deadlines[command.request_id] = command.deadline
+            case Refused():
+                self._deadlines.pop(command.request_id, None)
+                self._accepted_at.pop(command.request_id, None)
+            case Cancel():
+                cancelled = self._cancel(command.request_id, command.reason)
+                if command.answer.set_running_or_notify_cancel():  # False: the caller stopped waiting (its task was cancelled)
+                    command.answer.set_result(cancelled)
+            case Warmup():
+                self._answer(command.done, lambda: self.engine.warmup(list(command.requests)))
+            case Call():
+                self._answer(command.done, lambda: command.fn(self.engine))
+            case Stop():
+                self._stopping = True
+            case _:
+                raise TypeError(f"the engine thread got {command!r}, not an engine command (fvgraph/serving/engine_commands.py)")
+
+    @staticmethod
+    def _answer(done: concurrent.futures.Future, run: Callable[[], Any]) -> None:
+        """Run `run` and set `done` to its result or exception; nothing when the caller stopped waiting
+        (or the server stopped before a warmup began)."""
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            done.set_result(run())
+        except Exception as err:
+            done.set_exception(err)
 
     def _cancel(self, request_id: str, reason: CancelReason) -> bool:
         if self.admission.withdraw(request_id):  # still waiting for memory: it ends now
