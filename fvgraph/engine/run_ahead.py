@@ -38,6 +38,8 @@ from fvgraph.runtime.scheduler import Group, Scheduler, Tick
 
 log = logging.getLogger(__name__)
 
+Fail = Callable[[list[tuple[LoopState, Exception]]], None]  # ends the requests whose step failed
+
 
 @dataclass
 class Launched:
@@ -67,9 +69,6 @@ def _same_group(a: Group, b: Group) -> bool:
     """The same requests with the same plans (each loop is asked once a round) in the same rows and lane."""
     return a.lane == b.lane and len(a.members) == len(b.members) and all(
         x[0] is y[0] and x[1] is y[1] for x, y in zip(a.members, b.members))  # fmt: skip
-
-
-Fail = Callable[[list[tuple[LoopState, Exception]]], None]  # ends the requests whose step failed
 
 
 class RunAhead:
