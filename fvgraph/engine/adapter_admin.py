@@ -51,7 +51,7 @@ class AdapterAdmin:
             raise AdapterError(f"unknown lora {name!r}: this engine has no adapters")
         self._adapters.get(name)  # an unknown name is refused naming it
         users = sorted(s.request_id for s in self._live_states()
-                       if getattr(s, "adapters", None) is not None and name in s.adapters.scales)  # fmt: skip
+                       if s.adapters is not None and name in s.adapters.scales)  # every DenoiseState has the field  # fmt: skip
         if users:
             raise AdapterError(f"lora {name!r} is in use by {len(users)} request(s) in flight ({', '.join(users[:5])}); "
                                "unload it after they end, or cancel them")  # fmt: skip

@@ -12,6 +12,8 @@ loops are this class with their parts (t2v_loop.py, flux_loop.py, qwen_image_loo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -34,6 +36,7 @@ from fvgraph.models.components import Components
 from fvgraph.request import Request, RequestRejected, Result
 
 TEXT_ENCODE, VAE_DECODE = "text_encode", "vae_decode"
+DENOISE, DENOISE_CFG = "denoise", "denoise_cfg"  # a family's plain denoise kinds, without and with CFG
 # Looked up once: next() and advance() compare a phase per request per step.
 _ENCODE, _DENOISE, _DECODE = Phase.ENCODE, Phase.DENOISE, Phase.DECODE
 
@@ -94,12 +97,14 @@ class DenoiseLoop:
         """One step module per step kind; they share the components' modules (no weight copies).
         With `taps` the denoise steps are the parity tap variants."""
         c = self.components
-        steps = {**self.denoiser.steps(c, self.sampler, taps), VAE_DECODE: self.parts.decoder.build(c)}
-        tap_points = TapPoints(c.transformer) if taps else None
+        # One set of tap hooks per denoiser, shared by every step that calls it: a second set would
+        # count each block's calls twice.
+        tap_points = functools.cache(TapPoints) if taps else lambda transformer: None
+        steps = {**self.denoiser.steps(c, self.sampler, tap_points), VAE_DECODE: self.parts.decoder.build(c)}
         if self.sections is not None:
             steps.update(caching_steps(self.sections, self.sampler))
         if self.rollouts is not None:
-            steps.update(self.rollouts.steps(c.transformer, tap_points))
+            steps.update(self.rollouts.steps(c.transformer, tap_points(c.transformer)))
         if self.conditioning is not None:
             steps.update(self.conditioning.build(c))
         if c.text_encoder is not None:

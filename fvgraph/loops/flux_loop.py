@@ -9,6 +9,7 @@ take one (FLUX.1-dev; none for schnell: `FluxDenoising`), and an image's latents
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,14 +20,13 @@ from fvgraph.card import ModelCard
 from fvgraph.contract.denoiser_sections import DenoiserSections
 from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
-from fvgraph.loops.denoise_loop import TEXT_ENCODE, VAE_DECODE, DenoiseLoop
+from fvgraph.loops.denoise_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, VAE_DECODE, DenoiseLoop
 from fvgraph.loops.denoise_state import DenoiseState
 from fvgraph.loops.flux_steps import FluxDenoiseStep, FluxTextEncodeStep, ImageVaeDecodeStep
 from fvgraph.loops.image_parts import ImageLatents, image_denoise_kind, refuse_embedded_guidance
 from fvgraph.loops.loop_parts import Decoder, FamilyParts, LoopConfig
 from fvgraph.loops.state_check import EMBED_SLOTS
 from fvgraph.loops.taps import TapPoints
-from fvgraph.loops.wan_parts import DENOISE, DENOISE_CFG
 from fvgraph.models.components import Components
 from fvgraph.models.flux_sections import FluxSections
 from fvgraph.request import Request, RequestRejected
@@ -176,9 +176,9 @@ class FluxDenoising:
     def step(self, transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module:
         return FluxDenoiseStep(transformer, sampler, cfg, self.spatial, tap_points)
 
-    def steps(self, components: Components, sampler: Any, taps: bool) -> dict[str, nn.Module]:
-        tap_points = TapPoints(components.transformer) if taps else None
-        return {kind.name: self.step(components.transformer, sampler, cfg, tap_points) for cfg, kind in DENOISE_KINDS.items()}
+    def steps(self, components: Components, sampler: Any, tap_points: Callable[[nn.Module], TapPoints | None]) -> dict[str, nn.Module]:
+        taps = tap_points(components.transformer)
+        return {kind.name: self.step(components.transformer, sampler, cfg, taps) for cfg, kind in DENOISE_KINDS.items()}
 
     def sections(self, transformer: nn.Module) -> DenoiserSections:
         return FluxSections(transformer, self.spatial)

@@ -83,7 +83,8 @@ class Denoiser(Protocol):
     reads: tuple[str, ...]
     teacache_signal: str | None  # None: the family has no denoiser sections, so no step caching
 
-    def steps(self, components: Components, sampler: Any, taps: bool) -> dict[str, nn.Module]: ...
+    # `tap_points(transformer)`: the parity taps on that denoiser (None: a production step)
+    def steps(self, components: Components, sampler: Any, tap_points: Callable[[nn.Module], TapPoints | None]) -> dict[str, nn.Module]: ...
 
     def step(self, transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module: ...
 

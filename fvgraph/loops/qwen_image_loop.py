@@ -12,6 +12,7 @@ the VAE's latents_mean / latents_std are undone before decoding (VaeDecodeStep, 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,15 +24,14 @@ from fvgraph.contract.denoiser_sections import DenoiserSections
 from fvgraph.contract.phase import Phase
 from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
-from fvgraph.loops.denoise_loop import TEXT_ENCODE, DenoiseLoop
+from fvgraph.loops.denoise_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE, DenoiseLoop
 from fvgraph.loops.denoise_state import DenoiseState
 from fvgraph.loops.image_parts import ImageLatents, image_denoise_kind, refuse_embedded_guidance
 from fvgraph.loops.loop_parts import FamilyParts, LoopConfig
 from fvgraph.loops.qwen_image_steps import QwenImageDenoiseStep, QwenTextEncodeStep
 from fvgraph.loops.state_check import EMBED_SLOTS
-from fvgraph.loops.t2v_loop import WAN_DECODER
 from fvgraph.loops.taps import TapPoints
-from fvgraph.loops.wan_parts import DENOISE, DENOISE_CFG
+from fvgraph.loops.vae_decoder import NORMALIZED_VAE_DECODER
 from fvgraph.models.components import Components
 from fvgraph.request import Request
 
@@ -190,9 +190,9 @@ class QwenDenoising:
     def step(self, transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module:
         return QwenImageDenoiseStep(transformer, sampler, cfg, self.spatial, tap_points)
 
-    def steps(self, components: Components, sampler: Any, taps: bool) -> dict[str, nn.Module]:
-        tap_points = TapPoints(components.transformer) if taps else None
-        return {kind.name: self.step(components.transformer, sampler, cfg, tap_points) for cfg, kind in DENOISE_KINDS.items()}
+    def steps(self, components: Components, sampler: Any, tap_points: Callable[[nn.Module], TapPoints | None]) -> dict[str, nn.Module]:
+        taps = tap_points(components.transformer)
+        return {kind.name: self.step(components.transformer, sampler, cfg, taps) for cfg, kind in DENOISE_KINDS.items()}
 
     def sections(self, transformer: nn.Module) -> DenoiserSections | None:
         return None
@@ -219,5 +219,5 @@ class QwenDenoising:
 class QwenImageLoop(DenoiseLoop):
     def __init__(self, card: ModelCard, components: Components, config: LoopConfig | None = None):
         parts = FamilyParts("qwen_image", QwenImageState, QwenText(card, components), QwenDenoising(card, components),
-                            ImageLatents(card), WAN_DECODER)  # fmt: skip
+                            ImageLatents(card), NORMALIZED_VAE_DECODER)  # fmt: skip
         super().__init__(card, components, parts, config)

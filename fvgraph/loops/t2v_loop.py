@@ -10,20 +10,17 @@ from dataclasses import dataclass
 
 from fvgraph.caching.methods import caching_step_kinds
 from fvgraph.card import ModelCard
-from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.denoise_loop import TEXT_ENCODE, VAE_DECODE, DenoiseLoop
 from fvgraph.loops.denoise_state import DenoiseState
-from fvgraph.loops.loop_parts import Decoder, FamilyParts, LoopConfig
+from fvgraph.loops.loop_parts import FamilyParts, LoopConfig
 from fvgraph.loops.loop_rollouts import rollout_step_kinds
-from fvgraph.loops.steps import VaeDecodeStep
+from fvgraph.loops.vae_decoder import NORMALIZED_VAE_DECODER, VAE_DECODE_KIND
 from fvgraph.loops.wan_parts import DENOISE, DENOISE_CFG, DENOISE_KINDS, TEXT_ENCODE_KIND, VideoLatents, WanDenoiser, WanText
 from fvgraph.models.components import Components
 from fvgraph.models.wan_projections import apply_projection_cache
 from fvgraph.models.wan_sections import WanSections
 
-VAE_DECODE_KIND = StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
-                           outputs={"video": Role.RESULT})  # fmt: skip
-WAN_DECODER = Decoder(VAE_DECODE_KIND, lambda c: VaeDecodeStep(c.vae))
+WAN_DECODER = NORMALIZED_VAE_DECODER
 STEP_KINDS = {
     TEXT_ENCODE: TEXT_ENCODE_KIND,
     DENOISE: DENOISE_KINDS[False],

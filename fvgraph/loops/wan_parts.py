@@ -11,6 +11,7 @@ different stages batch with their own expert; a request switches once, its sampl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from fvgraph.contract.denoise_update import carry_names
 from fvgraph.contract.denoiser_sections import DenoiserSections
 from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
+from fvgraph.loops.denoise_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE
 from fvgraph.loops.denoise_state import DenoiseState
 from fvgraph.loops.samplers import MAX_CARRY, SamplerPlan
 from fvgraph.loops.state_check import check_text
@@ -32,7 +34,6 @@ from fvgraph.models.components import Components
 from fvgraph.models.wan_sections import WanSections
 from fvgraph.request import Request
 
-DENOISE, DENOISE_CFG = "denoise", "denoise_cfg"
 DENOISE_2, DENOISE_CFG_2 = "denoise_2", "denoise_cfg_2"  # the low-noise expert's kinds
 LOW_NOISE_KIND = {DENOISE: DENOISE_2, DENOISE_CFG: DENOISE_CFG_2}
 # Inputs every denoise step of a request takes alike (DenoiseStep's arguments): conditioning parts
@@ -57,7 +58,7 @@ SECOND_EXPERT_KINDS = {
     DENOISE_2: denoise_kind(DENOISE_2, cfg=False, component="transformer_2"),
     DENOISE_CFG_2: denoise_kind(DENOISE_CFG_2, cfg=True, component="transformer_2"),
 }
-TEXT_ENCODE_KIND = StepKind("text_encode", component="text_encoder", phase="text_encode",
+TEXT_ENCODE_KIND = StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode",
                             inputs={"input_ids": Role.STEP, "attention_mask": Role.STEP}, outputs={"embeds": Role.RESULT})  # fmt: skip
 
 
@@ -146,11 +147,11 @@ class WanDenoiser:
     def step(transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module:
         return DenoiseStep(transformer, sampler, cfg=cfg, tap_points=tap_points)
 
-    def steps(self, components: Components, sampler: Any, taps: bool) -> dict[str, nn.Module]:
+    def steps(self, components: Components, sampler: Any, tap_points: Callable[[nn.Module], TapPoints | None]) -> dict[str, nn.Module]:
         experts = [(components.transformer, DENOISE_KINDS)]
         if self.two_experts:
             experts.append((components.transformer_2, {False: SECOND_EXPERT_KINDS[DENOISE_2], True: SECOND_EXPERT_KINDS[DENOISE_CFG_2]}))
-        return {kind.name: self.step(transformer, sampler, cfg, TapPoints(transformer) if taps else None)
+        return {kind.name: self.step(transformer, sampler, cfg, tap_points(transformer))
                 for transformer, kinds in experts for cfg, kind in kinds.items()}  # fmt: skip
 
     def sections(self, transformer: nn.Module) -> DenoiserSections:
