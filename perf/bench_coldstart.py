@@ -54,7 +54,7 @@ built_at = time.time()
 [result] = engine.warmup([Request(**a["request"])])
 print(json.dumps({"imported_at": imported_at, "built_at": built_at, "first_result_at": time.time(),
                   "status": result.status, "error": result.error,
-                  **{k: engine.counters.snapshot()[k] for k in ("compiles", "compile_seconds", "cache_hits", "cache_stores")}}))
+                  **{k: engine.counters.snapshot()[k] for k in ("compiles", "compile_seconds", "capture_cache_hits", "capture_cache_stores")}}))
 """
 
 

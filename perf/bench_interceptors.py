@@ -22,7 +22,7 @@ Prints one JSON line: per case the wall time (ms, min / median / max over interl
 method the per-round speedup over its side's uncached case (and whether fvgraph's is at least
 diffusers', the issue's goal), fvgraph's FLOPs ratio (the step graphs
 that ran over the uncached step's, Result.cache), the denoiser calls computed and reused, and the
-quality distance from the uncached run (fvgraph.cache_quality: relative L2 of the final latents,
+quality distance from the uncached run (fvgraph.step_caching_quality: relative L2 of the final latents,
 PSNR of the decoded frames). Compiles happen in the untimed warmup and are reported apart.
 """
 
@@ -34,7 +34,7 @@ import time
 import torch
 from diffusers import WanPipeline
 
-from fvgraph.cache_quality import cache_distance
+from fvgraph.step_caching_quality import cache_distance
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.calibrate import calibrate
 from fvgraph.caching.settings import CacheSettings, parse_cache_text

@@ -97,7 +97,7 @@ def test_an_entry_that_hashes_but_does_not_load_is_found_by_verify_and_replaced(
     assert key in problem and "does not load" in problem
 
     again = engine(cache_copy)
-    with again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0, cache_stores=1):
+    with again.counters.expect(compiles=1, capture_cache_rejects=1, capture_cache_hits=0, capture_cache_stores=1):
         assert again.generate([Request(**REQUEST)])[0].ok
     assert manifest_of(cache_copy)[1]["entries"][key]["artifacts"]["step"]["sha256"] != record["artifacts"]["step"]["sha256"]
     assert verify(cache_copy) == []
@@ -168,7 +168,7 @@ def test_generate_serves_when_another_process_holds_the_lock(tmp_path, monkeypat
     # What is staged does not matter: publishing never gets the lock. Skipping the export saves seconds.
     monkeypatch.setattr("fvgraph.compile.compiler.save_graph", lambda gm, args, backend, path, patches: path.write_bytes(b"x"))
     served = engine(tmp_path / "cache")
-    holder = _hold_lock(served.compiler.cache.dir)
+    holder = _hold_lock(served.compiler.capture_cache.dir)
     results = []
     with caplog.at_level(logging.WARNING):
         worker = threading.Thread(target=lambda: results.extend(served.generate([Request(**REQUEST)])), daemon=True)
@@ -234,7 +234,7 @@ def test_an_entry_whose_metadata_was_edited_is_reported_and_rebuilt(cache_copy, 
     assert key in problem and "metadata" in problem
 
     again = engine(cache_copy)
-    with again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0, cache_stores=1):
+    with again.counters.expect(compiles=1, capture_cache_rejects=1, capture_cache_hits=0, capture_cache_stores=1):
         assert again.generate([Request(**REQUEST)])[0].ok
     assert verify(cache_copy) == []
 
@@ -247,7 +247,7 @@ def test_an_entry_whose_inputs_differ_from_the_step_is_rebuilt(cache_copy):
     record["meta_sha256"] = meta_digest(record["meta"])
     path.write_text(json.dumps(manifest))
     again = engine(cache_copy)
-    with again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0):
+    with again.counters.expect(compiles=1, capture_cache_rejects=1, capture_cache_hits=0):
         assert again.generate([Request(**REQUEST)])[0].ok
 
 

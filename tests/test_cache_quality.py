@@ -4,7 +4,7 @@ import json
 
 from typer.testing import CliRunner
 
-from fvgraph.cache_quality import cache_distance
+from fvgraph.step_caching_quality import cache_distance
 from fvgraph.cli import app
 from fvgraph.caching.methods import parse_cache_settings
 from fvgraph.parity import Setting, compare

@@ -76,12 +76,12 @@ def test_a_fresh_process_serves_from_the_cache_with_zero_compiles(tmp_path):
     into its inductor cache."""
     cold = engine(tmp_path / "cache", backend="inductor")
     [result] = cold.warmup([Request(**REQUEST)])
-    assert cold.counters.compiles == 1 and cold.counters.cache_stores == 1  # the CFG denoise step at batch 1
+    assert cold.counters.compiles == 1 and cold.counters.capture_cache_stores == 1  # the CFG denoise step at batch 1
 
     inductor_dir = tmp_path / "ind"
     counters, latents = serve_in_fresh_process(tmp_path / "cache", "inductor", tmp_path, inductor_dir, forbid_compiling=True)
-    assert counters["compiles"] == 0 and counters["cache_hits"] == 1 and counters["compiled_steps"] == 2
-    assert counters["cache_rejects"] == 0
+    assert counters["compiles"] == 0 and counters["capture_cache_hits"] == 1 and counters["compiled_steps"] == 2
+    assert counters["capture_cache_rejects"] == 0
     torch.testing.assert_close(latents, result.latents, rtol=0, atol=0)  # the very same compiled code
     assert [p for p in inductor_dir.rglob("*") if p.is_file()] == []
     assert verify(tmp_path / "cache") == []
@@ -108,7 +108,7 @@ def test_a_warm_engine_runs_frozen_and_names_what_the_cache_lacks(warm_cache):
     cache_dir, _ = warm_cache
     warm = engine(cache_dir)
     warm.freeze()  # fail_on_recompile from the start: cache loads are allowed, compiles are not
-    with warm.counters.expect(compiles=0, cache_hits=1, compiled_steps=2):
+    with warm.counters.expect(compiles=0, capture_cache_hits=1, compiled_steps=2):
         assert warm.generate([Request(**REQUEST)])[0].ok
     [other] = warm.generate([Request(**{**REQUEST, "height": 48})])
     assert other.status == "failed" and "RecompileError" in other.error and "fvgraph warmup" in other.error
@@ -123,7 +123,7 @@ def test_a_corrupted_artifact_is_detected_rebuilt_and_the_result_is_unchanged(wa
     assert any("sha256" in line for line in verify(cache_dir))
 
     again = engine(cache_dir)
-    with caplog.at_level(logging.WARNING, "fvgraph.compile.compiler"), again.counters.expect(compiles=1, cache_rejects=1, cache_hits=0):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.compiler"), again.counters.expect(compiles=1, capture_cache_rejects=1, capture_cache_hits=0):
         [result] = again.generate([Request(**REQUEST)])
     assert "corrupted" in caplog.text
     torch.testing.assert_close(result.latents, reference_latents, rtol=0, atol=0)
@@ -137,7 +137,7 @@ def test_a_changed_runtime_factor_is_not_served_and_says_which(warm_cache, monke
     other_runtime = dataclasses.replace(RuntimeFactors.current(torch.device("cpu")), **{factor: value})
     monkeypatch.setattr(RuntimeFactors, "current", classmethod(lambda cls, device: other_runtime))
     other = engine(cache_dir)
-    with caplog.at_level(logging.WARNING, "fvgraph.compile.capture_cache"), other.counters.expect(compiles=1, cache_hits=0):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.capture_cache"), other.counters.expect(compiles=1, capture_cache_hits=0):
         assert other.generate([Request(**REQUEST)])[0].ok
     assert f"{factor}: " in caplog.text and value in caplog.text
     assert len(list(cache_dir.glob("*/manifest.json"))) == 2  # one directory per process identity
@@ -248,7 +248,7 @@ def test_two_warmups_racing_on_one_directory_leave_a_valid_cache(tmp_path):
     assert len(step_artifacts(cache)) == 1  # the first writer's entry stands; the other's was discarded
 
     counters, _ = serve_in_fresh_process(cache, "aot_eager", tmp_path)
-    assert counters["compiles"] == 0 and counters["cache_hits"] == 1
+    assert counters["compiles"] == 0 and counters["capture_cache_hits"] == 1
 
     served = fvgraph_cli("generate", "--cache-dir", str(cache), "--fail-on-recompile", "-O", "1", "--compile-backend",
                          "aot_eager", "--device", "cpu", "--steps", "2", "--guidance", str(REQUEST["guidance_scale"]),
@@ -290,6 +290,6 @@ def test_a_graph_that_cannot_be_stored_is_still_served(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr("fvgraph.compile.compiler.save_graph", refuse)
     served = engine(tmp_path)
-    with caplog.at_level(logging.WARNING, "fvgraph.compile.compiler"), served.counters.expect(compiles=1, cache_stores=0):
+    with caplog.at_level(logging.WARNING, "fvgraph.compile.compiler"), served.counters.expect(compiles=1, capture_cache_stores=0):
         assert served.generate([Request(**REQUEST)])[0].ok
     assert "cannot be packaged" in caplog.text and verify(tmp_path) == [] and not step_artifacts(tmp_path)

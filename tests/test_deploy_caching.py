@@ -1,4 +1,4 @@
-"""Step caching at deploy scope (docs/serving.md): the engine enables methods (`cache_methods`,
+"""Step caching at deploy scope (docs/serving.md): the engine enables methods (`step_caching_methods`,
 `--cache-methods`); a request picks only among them, a card default outside them is not applied."""
 
 import pytest
@@ -78,7 +78,7 @@ def test_the_cli_flag_parses_to_the_engine_option():
         with pytest.raises(ValueError, match=message):
             parse_cache_methods(text)
     engine = serving_engine("tiny-wan", None, 0, False, False, "inductor", [], "cpu", None, False, cache_methods="teacache")
-    assert engine.loop.cache_methods == ("teacache",)
+    assert engine.loop.step_caching_methods == ("teacache",)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -99,10 +99,10 @@ def test_capture_cache_serves_graphs_on_cuda_with_zero_compiles(tiny_card, tmp_p
     warm_up = _graph_engine(cache_dir=tmp_path, buckets=one_bucket)
     reference = warm_up.warmup(_requests()[:1])
     served = _graph_engine(cache_dir=tmp_path, buckets=one_bucket)
-    with served.counters.expect(compiles=0, cache_hits=1):
+    with served.counters.expect(compiles=0, capture_cache_hits=1):
         results = served.warmup(_requests()[:1])
     assert served.counters.captures >= 1 and served.counters.replays > 0
-    assert all("capture_seconds" in record["meta"] for record in served.compiler.cache.entries().values())
+    assert all("capture_seconds" in record["meta"] for record in served.compiler.capture_cache.entries().values())
     torch.testing.assert_close(results[0].latents, reference[0].latents, atol=0, rtol=0)
 
 

@@ -84,7 +84,7 @@ def test_a_capture_that_ended_its_pool_routing_is_not_released_twice(fake_cuda, 
 
 
 def test_after_a_failed_capture_the_next_bucket_captures_into_a_fresh_pool(fake_cuda):
-    runner = GraphRunner(compiler=SimpleNamespace(cache=None), counters=Counters(), cuda_graphs=True)
+    runner = GraphRunner(compiler=SimpleNamespace(capture_cache=None), counters=Counters(), cuda_graphs=True)
 
     def entry(step_fn):
         compiled = SimpleNamespace(step_fn=step_fn, signature=SimpleNamespace(step_kind="denoise"))
@@ -255,16 +255,16 @@ def test_a_step_whose_package_does_not_load_is_compiled_in_process_and_not_built
     request = [Request(prompt="a red fox", seed=1, num_inference_steps=3, num_frames=9)]
     eager = Engine.from_card("tiny-wan").generate(request)[0]
     first = engine()
-    with first.counters.expect(compiles=1, cache_hits=0, cache_stores=0):
+    with first.counters.expect(compiles=1, capture_cache_hits=0, capture_cache_stores=0):
         assert first.generate(request)[0].ok
     assert built == ["step.pt2", "prologue.pt2"]
-    (key,) = first.compiler.cache.unloadable_keys()
-    assert crash in first.compiler.cache.unloadable_keys()[key]["problem"]
+    (key,) = first.compiler.capture_cache.unloadable_keys()
+    assert crash in first.compiler.capture_cache.unloadable_keys()[key]["problem"]
 
     built.clear()
     later = engine()
     with caplog.at_level(logging.WARNING, logger="fvgraph.compile.compiler"):
-        with later.counters.expect(compiles=1, cache_hits=0, cache_stores=0):
+        with later.counters.expect(compiles=1, capture_cache_hits=0, capture_cache_stores=0):
             result = later.generate(request)[0]
     assert built == []  # not built again
     listing = CliRunner(env={"COLUMNS": "300"}).invoke(app, ["cache", "ls", "--cache-dir", str(tmp_path)])

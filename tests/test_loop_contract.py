@@ -277,9 +277,9 @@ def test_a_loop_is_built_complete_from_one_config():
 
     engine = Engine.from_card("tiny-wan", device="cpu", cache_methods=["fbcache"], calibration_dir="/tmp/fvgraph-calib")
     loop = engine.loop
-    assert loop.cache_methods == ("fbcache",) and loop.caching.calibration.root == CalibrationStore("/tmp/fvgraph-calib").root
+    assert loop.step_caching_methods == ("fbcache",) and loop.caching.calibration.root == CalibrationStore("/tmp/fvgraph-calib").root
     assert loop.rollouts.run_facts == {"opt_level": 0, "parallel": "single"}
     with pytest.raises(dataclasses.FrozenInstanceError):
-        LoopConfig().cache_methods = ()
+        LoopConfig().step_caching_methods = ()
     source = (PACKAGE / "engine" / "parts.py").read_text()
     assert not re.search(r"\bloop\.\w+ = |hasattr\(loop|isinstance\(loop", source)

@@ -64,7 +64,7 @@ def calibrate(
 
 def cache_quality(card, checkpoint, opt_level, compile_backend, disable_pass, device, requests, cache, report) -> None:
     """`parity --cache ... --against none`: the cached run's distance from the uncached one, printed and written."""
-    from fvgraph.cache_quality import cache_distance
+    from fvgraph.step_caching_quality import cache_distance
     from fvgraph.engine.engine import Engine
 
     engine = Engine.from_card(card, checkpoint=checkpoint, opt_level=opt_level, device=device,

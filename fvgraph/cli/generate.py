@@ -128,7 +128,7 @@ def generate(
         if result.cache is not None:
             console.print(f"{result.request_id} cache {cache_line(result.cache)}", highlight=False)
     c = engine.counters
-    table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {c.compiles}, cache hits: {c.cache_hits}"
+    table.caption = f"seconds; 'total' is wall time from submit to result; compiles: {c.compiles}, cache hits: {c.capture_cache_hits}"
     console.print(table)
     if isinstance(engine.executor, ParallelExecutor):  # which ranks did the work
         console.print(engine.executor.group.summary(), highlight=False, soft_wrap=True)

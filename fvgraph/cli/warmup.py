@@ -75,13 +75,13 @@ def warmup(
         results = engine.warmup(requests, on_bucket=lambda batch: bar.advance(task))
     c = engine.counters
     console.print(
-        f"warm: {len(engine.compiler.signatures)} step graphs ({c.compiles} compiled, {c.cache_hits} loaded, "
-        f"{c.cache_rejects} rejected and rebuilt) in {time.perf_counter() - began:.1f} s -> {engine.compiler.cache.dir}"
+        f"warm: {len(engine.compiler.signatures)} step graphs ({c.compiles} compiled, {c.capture_cache_hits} loaded, "
+        f"{c.capture_cache_rejects} rejected and rebuilt) in {time.perf_counter() - began:.1f} s -> {engine.compiler.capture_cache.dir}"
     )
     failed = [r for r in results if not r.ok]
     for result in failed:
         console.print(f"[red]{result.request_id} {result.status}:[/red] {result.error}")
-    unstored = [s for s in engine.compiler.signatures if engine.compiler.cache.find(s.key()) is None]
+    unstored = [s for s in engine.compiler.signatures if engine.compiler.capture_cache.find(s.key()) is None]
     for signature in unstored:
         console.print(f"[red]not stored in the capture cache:[/red] {signature.step_kind} batch {signature.batch} "
                       f"({signature.key()}); see the warnings above")  # fmt: skip

@@ -117,13 +117,13 @@ class CompiledStep:
 class StepCompiler:
     """Builds (or, with a capture cache, loads) one CompiledStep per signature.
 
-    Without a cache, graphs are compiled in process (inductor's `compile_fx`). With `cache_dir`, each
+    Without a capture cache, graphs are compiled in process (inductor's `compile_fx`). With `capture_cache_dir`, each
     graph is compiled to a file (graph_artifact), published to the CaptureCache under this process's
     fingerprint, and run from that file; a later process with the same fingerprint loads it instead
-    of compiling (`counters.cache_hits`)."""
+    of compiling (`counters.capture_cache_hits`)."""
 
     def __init__(self, config: CompileConfig, card_id: str, weights_version: str, loop_id: str, precision: str,
-                 device: torch.device, counters: Counters, cache_dir: str | Path | None = None,
+                 device: torch.device, counters: Counters, capture_cache_dir: str | Path | None = None,
                  opt_level: int = 1, step_kinds: dict[str, StepKind] | None = None,
                  parallel: str = "single", adapters: str = "none"):  # fmt: skip
         self.config = config
@@ -138,7 +138,7 @@ class StepCompiler:
         self._compiled: dict[StepSignature, CompiledStep] = {}
         self._rejected: dict[str, tuple[dict, str]] = {}  # cache entries found unusable: key -> (record, why)
         self._loaded_in_child: set[str] = set()  # cache entries a child process has loaded (GPU AOTInductor)
-        self.cache = None if cache_dir is None else CaptureCache(cache_dir, self.fingerprint(opt_level))
+        self.capture_cache = None if capture_cache_dir is None else CaptureCache(capture_cache_dir, self.fingerprint(opt_level))
 
     def fingerprint(self, opt_level: int) -> dict:
         """The process identity a capture cache directory belongs to (every signature shares it)."""
@@ -186,7 +186,7 @@ class StepCompiler:
             # Attention kernels are picked while inductor traces (and again if aot_eager re-traces a
             # loaded graph), so the chosen SDPA backends hold around both.
             with contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True):
-                if self.cache is not None:
+                if self.capture_cache is not None:
                     compiled = self._load_cached(step, plan, signature)
                 if compiled is None:
                     if self.frozen:  # loading a warm artifact is fine; compiling a new one is not
@@ -221,15 +221,15 @@ class StepCompiler:
             unread_inputs=_unread_inputs(gm, captured.num_params, captured.input_names),
         )  # fmt: skip
         compiled = None
-        known = self.cache.unloadable(signature.key(), signature.factors()) if self.cache is not None else None
+        known = self.capture_cache.unloadable(signature.key(), signature.factors()) if self.capture_cache is not None else None
         if known is not None:  # built here before, and it did not load: not built again
             log.warning("capture cache: compiling %s in process: its packages, built here before, did not load (%s); "
                         "`fvgraph cache clear` forgets this", plan.kind, known)  # fmt: skip
-        elif self.cache is not None:
+        elif self.capture_cache is not None:
             try:
                 compiled = self._compile_through_cache(signature, gm, ctx.prologue, base_args, hoisted, meta, began)
             except PackageDoesNotLoad as err:
-                self.cache.mark_unloadable(signature.key(), signature.factors(), str(err))
+                self.capture_cache.mark_unloadable(signature.key(), signature.factors(), str(err))
                 log.warning("capture cache: could not store %s, compiling it in process instead (and in later "
                             "processes, without building it again): %s", plan.kind, err)  # fmt: skip
             except Exception as err:  # a graph AOTInductor cannot package is still served, compiled in process
@@ -260,7 +260,7 @@ class StepCompiler:
         process's entry, when it published this signature first). Returns (step_fn, prologue_fn, meta)."""
         backend, patches = self.config.backend, self._inductor_patches(signature.attention)
         in_child = self._aoti_in_child  # see graph_artifact: AOTInductor never crashes this process
-        with self.cache.staging_dir() as staging:
+        with self.capture_cache.staging_dir() as staging:
             files = {"step": Path(staging) / "step.pt2"}
             graphs = [(gm, base_args + hoisted, files["step"])]
             if prologue is not None:
@@ -277,23 +277,23 @@ class StepCompiler:
                 if problem is not None:
                     raise PackageDoesNotLoad(f"the built package does not load: {problem}")
             rejected = self._rejected.get(signature.key(), (None, ""))[0]  # replaced even if its hash checks out
-            entry = self.cache.publish(signature.key(), signature.factors(), files, meta, replace=rejected)
-        self.counters.cache_stores += 1
+            entry = self.capture_cache.publish(signature.key(), signature.factors(), files, meta, replace=rejected)
+        self.counters.capture_cache_stores += 1
         return (*self._load_entry(entry, base_args), entry.meta)
 
     def _load_cached(self, step: nn.Module, plan: WorkPlan, signature: StepSignature) -> CompiledStep | None:
-        entry = self.cache.find(signature.key())
+        entry = self.capture_cache.find(signature.key())
         if entry is None:
             return None
         began = time.perf_counter()
         base_args = [*step_parameters(step).values(), *plan.inputs.values()]
-        problem = self.cache.check(entry, signature.factors())
+        problem = self.capture_cache.check(entry, signature.factors())
         if problem is None and entry.meta.get("param_names") != list(step_parameters(step)):
             problem = "the step's parameters differ from the ones it was compiled with"
         if problem is None and entry.meta.get("input_names") != list(plan.inputs):
             problem = f"its input names {entry.meta.get('input_names')} are not the step's {list(plan.inputs)}"
         if problem is None and self._aoti_in_child and entry.key not in self._loaded_in_child:
-            paths = [self.cache.path(entry, name) for name in entry.artifact_names]
+            paths = [self.capture_cache.path(entry, name) for name in entry.artifact_names]
             problem = load_in_child(paths, self.config.backend, self.device)  # the first load of a hit, in a child
             self._loaded_in_child.add(entry.key)
         if problem is None:
@@ -304,9 +304,9 @@ class StepCompiler:
         if problem is not None:
             log.warning("capture cache: entry %s rejected, rebuilding: %s", entry.key, problem)
             self._rejected[entry.key] = (entry.record, problem)
-            self.counters.cache_rejects += 1
+            self.counters.capture_cache_rejects += 1
             return None
-        self.counters.cache_hits += 1
+        self.counters.capture_cache_hits += 1
         log.info("loaded %s from the capture cache in %.2f s\n%s", plan.kind, time.perf_counter() - began, signature)
         return self._compiled_step(signature, step, step_fn, prologue_fn, entry.meta, 0.0)
 
@@ -314,9 +314,9 @@ class StepCompiler:
         backend, compile_fn = self.config.backend, self._backend_compile
         prologue_fn = None
         if "prologue" in entry.artifact_names:
-            prologue_fn = load_graph(self.cache.path(entry, "prologue"), backend, self.device, compile_fn, base_args)
+            prologue_fn = load_graph(self.capture_cache.path(entry, "prologue"), backend, self.device, compile_fn, base_args)
         hoisted = [_like(h, self.device) for h in entry.meta["hoisted_like"]]
-        step_fn = load_graph(self.cache.path(entry, "step"), backend, self.device, compile_fn, base_args + hoisted)
+        step_fn = load_graph(self.capture_cache.path(entry, "step"), backend, self.device, compile_fn, base_args + hoisted)
         return step_fn, prologue_fn
 
     @property
@@ -355,8 +355,8 @@ class StepCompiler:
         if same_kind:
             nearest = min(same_kind, key=lambda s: len(signature.diff(s)))
             lines.append("differs from the nearest warm signature in: " + "; ".join(signature.diff(nearest)))
-        if self.cache is not None:
-            lines.append(f"the capture cache {self.cache.dir} has no usable entry for it either: "
+        if self.capture_cache is not None:
+            lines.append(f"the capture cache {self.capture_cache.dir} has no usable entry for it either: "
                          "run `fvgraph warmup` for this shape and batch bucket")  # fmt: skip
         return "\n".join(lines)
 

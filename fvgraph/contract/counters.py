@@ -26,9 +26,9 @@ class Counters:
     replays: int = 0  # CUDA graph replays
     batches: int = 0  # groups of steps run as one compiled batch
     batches_redone: int = 0  # running ahead: a batch launched before its tick was committed, dropped and run again
-    cache_hits: int = 0  # compiled steps loaded from the capture cache instead of compiled
-    cache_rejects: int = 0  # capture cache entries found unusable (stale, foreign, corrupted) and rebuilt
-    cache_stores: int = 0  # compiled steps published to the capture cache
+    capture_cache_hits: int = 0  # compiled steps loaded from the capture cache instead of compiled
+    capture_cache_rejects: int = 0  # capture cache entries found unusable (stale, foreign, corrupted) and rebuilt
+    capture_cache_stores: int = 0  # compiled steps published to the capture cache
 
     def snapshot(self) -> dict[str, float]:
         return dataclasses.asdict(self)

@@ -65,7 +65,7 @@ class Loop(Protocol[S]):
     step_kinds: dict[str, StepKind]
     components: Components
     reads: frozenset[str]  # the family-specific Request fields it reads; it refuses the others
-    cache_methods: tuple[str, ...]  # the step-caching methods its requests may pick
+    step_caching_methods: tuple[str, ...]  # the step-caching methods its requests may pick
     projection_layout: Callable[[nn.Module, Any], None] | None  # the eager path's projection reuse; None: none
 
     def check_request(self, request: Request) -> Request: ...  # resolved against the card; raises RequestRejected

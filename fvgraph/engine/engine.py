@@ -155,7 +155,7 @@ class Engine:
         buffer addresses at every replay. `cache_dir`: the on-disk capture cache (docs/capture_cache.md),
         after which `warmup` freezes the engine. `taps`: the parity variant ("tap.*" outputs).
         `text_encoder=False`: no text encoder or tokenizer; requests carry embeddings. `calibration_dir`:
-        calibrated cache settings. `cache_methods`: the methods requests may pick (None: all; empty: exact
+        calibrated step-caching settings. `cache_methods`: the step-caching methods requests may pick (None: all; empty: exact
         only; docs/serving.md). `parallel`: worker processes that split each denoise step (docs/parallel.md).
         `dtype` ("fp32", "bf16", "fp16", a torch dtype) and `recipe` (fvgraph/card_choices.py) choose over the
         card. `loras` (name -> local file): adapters requests choose with `Request.loras`, fused when named
@@ -165,10 +165,10 @@ class Engine:
         """
         card = chosen_card(get_card(card) if isinstance(card, str) else card, dtype, recipe)
         switches = EngineSwitches(
-            compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, cache_dir=cache_dir,
+            compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, capture_cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
             debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir,
-            cache_methods=cache_methods, parallel=parallel,
+            step_caching_methods=cache_methods, parallel=parallel,
             adapters=engine_adapter_setup(card, loras, merge_loras, lora_slots),
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)  # with its worker ranks when parallel

@@ -54,7 +54,7 @@ class EngineSwitches:
     compile_config: CompileConfig | None = None  # backend, passes, step kinds; None: the defaults
     enforce_eager: bool = False  # run eagerly whatever the level (as vLLM's flag)
     cuda_graphs: bool = True  # at -O2 and up; False keeps everything else of the level
-    cache_dir: str | Path | None = None  # on-disk capture cache (docs/capture_cache.md)
+    capture_cache_dir: str | Path | None = None  # the capture cache's root (docs/capture_cache.md)
     projection_cache_bytes: int = DEFAULT_PROJECTION_CACHE_BYTES  # eager projection reuse; 0 turns it off
     buckets: BucketSpec = field(default_factory=BucketSpec)
     max_running: int = 16  # requests in flight at once; the rest wait, FIFO
@@ -62,12 +62,12 @@ class EngineSwitches:
     taps: bool = False  # the parity variant: denoise steps also return named intermediates
     text_encoder: bool = True  # False: neither text encoder nor tokenizer loads; requests carry embeddings
     calibration_dir: str | Path | None = None  # calibrated cache settings (default: beside the capture cache)
-    cache_methods: tuple[str, ...] | None = tuple(METHODS)  # step-caching methods requests may pick (docs/serving.md)
+    step_caching_methods: tuple[str, ...] | None = tuple(METHODS)  # step-caching methods requests may pick (docs/serving.md)
     parallel: ParallelConfig | None = None  # worker processes splitting the denoise steps (docs/parallel.md)
     adapters: AdapterSetup | None = None  # LoRA adapters merged or in slots (docs/adapters.md)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "cache_methods", enabled_methods(self.cache_methods))  # checked, METHODS' order; None: all
+        object.__setattr__(self, "step_caching_methods", enabled_methods(self.step_caching_methods))  # checked, METHODS' order; None: all
 
 
 @dataclass
@@ -100,8 +100,8 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
         adapters = apply_adapters(components, card.pipeline_class, switches.adapters)
     plan = "single" if switches.parallel is None else f"cfg{switches.parallel.cfg}xulysses{switches.parallel.ulysses}"
     loop = build_loop(card, components, LoopConfig(
-        calibration=CalibrationStore(calibration_root(switches.calibration_dir, switches.cache_dir)),
-        cache_methods=switches.cache_methods, adapters=adapters,
+        calibration=CalibrationStore(calibration_root(switches.calibration_dir, switches.capture_cache_dir)),
+        step_caching_methods=switches.step_caching_methods, adapters=adapters,
         run_facts={"opt_level": effective.level, "parallel": plan},  # what a rollout's record says produced it
     ))  # fmt: skip
     counters = Counters()
@@ -117,15 +117,15 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
             weights_version += _apply_fp8(components.transformer, card)
         compiler = StepCompiler(
             config, card.card_id, weights_version, loop.loop_id, card.recipe.precision, device, counters,
-            cache_dir=switches.cache_dir, opt_level=effective.level, step_kinds=loop.step_kinds,
+            capture_cache_dir=switches.capture_cache_dir, opt_level=effective.level, step_kinds=loop.step_kinds,
             parallel="single" if parallel is None else parallel.plan,
             adapters="none" if adapters is None or adapters.store is None else adapters.store.factor(),
         )  # fmt: skip
         graphs = effective.cuda_graphs and switches.cuda_graphs and device.type == "cuda"
         runner = GraphRunner(compiler, counters, cuda_graphs=graphs, debug=switches.debug)
         executor = CompiledExecutor(executor, compiler, runner, switches.buckets)
-    elif switches.cache_dir is not None:
-        log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.cache_dir)
+    elif switches.capture_cache_dir is not None:
+        log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.capture_cache_dir)
     projection_cache = None  # per process: on a parallel engine the ranks would have to agree on each hit
     layout = loop.projection_layout  # None: the family declares no projection layout
     if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None and layout is not None:

@@ -63,7 +63,7 @@ class DenoiseLoop:
         refused = parts.caching_refused
         if self.sections is None:
             refused = f"card {card.card_id!r} runs loop {self.loop_id!r}, which has no step caching yet"
-        self.caching = StepCaching(card, components, self.sections, refused, config.cache_methods, config.calibration,
+        self.caching = StepCaching(card, components, self.sections, refused, config.step_caching_methods, config.calibration,
                                    self._denoise_steps)  # fmt: skip
         self.adapters = LoopAdapters(config.adapters, components.device)
         self.rollouts = LoopRollouts(card, parts.denoiser.step, config.run_facts) if parts.rollouts else None
@@ -76,7 +76,7 @@ class DenoiseLoop:
         return self.parts.reads
 
     @property
-    def cache_methods(self) -> tuple[str, ...]:
+    def step_caching_methods(self) -> tuple[str, ...]:
         """The step-caching methods a request may pick here: the deployment's, none where the loop refuses caching."""
         return self.caching.methods if self.caching.refused is None else ()
 

@@ -173,6 +173,6 @@ class LoopConfig:
     """What the deployment decides for every loop it builds: handed to the loop at construction."""
 
     calibration: CalibrationStore = field(default_factory=CalibrationStore)  # where calibrated step-caching settings are
-    cache_methods: tuple[str, ...] = tuple(METHODS)  # the step-caching methods requests may pick
+    step_caching_methods: tuple[str, ...] = tuple(METHODS)  # the step-caching methods requests may pick
     adapters: AdapterRegistry | None = None  # the engine's LoRA adapters
     run_facts: Mapping[str, Any] = field(default_factory=dict)  # opt level and parallel plan, for rollout records

@@ -59,7 +59,7 @@ class _CachedForward:
     def __init__(
         self, cache: ProjectionCache, name: str, module: nn.Module, variant=None, prepares: bool = False
     ) -> None:
-        self.cache = cache
+        self.projection_cache = cache
         self.name = name
         self.variant = variant  # the adapters this call runs with (SlotStore.cache_variant), or None
         self.prepares = prepares
@@ -70,10 +70,10 @@ class _CachedForward:
     def __call__(self, conditioning: Tensor) -> Tensor:
         module = self._module()
         if self.prepares:
-            self.cache.prepare(conditioning)
-        output = self.cache.project(self.name, module, conditioning, lambda: self.original(module, conditioning), self.variant)
+            self.projection_cache.prepare(conditioning)
+        output = self.projection_cache.project(self.name, module, conditioning, lambda: self.original(module, conditioning), self.variant)
         if self.prepares:
-            self.cache.prepare(output)
+            self.projection_cache.prepare(output)
         return output
 
     def original(self, module: nn.Module, conditioning: Tensor) -> Tensor:

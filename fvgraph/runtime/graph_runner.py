@@ -211,8 +211,8 @@ class GraphRunner:
             return
         entry.addresses = tuple(t.data_ptr() for t in entry.args)
         self.counters.captures += 1
-        if self.compiler.cache is not None and key[2] == 0:  # the manifest records lane 0's capture time
-            self.compiler.cache.annotate(entry.compiled.signature.key(), capture_seconds=time.perf_counter() - began)
+        if self.compiler.capture_cache is not None and key[2] == 0:  # the manifest records lane 0's capture time
+            self.compiler.capture_cache.annotate(entry.compiled.signature.key(), capture_seconds=time.perf_counter() - began)
 
     # -- one run ---------------------------------------------------------------------------------------
 

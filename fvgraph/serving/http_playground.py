@@ -47,7 +47,7 @@ class PlaygroundApi:
         card, loop, facts = engine.card, engine.loop, engine.facts
         rules, recipe = card.shapes, card.recipe
         admitted = recipe.step_caching  # the weights' own list (None: every method)
-        methods = [m for m in loop.cache_methods if admitted is None or m in admitted]
+        methods = [m for m in loop.step_caching_methods if admitted is None or m in admitted]
         default_cache = card.default_cache.method if card.default_cache is not None else None
         return {
             "object": "playground.config",

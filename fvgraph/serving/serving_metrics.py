@@ -40,7 +40,7 @@ class _EngineCounters:
         for name, value, doc in (
             ("fvgraph_compiles", c.compiles, "Step graphs compiled (one per signature and bucket)."),
             ("fvgraph_recompiles", recompiles, "Step graphs compiled after the server became ready."),
-            ("fvgraph_capture_cache_hits", c.cache_hits, "Compiled steps loaded from the capture cache."),
+            ("fvgraph_capture_cache_hits", c.capture_cache_hits, "Compiled steps loaded from the capture cache."),
             ("fvgraph_cuda_graph_replays", c.replays, "CUDA graph replays."),
             ("fvgraph_eager_fallbacks", c.fallbacks, "Steps that wanted a compiled graph and ran eagerly."),
         ):

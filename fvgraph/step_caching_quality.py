@@ -1,6 +1,6 @@
 """Quality as a parity rung: how far a cached run lands from the uncached one (reported, not asserted).
 
-    report = fvgraph.cache_quality.cache_distance(engine, requests, "magcache:threshold=0.06")
+    report = fvgraph.step_caching_quality.cache_distance(engine, requests, "magcache:threshold=0.06")
     report.write_jsonl("quality.jsonl")
 
 Each request runs twice on the same engine, once with the step caching under test and once with
