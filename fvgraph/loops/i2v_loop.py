@@ -23,6 +23,7 @@ from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.denoise_loop import DenoiseLoop
 from fvgraph.loops.denoise_state import DenoiseState
 from fvgraph.loops.i2v_steps import ImageEncodeStep, VaeEncodeStep
+from fvgraph.loops.steps import ConcatCondition
 from fvgraph.loops.loop_parts import FamilyParts, LoopConfig
 from fvgraph.loops.t2v_loop import STEP_KINDS as T2V_STEP_KINDS
 from fvgraph.loops.t2v_loop import WAN_DECODER
@@ -122,7 +123,7 @@ class FirstFrameImage:
 
 
 def i2v_parts(loop_id: str, state_type: type, card: ModelCard, components: Components, two_experts: bool = False) -> FamilyParts:
-    return FamilyParts(loop_id, state_type, WanText(card, components), WanDenoiser(card, components, two_experts),
+    return FamilyParts(loop_id, state_type, WanText(card, components), WanDenoiser(card, components, two_experts, ConcatCondition()),
                        VideoLatents(), WAN_DECODER, FirstFrameImage(card, components),
                        caching_refused=f"card {card.card_id!r} runs loop {loop_id!r}; {CACHING_REFUSED}",
                        # Wan 2.1 I2V's cross-attention input is a per-step concat with the image tokens: no layout.

@@ -1,4 +1,5 @@
-"""Step functions: each step kind of the text-to-video loop as a pure tensor function.
+"""Step functions of Wan's loops, each a pure tensor function; the media parts a denoise step is built
+with (`ConcatCondition` for I2V, `GivenFrames` for TI2V) say how a request's image enters it.
 
 A step is an nn.Module whose forward takes only tensors (per-request scalars as [B] tensors) and
 returns a dict of tensors: no `.item()`, no branch on data, so each traces with fullgraph=True and one
@@ -7,6 +8,8 @@ updates the latents are fixed at construction, never decided per call.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -32,16 +35,18 @@ class TextEncodeStep(nn.Module):
 
 
 class DenoiseStep(nn.Module):
-    """One whole denoise step: cond branch, uncond branch (when `cfg`), guidance combine, sampler update."""
+    """One whole denoise step: the model input (with the request's media, where the loop has a media
+    part), the cond branch, the uncond branch (when `cfg`), the guidance combine, the sampler update."""
 
     def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler | FewStepSampler | UniPCSampler, cfg: bool,
-                 tap_points: TapPoints | None = None):  # fmt: skip
+                 tap_points: TapPoints | None = None, media: StepMedia | None = None):  # fmt: skip
         super().__init__()
         self.transformer = transformer
         self.sampler = sampler
         self.cfg = cfg
         # The tap variant (parity runs only) also returns intermediate tensors as "tap.*" outputs.
         self.tap_points = tap_points
+        self.media = media  # how a request's image enters the denoiser (ConcatCondition, GivenFrames), or None
         # CFG-parallel (fvgraph/parallel/cfg_split.py): this rank runs one branch and gathers the other.
         self.cfg_split = None
 
@@ -53,25 +58,20 @@ class DenoiseStep(nn.Module):
         coeffs: torch.Tensor,  # [B, num_coeffs] this step's sampler row
         negative_prompt_embeds: torch.Tensor | None = None,  # [B, L, D] when cfg
         guidance_scale: torch.Tensor | None = None,  # [B] when cfg
-        condition: torch.Tensor | None = None,  # [B, C', F, H, W] image conditioning, concatenated to the latents' channels
-        image_embeds: torch.Tensor | None = None,  # [B, N, D'] image tokens the denoiser attends to beside the text
-        first_frame: torch.Tensor | None = None,  # [B, C, 1, H, W] latents that replace the noise where frame_mask is 0
-        frame_mask: torch.Tensor | None = None,  # [B, 1, F, H, W] 1 where the latents are denoised, 0 where given
-        lora_index: torch.Tensor | None = None,  # [B, K] int64 each row's adapter slots (fvgraph/adapters/slots.py)
-        lora_scale: torch.Tensor | None = None,  # [B, K] float32 their scales (0 where unused)
-        fresh_noise: torch.Tensor | None = None,  # [B, C, F, H, W] this step's draw, for a sampler that re-noises
-        **carry: torch.Tensor,  # sampler history: carry_0 .. carry_{n-1}, each like latents
+        **inputs: torch.Tensor,  # each read by the part that declares it: below
     ) -> dict[str, torch.Tensor]:
+        """`inputs`: the sampler's history (carry_0 .. carry_{n-1}, each like latents) and, for a sampler
+        that re-noises, this step's draw (fresh_noise); on an engine with adapter slots each row's slots
+        and scales (lora_index [B, K] int64, lora_scale [B, K]: fvgraph/adapters/slots.py); the media
+        part's (`media.inputs`)."""
         taps = {}
         # 1. the denoiser on the conditional branch
-        model_input = latents if condition is None else torch.cat([latents, mark_request_constant(condition)], dim=1)
-        if frame_mask is not None:  # given frames enter as latents at timestep 0 (fvgraph/loops/ti2v_loop.py)
-            model_input, timestep = masked_frames(latents, timestep, mark_request_constant(first_frame),
-                                                  mark_request_constant(frame_mask), self.transformer.config.patch_size)  # fmt: skip
+        model_input, side = latents, {}
+        if self.media is not None:
+            model_input, timestep, side = self.media(latents, timestep, **{n: inputs[n] for n in self.media.inputs if n in inputs})
         model_input = model_input.to(prompt_embeds.dtype)
-        side = {} if image_embeds is None else {"encoder_hidden_states_image": mark_request_constant(image_embeds)}
-        if lora_index is not None:  # arguments of each branch's call: fused and hoisted like the text
-            side.update(lora_index=mark_request_constant(lora_index), lora_scale=mark_request_constant(lora_scale))
+        if "lora_index" in inputs:  # arguments of each branch's call: fused and hoisted like the text
+            side.update(lora_index=mark_request_constant(inputs["lora_index"]), lora_scale=mark_request_constant(inputs["lora_scale"]))
         if self.cfg and self.cfg_split is not None:  # one branch here, the other on the CFG peer rank
             noise, noise_uncond = self.cfg_split.both_branches(
                 lambda branch, embeds: self._denoise(branch, model_input, timestep, mark_request_constant(embeds), **side),
@@ -87,7 +87,7 @@ class DenoiseStep(nn.Module):
             noise = guided(noise, noise_uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = noise_uncond, noise
         # 3. the sampler update, with this request's coefficients and history
-        out = sampler_update(self.sampler, latents, noise, carry, coeffs, fresh_noise)
+        out = sampler_update(self.sampler, latents, noise, inputs, coeffs, inputs.get("fresh_noise"))
         if self.tap_points is not None:
             out.update(taps)
             out.update(self.tap_points.drain())  # block outputs (eager; traced graphs get them from the tap pass)
@@ -114,6 +114,42 @@ def masked_frames(latents: torch.Tensor, timestep: torch.Tensor, first_frame: to
     p_t, p_h, p_w = patch_size
     token_mask = frame_mask[:, 0, ::p_t, ::p_h, ::p_w].flatten(1)  # [B, S]
     return model_input, token_mask * timestep.unsqueeze(1)
+
+
+class StepMedia(Protocol):
+    """How a request's media enters the denoiser: (model input, timestep, extra call arguments)."""
+
+    inputs: tuple[str, ...]  # the step inputs it reads (request constants)
+
+    def __call__(self, latents: torch.Tensor, timestep: torch.Tensor, **inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]: ...
+
+
+class ConcatCondition:
+    """Wan 2.1 I2V: the first frame's mask and latents concatenated to the latents' channels, and the
+    image's CLIP tokens (where the denoiser takes them) attended beside the text."""
+
+    inputs = ("condition", "image_embeds")
+
+    def __call__(self, latents: torch.Tensor, timestep: torch.Tensor, condition: torch.Tensor,  # [B, T + C, F, H, W]
+                 image_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:  # [B, N, D']  # fmt: skip
+        model_input = torch.cat([latents, mark_request_constant(condition)], dim=1)
+        side = {} if image_embeds is None else {"encoder_hidden_states_image": mark_request_constant(image_embeds)}
+        return model_input, timestep, side
+
+
+class GivenFrames:
+    """Wan 2.2 TI2V: given latent frames replace the noise, their tokens at timestep 0 (masked_frames)."""
+
+    inputs = ("first_frame", "frame_mask")
+
+    def __init__(self, patch_size: tuple[int, int, int]):
+        self.patch_size = tuple(patch_size)
+
+    def __call__(self, latents: torch.Tensor, timestep: torch.Tensor, first_frame: torch.Tensor,  # [B, C, 1, H, W]
+                 frame_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:  # [B, 1, F, H, W]  # fmt: skip
+        model_input, timestep = masked_frames(latents, timestep, mark_request_constant(first_frame),
+                                              mark_request_constant(frame_mask), self.patch_size)  # fmt: skip
+        return model_input, timestep, {}
 
 
 class VaeDecodeStep(nn.Module):

@@ -29,6 +29,7 @@ from fvgraph.loops.denoise_state import DenoiseState
 from fvgraph.loops.i2v_loop import CACHING_REFUSED, VAE_ENCODE, VAE_ENCODE_KIND
 from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
 from fvgraph.loops.i2v_steps import FirstFrameEncodeStep
+from fvgraph.loops.steps import GivenFrames
 from fvgraph.loops.loop_parts import FamilyParts, LoopConfig
 from fvgraph.loops.t2v_loop import WAN_DECODER
 from fvgraph.loops.wan_parts import VideoLatents, WanDenoiser, WanText
@@ -132,7 +133,8 @@ class OptionalFirstFrame:
 
 class TextImageToVideoLoop(DenoiseLoop):
     def __init__(self, card: ModelCard, components: Components, config: LoopConfig | None = None):
-        parts = FamilyParts("ti2v", TI2VState, WanText(card, components), WanDenoiser(card, components), VideoLatents(),
+        media = GivenFrames(components.transformer.config.patch_size)
+        parts = FamilyParts("ti2v", TI2VState, WanText(card, components), WanDenoiser(card, components, media=media), VideoLatents(),
                             WAN_DECODER, OptionalFirstFrame(card, components),
                             caching_refused=f"card {card.card_id!r} runs loop 'ti2v'; {CACHING_REFUSED}",
                             projection_layout=apply_projection_cache)  # fmt: skip

@@ -28,7 +28,7 @@ from fvgraph.loops.denoise_loop import DENOISE, DENOISE_CFG, TEXT_ENCODE
 from fvgraph.loops.denoise_state import DenoiseState
 from fvgraph.loops.samplers import MAX_CARRY, SamplerPlan
 from fvgraph.loops.state_check import check_text
-from fvgraph.loops.steps import DenoiseStep, TextEncodeStep
+from fvgraph.loops.steps import DenoiseStep, StepMedia, TextEncodeStep
 from fvgraph.loops.taps import TapPoints
 from fvgraph.models.components import Components
 from fvgraph.models.wan_sections import WanSections
@@ -128,9 +128,10 @@ class WanDenoiser:
     kinds = DENOISE_KINDS
     teacache_signal = WanSections.teacache_signal
 
-    def __init__(self, card: ModelCard, components: Components, two_experts: bool = False):
+    def __init__(self, card: ModelCard, components: Components, two_experts: bool = False, media: StepMedia | None = None):
         self.card = card
         self.two_experts = two_experts
+        self.media = media  # how a request's image enters the step (I2V, TI2V), or None
         self.step_kinds = {DENOISE: DENOISE_KINDS[False], DENOISE_CFG: DENOISE_KINDS[True],
                            **(SECOND_EXPERT_KINDS if two_experts else {})}  # fmt: skip
         self.reads = ("guidance_scale_2",) if two_experts else ()
@@ -143,9 +144,8 @@ class WanDenoiser:
             train_steps = card.recipe.sampler.config.get("num_train_timesteps", 1000)
             self.boundary_timestep = card.recipe.boundary_ratio * train_steps
 
-    @staticmethod
-    def step(transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module:
-        return DenoiseStep(transformer, sampler, cfg=cfg, tap_points=tap_points)
+    def step(self, transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module:
+        return DenoiseStep(transformer, sampler, cfg=cfg, tap_points=tap_points, media=self.media)
 
     def steps(self, components: Components, sampler: Any, tap_points: Callable[[nn.Module], TapPoints | None]) -> dict[str, nn.Module]:
         experts = [(components.transformer, DENOISE_KINDS)]
