@@ -128,17 +128,12 @@ def test_prepare_hashes_nothing_where_every_projection_steps_aside(setup, monkey
 @torch.no_grad()
 def test_prepare_traces_whole_and_hashes_nothing(setup):
     proj, cond, cache = setup
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
 
     def step(x):
         cache.prepare(x)
         return cache.project("p", proj, x, lambda: proj(x))
 
-    compiled = torch.compile(step, backend=counting_backend, fullgraph=True)
+    compiled, graphs = _compiled_counting_graphs(step)
     for _ in range(2):
         assert torch.equal(compiled(cond), proj(cond))
     assert len(graphs) == 1 and cache.stats.hashes == 0
@@ -321,6 +316,17 @@ def test_grad_enabled_bypasses(setup):
     assert out.grad_fn is not None  # a fresh autograd graph, as the original computation has
 
 
+def _compiled_counting_graphs(step):
+    """`step` compiled whole, and the list of graphs its backend was handed (one per trace)."""
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return torch.compile(step, backend=counting_backend, fullgraph=True), graphs
+
+
 def _assert_bypassed_after(cache, bypasses):
     stats = cache.stats
     assert stats.bypasses == bypasses and (stats.hits, stats.misses, stats.entries) == (0, 0, 0)
@@ -329,16 +335,11 @@ def _assert_bypassed_after(cache, bypasses):
 @torch.no_grad()
 def test_compile_tracing_bypasses_without_recompiling(setup):
     proj, cond, cache = setup
-    graphs = []
-
-    def counting_backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
 
     def step(x):
         return cache.project("p", proj, x, lambda: proj(F.silu(x))) * 2
 
-    compiled = torch.compile(step, backend=counting_backend, fullgraph=True)
+    compiled, graphs = _compiled_counting_graphs(step)
     for _ in range(3):
         assert torch.equal(compiled(cond), proj(F.silu(cond)) * 2)
     assert len(graphs) == 1  # the bypass counter is not a guard: no recompile per call

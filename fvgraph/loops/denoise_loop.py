@@ -68,12 +68,8 @@ class DenoiseLoop:
         self.adapters = LoopAdapters(config.adapters, components.device)
         self.rollouts = LoopRollouts(card, parts.denoiser.step, config.run_facts) if parts.rollouts else None
         self.step_kinds = self._declared_kinds()
+        self.reads = parts.reads  # the family-specific Request fields it reads (loop_parts.FAMILY_FIELDS); it refuses the others
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
-
-    @property
-    def reads(self) -> frozenset[str]:
-        """The family-specific Request fields this loop reads (loop_parts.FAMILY_FIELDS); it refuses the others."""
-        return self.parts.reads
 
     @property
     def step_caching_methods(self) -> tuple[str, ...]:
@@ -139,7 +135,7 @@ class DenoiseLoop:
 
     def _check_family_fields(self, request: Request) -> None:
         """A field only other families read is refused, naming it: it would be silently ignored here."""
-        reads = self.parts.reads
+        reads = self.reads
         for name in FAMILY_FIELDS:
             value = getattr(request, name)
             if value is None or name in reads or (name == "max_sequence_length" and value == self.card.shapes.text_len):
