@@ -143,6 +143,7 @@ class Engine:
         merge_loras: dict[str, float] | None = None,
         lora_slots: LoraSlots | None = None,
         run_ahead: bool | None = None,
+        vae_tiling: bool | dict | None = None,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
 
@@ -161,7 +162,9 @@ class Engine:
         card. `loras` (name -> local file): adapters requests choose with `Request.loras`, fused when named
         in `merge_loras` (a LoRA distill's recipe adapter is: docs/recipes.md); `lora_slots` sizes the slots.
         `run_ahead` (None: on CUDA only): the host prepares the next batch while the device runs the last
-        one, with the same results as the serial order (fvgraph/engine/run_ahead.py).
+        one, with the same results as the serial order (fvgraph/engine/run_ahead.py). `vae_tiling`: True tiles
+        the VAE's decode and encode with diffusers' defaults for its class, a dict with the keywords of its
+        `enable_tiling(...)`; each tile is a step of its own (docs/memory.md).
         """
         card = chosen_card(get_card(card) if isinstance(card, str) else card, dtype, recipe)
         switches = EngineSwitches(
@@ -169,7 +172,7 @@ class Engine:
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
             debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir,
             step_caching_methods=cache_methods, parallel=parallel,
-            adapters=engine_adapter_setup(card, loras, merge_loras, lora_slots),
+            adapters=engine_adapter_setup(card, loras, merge_loras, lora_slots), vae_tiling=vae_tiling,
         )  # fmt: skip
         parts = build_engine_parts(card, checkpoint, opt_level, device, switches)  # with its worker ranks when parallel
         ahead = parts.loop.components.device.type == "cuda" if run_ahead is None else run_ahead

@@ -65,6 +65,7 @@ class EngineSwitches:
     step_caching_methods: tuple[str, ...] | None = tuple(METHODS)  # step-caching methods requests may pick (docs/serving.md)
     parallel: ParallelConfig | None = None  # worker processes splitting the denoise steps (docs/parallel.md)
     adapters: AdapterSetup | None = None  # LoRA adapters merged or in slots (docs/adapters.md)
+    vae_tiling: bool | dict | None = None  # tiled VAE decode / encode, one step per tile (docs/memory.md)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step_caching_methods", enabled_methods(self.step_caching_methods))  # checked, METHODS' order; None: all
@@ -103,6 +104,7 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
         calibration=CalibrationStore(calibration_root(switches.calibration_dir, switches.capture_cache_dir)),
         step_caching_methods=switches.step_caching_methods, adapters=adapters,
         run_facts={"opt_level": effective.level, "parallel": plan},  # what a rollout's record says produced it
+        vae_tiling=switches.vae_tiling,
     ))  # fmt: skip
     counters = Counters()
     steps = loop.build_steps(taps=switches.taps)

@@ -32,10 +32,12 @@ from fvgraph.loops.samplers import SamplerPlan, build_sampler
 from fvgraph.loops.state_check import check_state
 from fvgraph.loops.step_caching import StepCaching
 from fvgraph.loops.taps import TapPoints
+from fvgraph.loops.tiled_coding import VAE_DECODE, Decoding
 from fvgraph.models.components import Components
+from fvgraph.models.vae_tiles import vae_tiling
 from fvgraph.request import Request, RequestRejected, Result
 
-TEXT_ENCODE, VAE_DECODE = "text_encode", "vae_decode"
+TEXT_ENCODE = "text_encode"
 DENOISE, DENOISE_CFG = "denoise", "denoise_cfg"  # a family's plain denoise kinds, without and with CFG
 # Looked up once: next() and advance() compare a phase per request per step.
 _ENCODE, _DENOISE, _DECODE = Phase.ENCODE, Phase.DENOISE, Phase.DECODE
@@ -67,6 +69,7 @@ class DenoiseLoop:
                                    self._denoise_steps)  # fmt: skip
         self.adapters = LoopAdapters(config.adapters, components.device)
         self.rollouts = LoopRollouts(card, parts.denoiser.step, config.run_facts) if parts.rollouts else None
+        self.decoding = Decoding(parts.decoder, None if components.vae is None else vae_tiling(components.vae, config.vae_tiling))
         self.step_kinds = self._declared_kinds()
         self.reads = parts.reads  # the family-specific Request fields it reads (loop_parts.FAMILY_FIELDS); it refuses the others
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
@@ -78,7 +81,7 @@ class DenoiseLoop:
 
     def _declared_kinds(self) -> dict[str, StepKind]:
         p = self.parts
-        kinds = {TEXT_ENCODE: p.text.kind, **p.denoiser.step_kinds, VAE_DECODE: p.decoder.kind}
+        kinds = {TEXT_ENCODE: p.text.kind, **p.denoiser.step_kinds, **self.decoding.step_kinds}
         if p.conditioning is not None:
             kinds.update(p.conditioning.step_kinds)
         if p.denoiser.teacache_signal is not None:  # a request with step caching (fvgraph/caching/)
@@ -96,7 +99,7 @@ class DenoiseLoop:
         # One set of tap hooks per denoiser, shared by every step that calls it: a second set would
         # count each block's calls twice.
         tap_points = functools.cache(TapPoints) if taps else lambda transformer: None
-        steps = {**self.denoiser.steps(c, self.sampler, tap_points), VAE_DECODE: self.parts.decoder.build(c)}
+        steps = {**self.denoiser.steps(c, self.sampler, tap_points), **self.decoding.build(c)}
         if self.sections is not None:
             steps.update(caching_steps(self.sections, self.sampler))
         if self.rollouts is not None:
@@ -260,7 +263,7 @@ class DenoiseLoop:
         if phase == _ENCODE:
             return WorkPlan(state.request_id, TEXT_ENCODE, self.text.encode_inputs(state))
         if phase == _DECODE:
-            return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
+            return self.decoding.plan(state)
         if phase in self.pre_denoise_phases:
             return self.conditioning.plan(state)
         return Done()
@@ -306,8 +309,9 @@ class DenoiseLoop:
             state.encode_slots = []
             self._texts_known(state)
         elif phase == _DECODE:
-            state.decoded = result["video"]
-            state.phase = Phase.DONE
+            self.decoding.take(state, result)  # one tile of a tiled decode, or the whole decode
+            if state.decoded is not None:
+                state.phase = Phase.DONE
         elif phase in self.pre_denoise_phases:
             self.conditioning.take(state, result)
         return state

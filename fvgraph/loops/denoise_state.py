@@ -20,6 +20,7 @@ from fvgraph.contract.loop import SerializableState
 from fvgraph.contract.phase import Phase
 from fvgraph.contract.plan import ShapeSignature
 from fvgraph.loops.rollout_trace import RolloutTrace
+from fvgraph.loops.tiled_coding import TileAssembly
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -77,6 +78,8 @@ class DenoiseState(SerializableState):
     adapters: AdapterChoice | None = field(default=None, metadata={"load": AdapterChoice.load})
     # An RL rollout (fvgraph/behavior.py): its noise level and what each transition recorded, or None.
     rollout: RolloutTrace | None = field(default=None, metadata={"load": RolloutTrace.load})
+    # A tiled decode's tiles so far (fvgraph/loops/tiled_coding.py); not saved: a resumed decode starts over.
+    tiles: TileAssembly | None = field(default=None, metadata={"transient": True})
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
     derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
 

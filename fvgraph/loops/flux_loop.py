@@ -46,7 +46,8 @@ TEXT_ENCODE_KIND = StepKind(TEXT_ENCODE, component="text_encoder", phase="text_e
                             inputs={"input_ids": Role.STEP, "input_ids_2": Role.STEP},
                             outputs={"pooled": Role.RESULT, "embeds": Role.RESULT})  # fmt: skip
 FLUX_DECODER = Decoder(StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
-                                outputs={"video": Role.RESULT}), lambda c: ImageVaeDecodeStep(c.vae))  # fmt: skip
+                                outputs={"video": Role.RESULT}), lambda c: ImageVaeDecodeStep(c.vae),
+                       ImageVaeDecodeStep.postprocess)  # fmt: skip
 POOLED = {"prompt_embeds": "pooled_prompt_embeds", "negative_prompt_embeds": "negative_pooled_prompt_embeds"}
 
 

@@ -107,6 +107,14 @@ class ImageVaeDecodeStep(nn.Module):
         self.shift = float(vae.config.shift_factor or 0.0)
 
     def forward(self, latents: torch.Tensor) -> dict[str, torch.Tensor]:
-        z = latents[:, :, 0].to(self.vae.dtype) / self.scaling + self.shift
-        image = self.vae.decode(z, return_dict=False)[0]
-        return {"video": (image / 2 + 0.5).clamp(0, 1).unsqueeze(2)}
+        image = self.vae.decode(self.vae_latents(latents), return_dict=False)[0]
+        return {"video": self.postprocess(image)}
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """What the VAE decodes: the one frame, unscaled (a tiled decode runs this per tile)."""
+        return latents[:, :, 0].to(self.vae.dtype) / self.scaling + self.shift
+
+    @staticmethod
+    def postprocess(image: torch.Tensor) -> torch.Tensor:
+        """The VAE's image in [-1, 1] -> a one-frame video in [0, 1]."""
+        return (image / 2 + 0.5).clamp(0, 1).unsqueeze(2)

@@ -142,8 +142,13 @@ class Conditioning(Protocol):
 
 @dataclass(frozen=True)
 class Decoder:
+    """The family's decode step (its VAE's whole decode) and how its output becomes pixels in [0, 1]:
+    the step's `vae_latents(latents)` is what a tiled decode runs per tile (fvgraph/loops/tiled_coding.py)
+    and `postprocess` what it applies to the stitched tiles."""
+
     kind: StepKind
     build: Callable[[Components], nn.Module]
+    postprocess: Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -176,3 +181,6 @@ class LoopConfig:
     step_caching_methods: tuple[str, ...] = tuple(METHODS)  # the step-caching methods requests may pick
     adapters: AdapterRegistry | None = None  # the engine's LoRA adapters
     run_facts: Mapping[str, Any] = field(default_factory=dict)  # opt level and parallel plan, for rollout records
+    # Tiled VAE decode and encode (None: off; True: diffusers' defaults for the VAE class; a dict: the
+    # keywords of its enable_tiling), run as one step per tile (fvgraph/loops/tiled_coding.py).
+    vae_tiling: bool | Mapping[str, Any] | None = None

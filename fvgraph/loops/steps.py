@@ -163,7 +163,15 @@ class VaeDecodeStep(nn.Module):
         self.register_buffer("latents_inv_std", 1.0 / torch.tensor(vae.config.latents_std).view(1, z_dim, 1, 1, 1))
 
     def forward(self, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        video = self.vae.decode(self.vae_latents(latents), return_dict=False)[0]
+        return {"video": self.postprocess(video)}
+
+    def vae_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """What the VAE decodes: the latents denormalized (a tiled decode runs this per tile)."""
         dtype = self.latents_mean.dtype
-        z = latents.to(dtype) / self.latents_inv_std.to(dtype) + self.latents_mean
-        video = self.vae.decode(z, return_dict=False)[0]
-        return {"video": (video / 2 + 0.5).clamp(0, 1)}
+        return latents.to(dtype) / self.latents_inv_std.to(dtype) + self.latents_mean
+
+    @staticmethod
+    def postprocess(video: torch.Tensor) -> torch.Tensor:
+        """The VAE's output in [-1, 1] -> [0, 1], as diffusers' video processor."""
+        return (video / 2 + 0.5).clamp(0, 1)

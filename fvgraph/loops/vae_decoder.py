@@ -10,4 +10,4 @@ from fvgraph.loops.steps import VaeDecodeStep
 
 VAE_DECODE_KIND = StepKind(VAE_DECODE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
                            outputs={"video": Role.RESULT})  # fmt: skip
-NORMALIZED_VAE_DECODER = Decoder(VAE_DECODE_KIND, lambda c: VaeDecodeStep(c.vae))
+NORMALIZED_VAE_DECODER = Decoder(VAE_DECODE_KIND, lambda c: VaeDecodeStep(c.vae), VaeDecodeStep.postprocess)

@@ -1,0 +1,122 @@
+"""The VAE's decode (and encode) as one step per tile, so a large decode is many short steps.
+
+With `vae_tiling` on, a request whose latents are larger than one tile decodes through the
+`vae_decode_tile` kind: each step decodes one tile (fvgraph/models/vae_tiles.py runs it as
+diffusers' tiled decode does), and the loop blends it into the request's `TileAssembly` as it comes
+back. Between two tiles the scheduler runs other requests' steps, and a cancel lands, as between
+any two steps. Only one row of blended tiles and the kept parts of the finished rows are held:
+never an untiled pass beside the tiles. Latents no larger than one tile decode whole, as diffusers
+decodes them then.
+
+Each tile runs alone (batch 1): a tile's convolutions are already large (a 256 x 256 Wan tile at 81
+frames is about 5.3 M output pixels per conv), so batching tiles of several requests would buy
+little and make a request's pixels depend on its neighbours' tile shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fvgraph.contract.plan import StepResult, WorkPlan
+from fvgraph.contract.step_kind import Role, StepKind
+from fvgraph.loops.loop_parts import Decoder
+from fvgraph.models.vae_tiles import TileGrid, VaeTiling
+
+VAE_DECODE, VAE_DECODE_TILE = "vae_decode", "vae_decode_tile"
+VAE_DECODE_TILE_KIND = StepKind(VAE_DECODE_TILE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
+                                outputs={"tile": Role.RESULT})  # fmt: skip
+
+
+class TileDecodeStep(nn.Module):
+    """One tile of latents -> its decoded tile, before blending (the VAE's own output range)."""
+
+    def __init__(self, decode_step: nn.Module, tiling: VaeTiling):
+        super().__init__()
+        self.decode_step = decode_step  # the family's whole-decode step: what it feeds the VAE
+        self.tiling = tiling
+
+    def forward(self, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"tile": self.tiling.decode_tile(self.decode_step.vae_latents(latents))}
+
+
+class TileAssembly:
+    """One request's tiles so far, blended as they arrive (row-major, as diffusers blends them): the
+    previous row's blended tiles (the next row blends into them), the current row, the kept parts of
+    the finished rows."""
+
+    def __init__(self, grid: TileGrid):
+        self.grid = grid
+        self.count = 0  # tiles added
+        self._above: list[torch.Tensor] = []
+        self._row: list[torch.Tensor] = []
+        self._kept_rows: list[torch.Tensor] = []
+
+    @property
+    def done(self) -> bool:
+        return self.count == len(self.grid)
+
+    def window(self) -> tuple[slice, slice]:
+        """The input window of the next tile."""
+        return self.grid.window(self.count)
+
+    def add(self, tile: torch.Tensor, tiling: VaeTiling) -> None:
+        j = len(self._row)
+        above = self._above[j] if self._above else None
+        left = self._row[-1] if self._row else None
+        self._row.append(tiling.blend(above, left, tile, self.grid))
+        self.count += 1
+        if len(self._row) == len(self.grid.cols):
+            keep_h, keep_w = self.grid.keep
+            self._kept_rows.append(torch.cat([t[..., :keep_h, :keep_w] for t in self._row], dim=-1))
+            self._above, self._row = self._row, []
+        if self.done:
+            self._above = []
+
+    def stitched(self) -> torch.Tensor:
+        out = torch.cat(self._kept_rows, dim=-2)
+        if self.grid.size is not None:
+            out = out[..., : self.grid.size[0], : self.grid.size[1]]
+        return out
+
+
+class Decoding:
+    """How a loop decodes its latents: the family's `decoder` whole, or one tile per step."""
+
+    def __init__(self, decoder: Decoder, tiling: VaeTiling | None):
+        self.decoder, self.tiling = decoder, tiling
+        self.step_kinds = {VAE_DECODE: decoder.kind}
+        if tiling is not None:
+            self.step_kinds[VAE_DECODE_TILE] = VAE_DECODE_TILE_KIND
+
+    def build(self, components) -> dict[str, nn.Module]:
+        whole = self.decoder.build(components)
+        steps = {VAE_DECODE: whole}
+        if self.tiling is not None:
+            steps[VAE_DECODE_TILE] = TileDecodeStep(whole, self.tiling)
+        return steps
+
+    def plan(self, state) -> WorkPlan:
+        tiles = self._tiles(state)
+        if tiles is None:
+            return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
+        rows, cols = tiles.window()
+        return WorkPlan(state.request_id, VAE_DECODE_TILE, {"latents": state.latents[..., rows, cols]}, tiles.count)
+
+    def take(self, state, result: StepResult) -> None:
+        """Fold a decode step's result in; `state.decoded` is set once the whole decode is there."""
+        if state.tiles is None:
+            state.decoded = result["video"]
+            return
+        state.tiles.add(result["tile"], self.tiling)
+        if state.tiles.done:
+            state.decoded = self.decoder.postprocess(self.tiling.decoded(state.tiles.stitched()))
+            state.tiles = None
+
+    def _tiles(self, state) -> TileAssembly | None:
+        """The request's tiles so far, started at its first decode step (also after a resume: a saved
+        state keeps no tiles, so its decode starts over)."""
+        if self.tiling is not None and state.tiles is None:
+            grid = self.tiling.decode_grid(*state.latents.shape[-2:])
+            state.tiles = None if grid is None else TileAssembly(grid)
+        return state.tiles
