@@ -32,7 +32,7 @@ from fvgraph.loops.samplers import SamplerPlan, build_sampler
 from fvgraph.loops.state_check import check_state
 from fvgraph.loops.step_caching import StepCaching
 from fvgraph.loops.taps import TapPoints
-from fvgraph.loops.tiled_coding import VAE_DECODE, Decoding
+from fvgraph.loops.tiled_coding import VAE_DECODE, Decoding, TiledEncoding
 from fvgraph.models.components import Components
 from fvgraph.models.vae_tiles import vae_tiling
 from fvgraph.request import Request, RequestRejected, Result
@@ -69,7 +69,10 @@ class DenoiseLoop:
                                    self._denoise_steps)  # fmt: skip
         self.adapters = LoopAdapters(config.adapters, components.device)
         self.rollouts = LoopRollouts(card, parts.denoiser.step, config.run_facts) if parts.rollouts else None
-        self.decoding = Decoding(parts.decoder, None if components.vae is None else vae_tiling(components.vae, config.vae_tiling))
+        tiling = None if components.vae is None else vae_tiling(components.vae, config.vae_tiling)
+        self.decoding = Decoding(parts.decoder, tiling)
+        # A media conditioning's VAE encode, in tiles as the decode (None: untiled, or no media encode).
+        self.encoding = TiledEncoding(tiling) if tiling is not None and parts.conditioning is not None else None
         self.step_kinds = self._declared_kinds()
         self.reads = parts.reads  # the family-specific Request fields it reads (loop_parts.FAMILY_FIELDS); it refuses the others
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
@@ -84,6 +87,8 @@ class DenoiseLoop:
         kinds = {TEXT_ENCODE: p.text.kind, **p.denoiser.step_kinds, **self.decoding.step_kinds}
         if p.conditioning is not None:
             kinds.update(p.conditioning.step_kinds)
+            if self.encoding is not None:
+                kinds.update(self.encoding.step_kinds)
         if p.denoiser.teacache_signal is not None:  # a request with step caching (fvgraph/caching/)
             kinds.update(caching_step_kinds(p.denoiser.kinds, p.denoiser.teacache_signal))
         if p.rollouts:  # a rollout request (fvgraph/behavior.py)
@@ -106,6 +111,8 @@ class DenoiseLoop:
             steps.update(self.rollouts.steps(c.transformer, tap_points(c.transformer)))
         if self.conditioning is not None:
             steps.update(self.conditioning.build(c))
+            if self.encoding is not None:
+                steps.update(self.encoding.build(steps))
         if c.text_encoder is not None:
             steps[TEXT_ENCODE] = self.text.build(c)
         return {kind: step.to(c.device).eval() for kind, step in steps.items()}
@@ -265,7 +272,8 @@ class DenoiseLoop:
         if phase == _DECODE:
             return self.decoding.plan(state)
         if phase in self.pre_denoise_phases:
-            return self.conditioning.plan(state)
+            plan = self.conditioning.plan(state)
+            return plan if self.encoding is None else self.encoding.plan(state, plan)
         return Done()
 
     def _denoise_facts(self, state: DenoiseState) -> DenoiseFacts:
@@ -313,7 +321,10 @@ class DenoiseLoop:
             if state.decoded is not None:
                 state.phase = Phase.DONE
         elif phase in self.pre_denoise_phases:
-            self.conditioning.take(state, result)
+            if self.encoding is not None:
+                result = self.encoding.take(state, result)  # None: a tile of a tiled encode
+            if result is not None:
+                self.conditioning.take(state, result)
         return state
 
     def _after_last_step(self, state: DenoiseState) -> None:

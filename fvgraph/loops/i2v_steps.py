@@ -41,12 +41,19 @@ class VaeEncodeStep(nn.Module):
         image: torch.Tensor,  # [B, 3, H, W] in [-1, 1]
         latents: torch.Tensor,  # [B, C, f, h, w]: read for its shape only (the latent frame count)
     ) -> dict[str, torch.Tensor]:
-        batch, _, frames, h, w = latents.shape
+        encoded = self.vae.encode(self.video(image, latents), return_dict=False)[0].mode()
+        return self.condition(encoded, latents)
+
+    def video(self, image: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        """What the VAE encodes: the image, then zero frames (a tiled encode runs this per tile of `image`)."""
+        batch, _, frames, _, _ = latents.shape
         num_frames = (frames - 1) * self.temporal_scale + 1
-        dtype = self.latents_mean.dtype
-        first = image.to(dtype).unsqueeze(2)
-        video = torch.cat([first, first.new_zeros(batch, 3, num_frames - 1, *image.shape[2:])], dim=2)
-        encoded = self.vae.encode(video, return_dict=False)[0].mode()
+        first = image.to(self.latents_mean.dtype).unsqueeze(2)
+        return torch.cat([first, first.new_zeros(batch, 3, num_frames - 1, *image.shape[2:])], dim=2)
+
+    def condition(self, encoded: torch.Tensor, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The posterior's mode -> the normalized latents behind the first-frame mask."""
+        batch, _, frames, h, w = latents.shape
         encoded = (encoded.float() - self.latents_mean.float()) * self.latents_inv_std.float()
         mask = torch.zeros(batch, self.temporal_scale, frames, h, w, dtype=encoded.dtype, device=encoded.device)
         mask[:, :, 0] = 1
@@ -67,5 +74,11 @@ class FirstFrameEncodeStep(nn.Module):
 
     def forward(self, image: torch.Tensor, latents: torch.Tensor) -> dict[str, torch.Tensor]:
         """`image` [B, 3, H, W] in [-1, 1]; `latents` is the plan's shape witness and is not read."""
-        encoded = self.vae.encode(image.to(self.latents_mean.dtype).unsqueeze(2), return_dict=False)[0].mode()
+        encoded = self.vae.encode(self.video(image, latents), return_dict=False)[0].mode()
+        return self.condition(encoded, latents)
+
+    def video(self, image: torch.Tensor, latents: torch.Tensor) -> torch.Tensor:
+        return image.to(self.latents_mean.dtype).unsqueeze(2)
+
+    def condition(self, encoded: torch.Tensor, latents: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"condition": (encoded.float() - self.latents_mean.float()) * self.latents_inv_std.float()}

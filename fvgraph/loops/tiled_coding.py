@@ -23,9 +23,17 @@ from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.loop_parts import Decoder
 from fvgraph.models.vae_tiles import TileGrid, VaeTiling
 
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
 VAE_DECODE, VAE_DECODE_TILE = "vae_decode", "vae_decode_tile"
+VAE_ENCODE, VAE_ENCODE_TILE, VAE_ENCODE_END = "vae_encode", "vae_encode_tile", "vae_encode_end"
 VAE_DECODE_TILE_KIND = StepKind(VAE_DECODE_TILE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
                                 outputs={"tile": Role.RESULT})  # fmt: skip
+# A media encode's tiles, then the step that turns the stitched moments into what the whole encode returns.
+VAE_ENCODE_TILE_KIND = StepKind(VAE_ENCODE_TILE, component="vae", phase="vae_encode",
+                                inputs={"image": Role.STEP, "latents": Role.STEP}, outputs={"moments": Role.RESULT})  # fmt: skip
+VAE_ENCODE_END_KIND = StepKind(VAE_ENCODE_END, component="vae", phase="vae_encode",
+                               inputs={"moments": Role.STEP, "latents": Role.STEP}, outputs={"condition": Role.RESULT})  # fmt: skip
 
 
 class TileDecodeStep(nn.Module):
@@ -38,6 +46,30 @@ class TileDecodeStep(nn.Module):
 
     def forward(self, latents: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"tile": self.tiling.decode_tile(self.decode_step.vae_latents(latents))}
+
+
+class TileEncodeStep(nn.Module):
+    """One tile of a media encode's image -> the VAE's moments for it, before blending."""
+
+    def __init__(self, encode_step: nn.Module, tiling: VaeTiling):
+        super().__init__()
+        self.encode_step = encode_step  # the conditioning's whole-encode step: what it feeds the VAE
+        self.tiling = tiling
+
+    def forward(self, image: torch.Tensor, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"moments": self.tiling.encode_tile(self.encode_step.video(image, latents))}
+
+
+class EncodeEndStep(nn.Module):
+    """The stitched moments -> what the whole encode step returns: the posterior's mode (diffusers'
+    DiagonalGaussianDistribution, as `vae.encode(...).latent_dist.mode()`), then the step's own mapping."""
+
+    def __init__(self, encode_step: nn.Module):
+        super().__init__()
+        self.encode_step = encode_step
+
+    def forward(self, moments: torch.Tensor, latents: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.encode_step.condition(DiagonalGaussianDistribution(moments).mode(), latents)
 
 
 class TileAssembly:
@@ -120,3 +152,42 @@ class Decoding:
             grid = self.tiling.decode_grid(*state.latents.shape[-2:])
             state.tiles = None if grid is None else TileAssembly(grid)
         return state.tiles
+
+
+class TiledEncoding:
+    """A media conditioning's `vae_encode` step run in tiles where its image is larger than one tile:
+    the tiles, then `vae_encode_end`, whose result the conditioning takes as the whole encode's."""
+
+    step_kinds = {VAE_ENCODE_TILE: VAE_ENCODE_TILE_KIND, VAE_ENCODE_END: VAE_ENCODE_END_KIND}
+
+    def __init__(self, tiling: VaeTiling):
+        self.tiling = tiling
+
+    def build(self, steps: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        whole = steps[VAE_ENCODE]
+        return {VAE_ENCODE_TILE: TileEncodeStep(whole, self.tiling), VAE_ENCODE_END: EncodeEndStep(whole)}
+
+    def plan(self, state, whole: WorkPlan) -> WorkPlan:
+        """`whole`, the conditioning's plan, when it is no encode or its image fits one tile; else
+        the next tile, or the end once every tile is in."""
+        if whole.kind != VAE_ENCODE:
+            return whole
+        image, latents = whole.inputs["image"], whole.inputs["latents"]
+        if state.tiles is None:
+            grid = self.tiling.encode_grid(*image.shape[-2:])
+            if grid is None:
+                return whole
+            state.tiles = TileAssembly(grid)
+        if state.tiles.done:
+            return WorkPlan(state.request_id, VAE_ENCODE_END, {"moments": state.tiles.stitched(), "latents": latents})
+        rows, cols = state.tiles.window()
+        return WorkPlan(state.request_id, VAE_ENCODE_TILE, {"image": image[..., rows, cols], "latents": latents},
+                        state.tiles.count)  # fmt: skip
+
+    def take(self, state, result: StepResult) -> StepResult | None:
+        """The result the conditioning takes (None while tiles are still coming)."""
+        if "moments" in result:
+            state.tiles.add(result["moments"], self.tiling)
+            return None
+        state.tiles = None
+        return result

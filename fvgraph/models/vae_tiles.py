@@ -44,8 +44,9 @@ class TileGrid:
         return self.rows[index // len(self.cols)], self.cols[index % len(self.cols)]
 
 
-def _windows(extent: int, stride: int, size: int) -> tuple[slice, ...]:
-    return tuple(slice(i, i + size) for i in range(0, extent, stride))
+def _windows(extent: int, stride: int, size: int, scale: int = 1) -> tuple[slice, ...]:
+    """Windows of `size` every `stride` over `extent`, in units `scale` times smaller than the input's."""
+    return tuple(slice(i * scale, (i + size) * scale) for i in range(0, extent, stride))
 
 
 class VaeTiling:
@@ -137,22 +138,28 @@ class CausalVideoTiling(VaeTiling):
         return torch.clamp(stitched, min=-1.0, max=1.0) if self._first_chunk else stitched
 
     def encode_grid(self, height: int, width: int) -> TileGrid | None:
-        """`height` x `width` of the encoder's input (patchified where the VAE patchifies)."""
-        s = self.settings
+        """The tiles of a `height` x `width` input in pixels. diffusers tiles the patchified input
+        (Wan 2.2's VAE); a window here is the pixels that patchify to its window there."""
+        s, p = self.settings, self.patch or 1
         if not (width > s["tile_sample_min_width"] or height > s["tile_sample_min_height"]):
-            return None  # diffusers' _encode: untiled
-        r = self.ratio // (self.patch or 1)
+            return None  # diffusers' _encode (which compares the input's size before patchifying): untiled
+        height, width = height // p, width // p
+        r = self.ratio // p
         size_h, size_w = s["tile_sample_min_height"] // r, s["tile_sample_min_width"] // r
         stride_h, stride_w = s["tile_sample_stride_height"] // r, s["tile_sample_stride_width"] // r
-        return TileGrid(rows=_windows(height, s["tile_sample_stride_height"], s["tile_sample_min_height"]),
-                        cols=_windows(width, s["tile_sample_stride_width"], s["tile_sample_min_width"]),
+        return TileGrid(rows=_windows(height, s["tile_sample_stride_height"], s["tile_sample_min_height"], p),
+                        cols=_windows(width, s["tile_sample_stride_width"], s["tile_sample_min_width"], p),
                         blend=(size_h - stride_h, size_w - stride_w), keep=(stride_h, stride_w),
                         size=(height // r, width // r))  # fmt: skip
 
     def encode_tile(self, x: torch.Tensor) -> torch.Tensor:
-        """One tile of the encoder's input [B, C, T, h, w] -> its moments [B, 2 z, t, h', w'] (first
+        """One tile of the pixels [B, C, T, h, w] -> its moments [B, 2 z, t, h', w'] (first
         frame alone, then groups of four, as diffusers' tiled_encode)."""
         vae = self.vae
+        if self.patch is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
+
+            x = patchify(x, patch_size=self.patch)
         vae.clear_cache()
         chunks = []
         for k in range(1 + (x.shape[2] - 1) // 4):

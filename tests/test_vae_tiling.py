@@ -1,0 +1,187 @@
+"""Tiled VAE decode and encode, one step per tile, equal to diffusers' own tiled decode and encode.
+
+The reference is diffusers' VAE on an untouched copy of the same weights after
+`vae.enable_tiling(**same)`; at these shapes the untiled result differs by far more than any
+tolerance, so each check can fail. Tiles are steps: other requests' steps run between them, a
+request equals itself run alone, and a cancel lands between two tiles.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import WanPipeline
+from PIL import Image
+
+from fvgraph.cards import get_card
+from fvgraph.contract.phase import Phase
+from fvgraph.engine.engine import Engine
+from fvgraph.models.components import diffusers_scheduler, load_components
+from fvgraph.request import Request
+from conftest import embeds
+
+WAN_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32, "tile_sample_stride_height": 24, "tile_sample_stride_width": 24}
+TI2V_TILES = {"tile_sample_min_height": 48, "tile_sample_min_width": 48, "tile_sample_stride_height": 32, "tile_sample_stride_width": 32}
+SHAPE = {"height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 2}
+
+
+@pytest.fixture(scope="module")
+def tiled_wan():
+    return Engine.from_card("tiny-wan", device="cpu", vae_tiling=WAN_TILES)
+
+
+def _uint8(video: torch.Tensor) -> np.ndarray:
+    """[1, 3, F, H, W] in [-1, 1] -> frames as the engine returns them (the pipeline's postprocess, rounded)."""
+    frames = (video / 2 + 0.5).clamp(0, 1)[0].permute(1, 2, 3, 0).float()
+    return (frames * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+def _diffusers_decode(card: str, latents: torch.Tensor, tiles: dict | None) -> torch.Tensor:
+    """The pipeline's decode of the engine's final latents on an untouched VAE (tiled as `tiles`, None: untiled)."""
+    vae = load_components(get_card(card), None, torch.device("cpu")).vae
+    if tiles is not None:
+        vae.enable_tiling(**tiles)
+    if getattr(vae.config, "latents_mean", None) is not None:  # Wan, Qwen-Image: the pipelines denormalize per channel
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        z = latents / (1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)) + mean
+    else:  # FLUX: scaling and shift, on the one frame
+        z = latents[:, :, 0] / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
+    with torch.no_grad():
+        video = vae.decode(z, return_dict=False)[0]
+    return video if video.dim() == 5 else video.unsqueeze(2)
+
+
+def _frames(result) -> np.ndarray:
+    return result.frames if result.frames is not None else result.images
+
+
+@pytest.mark.parametrize("card, tiles", [("tiny-wan", WAN_TILES), ("tiny-wan2.2-ti2v", TI2V_TILES), ("tiny-flux", True),
+                                         ("tiny-qwen-image", WAN_TILES)])  # fmt: skip
+def test_tiled_decode_equals_diffusers_tiled_decode(card, tiles):
+    engine = Engine.from_card(card, device="cpu", vae_tiling=tiles)
+    video_card = "wan" in card
+    shape = SHAPE if video_card else {k: v for k, v in SHAPE.items() if k != "num_frames"}
+    [result] = engine.generate([Request(prompt="a red fox in fresh snow", seed=5, **shape)])
+    assert result.ok, result.error
+    assert result.timings["vae_decode"] > 0
+    same = {} if tiles is True else tiles
+    expected = _uint8(_diffusers_decode(card, result.latents, same))
+    assert np.array_equal(_frames(result).reshape(expected.shape), expected)
+    untiled = _uint8(_diffusers_decode(card, result.latents, None))
+    assert np.abs(untiled.astype(int) - expected.astype(int)).max() > 10  # so the equality above can fail
+
+
+def test_a_tiled_decode_runs_one_step_per_tile_and_matches_the_wan_pipeline(tiled_wan):
+    """Through diffusers' WanPipeline with `pipe.vae.enable_tiling(**same)`, from text embeddings to frames."""
+    c = load_components(get_card("tiny-wan"), None, torch.device("cpu"))
+    pipe = WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
+                       scheduler=diffusers_scheduler(tiled_wan.card.recipe.sampler))  # fmt: skip
+    pipe.vae.enable_tiling(**WAN_TILES)
+    positive, negative = embeds(21, tiled_wan.card)
+    video = pipe(prompt_embeds=positive, negative_prompt_embeds=negative, generator=torch.Generator().manual_seed(4),
+                 output_type="np", **SHAPE).frames[0]  # fmt: skip
+    kinds = []
+    state = tiled_wan.start(Request(prompt_embeds=positive, negative_prompt_embeds=negative, seed=4, **SHAPE))
+    while state.phase != Phase.DONE:
+        kinds.append(tiled_wan.loop.next(state).kind)
+        tiled_wan.step(state)
+    # 8 x 12 latents in tiles of 4 every 3: 3 rows x 4 columns
+    assert kinds.count("vae_decode_tile") == 12 and "vae_decode" not in kinds
+    frames = tiled_wan.finish(state).frames
+    expected = (video * 255).round()
+    assert np.abs(frames.astype(float) - expected).max() <= 1  # a uint8 step covers the denoise loop's fp32 noise
+
+
+@pytest.mark.parametrize("card, tiles", [("tiny-wan-i2v", WAN_TILES), ("tiny-wan2.2-ti2v", TI2V_TILES)])
+def test_tiled_encode_equals_diffusers_tiled_encode(card, tiles):
+    from diffusers.video_processor import VideoProcessor
+
+    engine = Engine.from_card(card, device="cpu", vae_tiling=tiles)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8))
+    state = engine.start(Request(prompt="a fox", image=image, seed=1, **SHAPE))
+    kinds = []
+    while state.phase != Phase.DENOISE:
+        kinds.append(engine.loop.next(state).kind)
+        engine.step(state)
+    assert kinds.count("vae_encode_tile") > 1 and kinds[-1] == "vae_encode_end" and "vae_encode" not in kinds
+    vae = load_components(get_card(card), None, torch.device("cpu")).vae
+    pixels = VideoProcessor(vae_scale_factor=engine.facts.vae_spatial).preprocess(image, height=64, width=96).float()
+    frames = SHAPE["num_frames"] if card == "tiny-wan-i2v" else 1  # Wan 2.1 I2V encodes the image then zero frames
+    video = torch.cat([pixels.unsqueeze(2), pixels.new_zeros(1, 3, frames - 1, 64, 96)], dim=2)
+
+    def encoded(tiled: bool) -> torch.Tensor:
+        vae.enable_tiling(**tiles) if tiled else vae.disable_tiling()
+        with torch.no_grad():
+            mode = vae.encode(video).latent_dist.mode()
+        mean, std = (torch.tensor(getattr(vae.config, k)).view(1, -1, 1, 1, 1) for k in ("latents_mean", "latents_std"))
+        return (mode.float() - mean) * (1.0 / std)
+
+    expected = encoded(tiled=True)
+    ours = state.condition[:, -expected.shape[1] :]  # I2V puts the first-frame mask before the latents
+    assert torch.equal(ours, expected)
+    assert (encoded(tiled=False) - expected).abs().max() > 1e-2
+
+
+def _request(seed: int, steps: int = 2) -> Request:
+    return Request(prompt=f"a fox, take {seed}", seed=seed, **{**SHAPE, "num_inference_steps": steps})
+
+
+def test_tiles_interleave_with_other_requests_and_each_equals_itself_alone(tiled_wan):
+    alone = {seed: tiled_wan.generate([_request(seed, steps)])[0] for seed, steps in ((1, 2), (2, 2), (3, 12))}
+    batches = []
+    run_batch = tiled_wan.executor.run_batch
+
+    def recorded(plans, *args, **kwargs):
+        batches.append(plans[0].kind)
+        return run_batch(plans, *args, **kwargs)
+
+    tiled_wan.executor.run_batch = recorded
+    try:
+        together = tiled_wan.generate([_request(1), _request(2), _request(3, steps=12)])
+    finally:
+        del tiled_wan.executor.run_batch
+    for result in together:
+        assert result.ok, result.error
+        assert np.array_equal(result.frames, alone[result.seed].frames)
+        assert torch.equal(result.latents, alone[result.seed].latents)
+    # The third request's denoise steps ran between the first two requests' tiles.
+    first_tile, last_tile = batches.index("vae_decode_tile"), len(batches) - 1 - batches[::-1].index("vae_decode_tile")
+    assert any(kind.startswith("denoise") for kind in batches[first_tile:last_tile])
+
+
+def test_a_cancel_lands_between_tiles_and_frees_the_request(tiled_wan):
+    tiled_wan.submit(_request(7))
+    other = tiled_wan.submit(_request(8))
+    results = []
+    while not results or all(r.request_id != other for r in results):
+        results += tiled_wan.tick()
+        states = {s.request_id: s for s in tiled_wan._live_states()}
+        mine = [s for rid, s in states.items() if rid != other]
+        if mine and mine[0].tiles is not None and mine[0].tiles.count >= 2:
+            tiled_wan.cancel(mine[0].request_id)
+    results += [r for r in tiled_wan.tick()] if tiled_wan.has_work() else []
+    while tiled_wan.has_work():
+        results += tiled_wan.tick()
+    by_id = {r.request_id: r for r in results}
+    assert by_id[other].ok
+    [cancelled] = [r for rid, r in by_id.items() if rid != other]
+    assert cancelled.status == "cancelled"
+    assert tiled_wan.in_flight == 0
+
+
+@pytest.mark.parametrize("option, words", [
+    ({"tile_size": 64}, "unknown: tile_size"),
+    ({"tile_sample_min_height": 30}, "multiple of the VAE's spatial compression ratio 8"),
+    ({"tile_sample_stride_width": 512}, "must be <= tile_sample_min_width=256"),
+    ("yes", "pass True"),
+])  # fmt: skip
+def test_bad_tiling_settings_are_refused_naming_vae_tiling(option, words):
+    with pytest.raises(ValueError, match="vae_tiling") as err:
+        Engine.from_card("tiny-wan", device="cpu", vae_tiling=option)
+    assert words in str(err.value)
+
+
+def test_flux_tiling_takes_no_settings():
+    with pytest.raises(ValueError, match=r"vae_tiling: AutoencoderKL.enable_tiling takes no settings"):
+        Engine.from_card("tiny-flux", device="cpu", vae_tiling={"tile_sample_min_height": 64})
