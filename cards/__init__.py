@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import difflib
+
 from fvgraph.card import ModelCard
 from fvgraph.cards.flux import CARDS as _FLUX_CARDS
 from fvgraph.cards.qwen_image import CARDS as _QWEN_IMAGE_CARDS
@@ -25,8 +27,17 @@ def card_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def all_cards() -> list[ModelCard]:
+    return [_REGISTRY[name] for name in card_names()]
+
+
 def get_card(name: str) -> ModelCard:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise UnknownCardError(f"unknown card {name!r}; known cards: {', '.join(card_names())}") from None
+        close = difflib.get_close_matches(name.lower(), card_names(), n=3, cutoff=0.6)
+        if close:
+            hint = f"did you mean {' or '.join(repr(c) for c in close)}? (`fvgraph env` lists every card)"
+        else:
+            hint = f"known cards: {', '.join(card_names())}"
+        raise UnknownCardError(f"unknown card {name!r}; {hint}") from None

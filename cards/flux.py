@@ -62,15 +62,17 @@ def _recipe(name: str, sampler: SamplerSpec, steps: int, guidance: float, precis
 IMAGE_SHAPES = dict(max_height=2048, max_width=2048, max_frames=1, default_height=1024, default_width=1024, default_frames=1)
 
 
-def _released(card_id: str, recipe: RecipeSpec, text_len: int) -> ModelCard:
-    return ModelCard(card_id=card_id, family="flux", pipeline_class="FluxPipeline", loops=("flux",), recipe=recipe, parity=PARITY,
+def _released(card_id: str, recipe: RecipeSpec, text_len: int, hub_repo: str) -> ModelCard:
+    return ModelCard(card_id=card_id, hub_repos=(hub_repo,), family="flux", pipeline_class="FluxPipeline", loops=("flux",), recipe=recipe, parity=PARITY,
                      components=_components(None, None, None, None, None, None, "bf16"),
                      shapes=ShapeRules(text_len=text_len, **IMAGE_SHAPES),
                      quantization=_fp8_exclusions(FLUX_DEV_TRANSFORMER["num_layers"], FLUX_DEV_TRANSFORMER["num_single_layers"]))  # fmt: skip
 
 
-FLUX_1_DEV = _released("flux.1-dev", _recipe("flux.1-dev", DEV_SCHEDULER, 28, 3.5, teacache=TEACACHE_DEV), text_len=512)
-FLUX_1_SCHNELL = _released("flux.1-schnell", _recipe("flux.1-schnell", SCHNELL_SCHEDULER, 4, 0.0), text_len=256)
+FLUX_1_DEV = _released("flux.1-dev", _recipe("flux.1-dev", DEV_SCHEDULER, 28, 3.5, teacache=TEACACHE_DEV), text_len=512,
+                       hub_repo="black-forest-labs/FLUX.1-dev")
+FLUX_1_SCHNELL = _released("flux.1-schnell", _recipe("flux.1-schnell", SCHNELL_SCHEDULER, 4, 0.0), text_len=256,
+                           hub_repo="black-forest-labs/FLUX.1-schnell")
 
 TINY_TEXT_LEN = 32
 TINY_TRANSFORMER = {**FLUX_DEV_TRANSFORMER, "in_channels": 64, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,

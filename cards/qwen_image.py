@@ -50,7 +50,7 @@ def _recipe(steps: int, precision: str = "bf16") -> RecipeSpec:
 TEXT_LEN = 512  # QwenImagePipeline's max_sequence_length: the default and the most a request may ask for
 
 QWEN_IMAGE = ModelCard(
-    card_id="qwen-image", family="qwen_image", pipeline_class="QwenImagePipeline", loops=("qwen_image",), recipe=_recipe(50),
+    card_id="qwen-image", hub_repos=("Qwen/Qwen-Image",), family="qwen_image", pipeline_class="QwenImagePipeline", loops=("qwen_image",), recipe=_recipe(50),
     parity=PARITY, components=_components(None, None, None, None, "bf16"),
     shapes=ShapeRules(text_len=TEXT_LEN, max_height=2048, max_width=2048, max_frames=1, default_height=1024, default_width=1024,
                       default_frames=1),

@@ -100,9 +100,10 @@ def _components(dit: dict | None, vae: dict | None, te: dict | None, tok: dict |
     }
 
 
-def _released(card_id: str, transformer: dict, teacache: TeaCacheCoefficients) -> ModelCard:
+def _released(card_id: str, transformer: dict, teacache: TeaCacheCoefficients, hub_repo: str) -> ModelCard:
     return ModelCard(
         card_id=card_id,
+        hub_repos=(hub_repo,),
         family="wan",
         components=_components(None, None, None, None, "bf16"),
         loops=("t2v",),
@@ -116,8 +117,8 @@ def _released(card_id: str, transformer: dict, teacache: TeaCacheCoefficients) -
     )  # fmt: skip
 
 
-WAN_2_1_T2V_1_3B = _released("wan2.1-t2v-1.3b", WAN_1_3B_TRANSFORMER, TEACACHE_1_3B)
-WAN_2_1_T2V_14B = _released("wan2.1-t2v-14b", WAN_14B_TRANSFORMER, TEACACHE_14B)
+WAN_2_1_T2V_1_3B = _released("wan2.1-t2v-1.3b", WAN_1_3B_TRANSFORMER, TEACACHE_1_3B, "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+WAN_2_1_T2V_14B = _released("wan2.1-t2v-14b", WAN_14B_TRANSFORMER, TEACACHE_14B, "Wan-AI/Wan2.1-T2V-14B-Diffusers")
 
 TINY_TEXT_LEN = 32
 TINY_WAN = ModelCard(

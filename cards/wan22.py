@@ -19,10 +19,12 @@ def _second_expert(config: dict | None, dtype: str) -> dict:
                                            config=config, dtype=dtype)}  # fmt: skip
 
 
-def _released(card_id: str, loop: str, shift: float, boundary: float, guidance: tuple[float, float], pipeline: str) -> ModelCard:
+def _released(card_id: str, loop: str, shift: float, boundary: float, guidance: tuple[float, float], pipeline: str,
+              hub_repo: str) -> ModelCard:  # fmt: skip
     sampler = SamplerSpec(name="unipc", config={**WAN_UNIPC.config, "flow_shift": shift})
     return ModelCard(
         card_id=card_id,
+        hub_repos=(hub_repo,),
         family="wan",
         components={**_components(None, None, None, None, "bf16"), **_second_expert(None, "bf16")},
         loops=(loop,),
@@ -37,8 +39,10 @@ def _released(card_id: str, loop: str, shift: float, boundary: float, guidance: 
     )  # fmt: skip
 
 
-WAN_2_2_T2V_A14B = _released("wan2.2-t2v-a14b", "t2v_two_expert", 12.0, 0.875, (4.0, 3.0), "WanPipeline")
-WAN_2_2_I2V_A14B = _released("wan2.2-i2v-a14b", "i2v_two_expert", 5.0, 0.900, (3.5, 3.5), "WanImageToVideoPipeline")
+WAN_2_2_T2V_A14B = _released("wan2.2-t2v-a14b", "t2v_two_expert", 12.0, 0.875, (4.0, 3.0), "WanPipeline",
+                            "Wan-AI/Wan2.2-T2V-A14B-Diffusers")
+WAN_2_2_I2V_A14B = _released("wan2.2-i2v-a14b", "i2v_two_expert", 5.0, 0.900, (3.5, 3.5), "WanImageToVideoPipeline",
+                            "Wan-AI/Wan2.2-I2V-A14B-Diffusers")
 
 _TINY = TINY_WAN.components
 TINY_WAN_2_2_A14B = ModelCard.model_validate(

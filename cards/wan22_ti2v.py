@@ -20,6 +20,7 @@ WAN_UNIPC_TI2V = SamplerSpec(name="unipc", config={**WAN_UNIPC.config, "flow_shi
 
 WAN_2_2_TI2V_5B = ModelCard(
     card_id="wan2.2-ti2v-5b",
+    hub_repos=("Wan-AI/Wan2.2-TI2V-5B-Diffusers",),
     family="wan",
     components=_components(None, None, None, None, "bf16"),
     loops=("ti2v",),

@@ -30,7 +30,7 @@ LIGHTX2V_LORAS = "lightx2v/Wan2.1-Distill-Loras"
 
 
 def _distilled(base: ModelCard, card_id: str, name: str, sampler: SamplerSpec, adapter: RecipeAdapter | None = None,
-               assumes_precision: str | None = "bf16") -> ModelCard:  # fmt: skip
+               assumes_precision: str | None = "bf16", hub_repos: tuple[str, ...] = ()) -> ModelCard:  # fmt: skip
     """`base` with a step-and-CFG-distilled recipe on `sampler`'s listed timesteps."""
     steps = len(sampler.timestep_list)
     recipe = RecipeSpec(
@@ -38,7 +38,8 @@ def _distilled(base: ModelCard, card_id: str, name: str, sampler: SamplerSpec, a
         assumes_loop=base.recipe.assumes_loop, sampler=sampler, default_steps=steps, allowed_steps=(steps, steps),
         precision=base.recipe.precision, assumes_precision=assumes_precision, default_guidance_scale=1.0, step_caching=(),
     )  # fmt: skip
-    return base.model_copy(update={"card_id": card_id, "recipe": recipe, "default_cache": None})
+    # hub_repos: the base's repo ids are the base card's; a distill names only a repo of its own weights.
+    return base.model_copy(update={"card_id": card_id, "recipe": recipe, "default_cache": None, "hub_repos": hub_repos})
 
 
 def _lightx2v_lora(weight_name: str, in_checkpoint: bool = False) -> RecipeAdapter:
@@ -55,7 +56,8 @@ WAN_2_1_T2V_14B_LIGHTX2V_MERGED = _distilled(WAN_2_1_T2V_14B, "wan2.1-t2v-14b-li
                                              LIGHTX2V_4STEP, _lightx2v_lora(_T2V_LORA, in_checkpoint=True))  # fmt: skip
 WAN_2_1_I2V_14B_480P_LIGHTX2V = _distilled(WAN_2_1_I2V_14B_480P, "wan2.1-i2v-14b-480p-lightx2v-4step", "lightx2v-4step",
                                            LIGHTX2V_4STEP, _lightx2v_lora(_I2V_LORA))  # fmt: skip
-FASTWAN_2_1_T2V_1_3B = _distilled(WAN_2_1_T2V_1_3B, "fastwan2.1-t2v-1.3b", "fastwan-dmd-3step", FASTWAN_3STEP)
+FASTWAN_2_1_T2V_1_3B = _distilled(WAN_2_1_T2V_1_3B, "fastwan2.1-t2v-1.3b", "fastwan-dmd-3step", FASTWAN_3STEP,
+                                  hub_repos=("FastVideo/FastWan2.1-T2V-1.3B-Diffusers",))  # fmt: skip
 
 # tiny-wan's architecture and seeded weights under the 4-step recipe: the distilled path on a CPU in
 # seconds (its weights were never distilled, so its videos mean nothing; the contract and the sampler do).

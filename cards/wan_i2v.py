@@ -25,9 +25,10 @@ def _image_components(encoder: dict | None, processor: dict | None) -> dict:
     }
 
 
-def _released(card_id: str, sampler: SamplerSpec, height: int, width: int) -> ModelCard:
+def _released(card_id: str, sampler: SamplerSpec, height: int, width: int, hub_repo: str) -> ModelCard:
     return ModelCard(
         card_id=card_id,
+        hub_repos=(hub_repo,),
         family="wan",
         components={**_components(None, None, None, None, "bf16"), **_image_components(None, None)},
         loops=("i2v",),
@@ -42,8 +43,8 @@ def _released(card_id: str, sampler: SamplerSpec, height: int, width: int) -> Mo
     )  # fmt: skip
 
 
-WAN_2_1_I2V_14B_480P = _released("wan2.1-i2v-14b-480p", WAN_UNIPC, 480, 832)
-WAN_2_1_I2V_14B_720P = _released("wan2.1-i2v-14b-720p", WAN_UNIPC_720P, 720, 1280)
+WAN_2_1_I2V_14B_480P = _released("wan2.1-i2v-14b-480p", WAN_UNIPC, 480, 832, "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers")
+WAN_2_1_I2V_14B_720P = _released("wan2.1-i2v-14b-720p", WAN_UNIPC_720P, 720, 1280, "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers")
 
 _TINY = TINY_WAN.components
 TINY_WAN_I2V = ModelCard.model_validate(

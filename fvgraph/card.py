@@ -109,6 +109,11 @@ class ModelCard(_Spec):
     parity: ParitySpec
     shapes: ShapeRules
     pipeline_class: str = Field(default="WanPipeline", description="diffusers pipeline a checkpoint of it is saved as.")
+    hub_repos: tuple[str, ...] = Field(
+        default=(), description="Hub repo ids (diffusers layout) the card's weights are published under, e.g. "
+        "'Wan-AI/Wan2.1-T2V-1.3B-Diffusers': `checkpoint=` may name one, and a checkpoint that names one picks "
+        "this card when no card is given (fvgraph/card_for_checkpoint.py). Empty for embedded and derived cards.",
+    )
     quantization: QuantizationSpec = Field(
         default=QuantizationSpec(), description="FP8 exclusions of the quantized path (opt level 3)."
     )

@@ -73,9 +73,11 @@ def test_a_failing_step_fails_only_its_request(tiny_engine, monkeypatch):
     assert served.ok
 
 
-def test_unknown_card_lists_the_known_ones():
+def test_unknown_card_suggests_the_nearest_or_lists_the_known_ones():
+    with pytest.raises(UnknownCardError, match="did you mean 'tiny-wan'"):
+        Engine.from_card("tiny-wna")
     with pytest.raises(UnknownCardError, match="known cards: .*tiny-wan, "):
-        Engine.from_card("wan9-t2v")
+        Engine.from_card("sdxl")
 
 
 def test_unavailable_opt_level_says_which_exist():

@@ -42,7 +42,7 @@ def test_missing_checkpoint_pieces_are_named(tmp_path, tiny_checkpoint):
     (tmp_path / "model_index.json").write_text((tiny_checkpoint / "model_index.json").read_text())
     with pytest.raises(CheckpointError, match="expects folder .*transformer"):
         Engine.from_card("tiny-wan", checkpoint=tmp_path)
-    with pytest.raises(CheckpointError, match="pass checkpoint="):
+    with pytest.raises(CheckpointError, match="has no embedded weights: give its checkpoint"):
         Engine.from_card("wan2.1-t2v-14b")
 
 

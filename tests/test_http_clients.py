@@ -197,7 +197,7 @@ def test_every_error_names_the_field_the_client_sent(server):
 # -- model names ----------------------------------------------------------------------------------
 
 
-def test_model_names_are_the_card_id_the_aliases_and_the_checkpoint(server):
+def test_model_names_are_the_card_id_the_aliases_and_the_checkpoint(server, tmp_path):
     _, url = server
     api = client(url)
     for name in ("tiny-wan", "sora-2", REPO_ID, REPO_ID.split("/")[1]):
@@ -215,6 +215,7 @@ def test_model_names_are_the_card_id_the_aliases_and_the_checkpoint(server):
         client(url, key="wrong").models.list()
     with pytest.raises(ValueError, match="--served-model-name"):
         ServedNames.of("tiny-wan", ["two words"])
-    hub = "/cache/hub/models--Wan-AI--Wan2.1-T2V-1.3B-Diffusers/snapshots/0123abcd"
+    hub = tmp_path / "hub" / "models--Wan-AI--Wan2.1-T2V-1.3B-Diffusers" / "snapshots" / "0123abcd"  # as huggingface_hub lays it out
+    hub.mkdir(parents=True)
     assert ServedNames.of("tiny-wan", checkpoint=hub).listed == ["tiny-wan", REPO_ID]
     assert not ServedNames.of("tiny-wan", checkpoint=hub).accepts("Other/Wan2.1-T2V-1.3B-Diffusers")

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.card import ModelCard
+from fvgraph.card_for_checkpoint import card_for_checkpoint
 from fvgraph.card_choices import chosen_card
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
@@ -55,6 +56,7 @@ from fvgraph.contract.plan import Done, WorkPlan
 from fvgraph.parallel.config import ParallelConfig
 from fvgraph.parallel.workers import WorkersLost
 from fvgraph.contract.model_facts import ModelFacts
+from fvgraph.models.hub_checkpoint import local_checkpoint
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.runtime.request_slot import RequestSlots
@@ -120,7 +122,7 @@ class Engine:
     @classmethod
     def from_card(
         cls,
-        card: str | ModelCard,
+        card: str | ModelCard | None,
         checkpoint: str | Path | None = None,
         opt_level: int = 0,
         device: str | torch.device | None = None,
@@ -145,7 +147,9 @@ class Engine:
         run_ahead: bool | None = None,
         vae_tiling: bool | dict | None = None,
     ) -> Engine:
-        """Validate the card, then load its weights (seeded, or from a local diffusers `checkpoint`).
+        """Validate the card, then load its weights (seeded, or from a diffusers `checkpoint`: a local folder,
+        or a Hub repo id resolved through huggingface_hub's cache, fvgraph/models/hub_checkpoint.py;
+        `card=None` with a checkpoint: the card its repo id or pipeline class names, fvgraph/card_for_checkpoint.py).
 
         opt_level 0 runs eagerly (request-constant projections through an ExactProjectionCache of
         `projection_cache_bytes`, 0 off); 1 compiles each step kind (CompileConfig: backend, passes,
@@ -166,7 +170,11 @@ class Engine:
         the VAE's decode and encode with diffusers' defaults for its class, a dict with the keywords of its
         `enable_tiling(...)`; each tile is a step of its own (docs/memory.md).
         """
-        card = chosen_card(get_card(card) if isinstance(card, str) else card, dtype, recipe)
+        folder = None if checkpoint is None else local_checkpoint(checkpoint)
+        if card is None and folder is None:
+            raise ValueError("card=None names no card: give a card name, or a checkpoint whose repo id or folder picks one")
+        card = card_for_checkpoint(checkpoint, folder, "a card") if card is None else get_card(card) if isinstance(card, str) else card
+        card = chosen_card(card, dtype, recipe)
         switches = EngineSwitches(
             compile_config=compile_config, enforce_eager=enforce_eager, cuda_graphs=cuda_graphs, capture_cache_dir=cache_dir,
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
@@ -174,7 +182,7 @@ class Engine:
             step_caching_methods=cache_methods, parallel=parallel,
             adapters=engine_adapter_setup(card, loras, merge_loras, lora_slots), vae_tiling=vae_tiling,
         )  # fmt: skip
-        parts = build_engine_parts(card, checkpoint, opt_level, device, switches)  # with its worker ranks when parallel
+        parts = build_engine_parts(card, folder, opt_level, device, switches)  # with its worker ranks when parallel
         ahead = parts.loop.components.device.type == "cuda" if run_ahead is None else run_ahead
         return cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running,
                    ahead, parts.projection_cache, parts.adapters)  # fmt: skip

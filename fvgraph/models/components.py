@@ -211,9 +211,9 @@ def load_components(card: ModelCard, checkpoint: str | Path | None, device: torc
         if not (folder / "model_index.json").is_file():
             raise CheckpointError(f"checkpoint={str(folder)!r} is not a diffusers folder: model_index.json not found")
     elif not card.embeds_weights:
-        raise CheckpointError(
-            f"card {card.card_id!r} has no embedded weights: pass checkpoint=<local diffusers folder>"
-        )
+        published = f" such as {card.hub_repos[0]}" if card.hub_repos else ""
+        raise CheckpointError(f"card {card.card_id!r} has no embedded weights: give its checkpoint (--checkpoint, "
+                              f"checkpoint=), a local diffusers folder or a Hub repo id{published}")  # fmt: skip
     listed = read_model_index(folder, card, skip) if folder is not None else set(card.components)
     built = {}
     with torch.device("cpu"):

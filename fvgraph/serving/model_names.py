@@ -2,9 +2,10 @@
 
     served card id      always ("tiny-wan", "wan2.1-t2v-1.3b")
     aliases             `fvgraph serve --served-model-name NAME` (repeatable, as vLLM's flag)
-    the checkpoint      loaded from a hub cache folder (models--ORG--NAME/snapshots/...): "ORG/NAME";
-                        from a plain folder NAME: "NAME", and "ORG/NAME" for any ORG (a folder does
-                        not say which organisation published it)
+    the checkpoint      a Hub repo id as given, or the id of the Hub-cache snapshot a folder is
+                        (huggingface_hub's cache scan names it): "ORG/NAME"; from a plain folder
+                        NAME: "NAME", and "ORG/NAME" for any ORG (a folder does not say which
+                        organisation published it)
 
 OpenAI's own names (`sora-2`, `gpt-image-1`) are not served names: a deployment that wants clients
 written for OpenAI to work unchanged gives them as aliases. A name is matched exactly (case too).
@@ -12,15 +13,14 @@ written for OpenAI to work unchanged gives them as aliases. A name is matched ex
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fvgraph.models.hub_checkpoint import hub_repo_id_of, looks_like_repo_id
 from fvgraph.request import RequestRejected
 from fvgraph.serving.http_errors import ApiError
 
-_HUB_FOLDER = re.compile(r"models--([^/]+?)--(.+)")  # the hub cache's folder for ORG/NAME
 MAX_NAME_CHARS = 256
 
 
@@ -28,7 +28,7 @@ MAX_NAME_CHARS = 256
 class ServedNames:
     card_id: str
     aliases: tuple[str, ...] = ()
-    checkpoint: str | None = None  # "ORG/NAME" (a hub cache folder) or a plain folder's NAME
+    checkpoint: str | None = None  # "ORG/NAME" (a repo id, or a Hub-cache snapshot) or a plain folder's NAME
     created: int = field(default_factory=lambda: int(time.time()))  # what /v1/models reports as `created`
 
     def __post_init__(self):
@@ -39,7 +39,7 @@ class ServedNames:
 
     @classmethod
     def of(cls, card_id: str, aliases: list[str] | tuple[str, ...] = (), checkpoint: str | Path | None = None) -> ServedNames:
-        return cls(card_id, tuple(dict.fromkeys(aliases)), None if checkpoint is None else checkpoint_name(Path(checkpoint)))
+        return cls(card_id, tuple(dict.fromkeys(aliases)), None if checkpoint is None else checkpoint_name(checkpoint))
 
     @property
     def listed(self) -> list[str]:
@@ -60,14 +60,13 @@ class ServedNames:
                                            "(GET /v1/models lists them; --served-model-name adds names)")  # fmt: skip
 
 
-def checkpoint_name(path: Path) -> str:
-    """The repository id a checkpoint folder stands for: ORG/NAME for the hub cache's
-    models--ORG--NAME/snapshots/REVISION, else the folder's own name."""
-    path = path.resolve() if path.exists() else path
-    for part in (path, *path.parents):
-        if match := _HUB_FOLDER.fullmatch(part.name):
-            return f"{match[1]}/{match[2]}"
-    return path.name
+def checkpoint_name(checkpoint: str | Path) -> str:
+    """The repository id a checkpoint stands for: a Hub repo id as given; for a folder, the id of the
+    Hub-cache snapshot it is (or is inside), else the folder's own name."""
+    if looks_like_repo_id(str(checkpoint)):
+        return str(checkpoint)
+    path = Path(checkpoint)
+    return hub_repo_id_of(path) or path.resolve().name
 
 
 class ModelsApi:
