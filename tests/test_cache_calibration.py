@@ -74,7 +74,7 @@ def test_the_calibrate_command_stores_where_generate_finds_them(tmp_path):
     assert result.exit_code == 0, result.output
     assert "mag_ratios: [1.0000, " in result.output
     [stored] = (cache_dir / "calibration" / "tiny-wan").glob("*/magcache.json")
-    generated = runner.invoke(app, ["generate", "-p", "a fox", "--steps", "3", "--frames", "1", "--cache", "magcache",
+    generated = runner.invoke(app, ["generate", "-O0", "-p", "a fox", "--steps", "3", "--frames", "1", "--cache", "magcache",
                                     "--cache-dir", str(cache_dir), "-o", str(tmp_path / "v.gif")])  # fmt: skip
     assert generated.exit_code == 0, generated.output
     assert "cache magcache: " in generated.output

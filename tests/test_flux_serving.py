@@ -21,7 +21,7 @@ from fvgraph.serving.model_names import ServedNames
 
 def test_generate_writes_a_png(tmp_path):
     out = tmp_path / "fox.png"
-    result = CliRunner().invoke(app, ["generate", "--card", "tiny-flux", "-p", "a red fox", "-o", str(out), "--steps", "2", "--seed", "3"])
+    result = CliRunner().invoke(app, ["generate", "-O0", "--card", "tiny-flux", "-p", "a red fox", "-o", str(out), "--steps", "2", "--seed", "3"])
     assert result.exit_code == 0, result.output
     image = Image.open(out)
     assert image.format == "PNG" and image.size == (64, 64)

@@ -86,7 +86,7 @@ def test_an_image_request_chooses_its_adapters_in_the_body(tmp_path):
 def test_generate_takes_lora_and_lora_scale(lora_paths, tmp_path):
     a, _ = lora_paths
     runner = CliRunner()
-    common = ["generate", "--frames", "5", "--height", "32", "--width", "32", "--steps", "2", "--seed", "1"]
+    common = ["generate", "-O0", "--frames", "5", "--height", "32", "--width", "32", "--steps", "2", "--seed", "1"]
     plain = runner.invoke(app, [*common, "-o", str(tmp_path / "plain.gif")])
     adapted = runner.invoke(app, [*common, "--lora", f"a={a}", "--lora-scale", "a=0.7", "-o", str(tmp_path / "a.gif")])
     assert plain.exit_code == 0 and adapted.exit_code == 0, adapted.output

@@ -16,7 +16,10 @@ from fvgraph.cli.serve import serve
 from fvgraph.cli.serve_ray import serve_ray
 from fvgraph.cli.warmup import warmup
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="fvgraph: a compiled runtime for diffusion transformers")
+# Plain help (rich_markup_mode=None): rich's option tables wrap the help text to a narrow column at 80
+# characters and cut long option names; click's own layout keeps both readable.
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+                  help="fvgraph: a compiled runtime for diffusion transformers")
 app.command()(generate)
 app.command()(serve)
 app.command("serve-ray")(serve_ray)  # the same HTTP API from N engine replicas (imports Ray only when run)
@@ -26,7 +29,7 @@ app.command()(parity)
 app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(bench)
 app.command()(env)
 
-cache_app = typer.Typer(no_args_is_help=True, help="Inspect the on-disk capture cache: ls | verify | clear.")
+cache_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, help="Inspect the on-disk capture cache: ls | verify | clear.")
 cache_app.command("ls")(cache_ls)
 cache_app.command("verify")(cache_verify)
 cache_app.command("clear")(cache_clear)

@@ -1,4 +1,4 @@
-"""`fvgraph generate`: one video per prompt, the requests interleaved step by step, and a timing table."""
+"""`fvgraph generate`: one video or image per prompt, the requests interleaved step by step, and a timing table."""
 
 from __future__ import annotations
 
@@ -12,16 +12,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from fvgraph.cli.caching import CACHE_HELP, cache_line
+from fvgraph.cli.flag_errors import flag_error
+from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, MODEL_ARGUMENT, choose_model
 from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
                                  MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, console,
-                                 serving_engine, writable_dir)  # fmt: skip
+                                 cuda_graphs_note, opt_level_option, serving_engine, writable_dir)  # fmt: skip
 
 
 def generate(
+    model: Optional[str] = MODEL_ARGUMENT,
     prompt: list[str] = typer.Option(["a red fox running through fresh snow"], "--prompt", "-p", help="Repeat for several interleaved requests."),
     negative_prompt: Optional[str] = typer.Option(None, help="Defaults to '' when guidance is on."),
-    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    card: Optional[str] = CARD_OPTION,
+    checkpoint: Optional[str] = CHECKPOINT_OPTION,
     num_inference_steps: Optional[int] = typer.Option(None, "--steps", help="Default: the card's recipe."),
     guidance_scale: Optional[float] = typer.Option(None, "--guidance", help="Default: the card's recipe."),
     true_cfg_scale: Optional[float] = typer.Option(None, "--true-cfg", help="FLUX / Qwen-Image cards: > 1 with --negative-prompt runs classifier-free guidance."),
@@ -29,7 +32,7 @@ def generate(
     width: Optional[int] = typer.Option(None),
     num_frames: Optional[int] = typer.Option(None, "--frames"),
     seed: int = typer.Option(0, help="Request i uses seed + i."),
-    opt_level: int = typer.Option(0, "-O", "--opt-level", help="0 eager, 1 compiled + batched steps, 2 + CUDA graphs, 3 + FP8 kernels."),
+    opt_level: int = opt_level_option(),
     no_cudagraph: bool = typer.Option(False, "--no-cudagraph", help="At -O2, keep everything but the CUDA graphs."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
     compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
@@ -50,10 +53,11 @@ def generate(
     merge_lora: list[str] = MERGE_LORA_OPTION,
     max_loras: Optional[int] = MAX_LORAS_OPTION,
     max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
-    output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4 (an image card's: .png, .jpg or .webp too); several prompts add _i."),
+    output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; one frame (an image card's): .png, .jpg or .webp too. Several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
-    """Generate one video per prompt, interleaving the requests step by step, and print a timing table."""
+    """Generate one video (or image) per prompt, interleaving the requests step by step, and print a
+    timing table. MODEL: a card name, a Hub repo id or a local diffusers folder."""
     from fvgraph.parallel.executor import ParallelExecutor
     from fvgraph.request import Request
     from fvgraph.serving.video_io import check_video_output, write_video
@@ -63,13 +67,10 @@ def generate(
     try:
         check_video_output(output, fps)  # before any work: a bad option must not cost the run
         writable_dir(output.parent, "--output")
+        choice = choose_model(model, card, checkpoint)
+        check_output_holds(output, choice.card, num_frames)
         adapters = adapter_options(lora, merge_lora, max_loras, max_lora_rank)
         chosen = request_loras(adapters, lora_scale)
-        engine = serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
-                                 device, cache_dir, fail_on_recompile, compile_steps, cache=cache,
-                                 cfg_parallel=cfg_parallel, ulysses=ulysses,
-                                 dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
-                                 adapters=adapters, cache_methods=cache_methods)  # fmt: skip
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
@@ -78,11 +79,19 @@ def generate(
             )
             for i, text in enumerate(prompt)
         ]  # fmt: skip
-        engine.loop.check_request(requests[0])  # the card's rules and calibrated settings, before any work
-    except Exception as err:  # bad card, checkpoint or request: say why and stop
-        console.print(f"[red]error:[/red] {err}")
+        engine = serving_engine(choice.card, choice.folder, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
+                                 device, cache_dir, fail_on_recompile, compile_steps, cache=cache,
+                                 cfg_parallel=cfg_parallel, ulysses=ulysses,
+                                 dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
+                                 adapters=adapters, cache_methods=cache_methods)  # fmt: skip
+        engine.loop.check_request(requests[0])  # the card's rules and calibrated settings, before any step runs
+    except Exception as err:  # bad card, checkpoint or request: say why, in the flags' words, and stop
+        console.print(f"[red]error:[/red] {flag_error(err)}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     load_s = time.perf_counter() - began
+    for note in (choice.random_weights_note(), cuda_graphs_note(opt_level, device, not no_cudagraph and not enforce_eager)):
+        if note is not None:
+            console.print(note, style="yellow", highlight=False, soft_wrap=True)
 
     kinds = engine.loop.step_kinds
     phases = list(dict.fromkeys(kind.phase for kind in kinds.values()))  # the loop's phases, in its order
@@ -136,6 +145,17 @@ def generate(
         console.print(f"wrote {path}")
     if failed:
         raise typer.Exit(1)
+
+
+def check_output_holds(output: Path, card, num_frames: Optional[int]) -> None:
+    """ValueError naming --output when the file cannot hold what the card makes (an image file for a
+    video), before anything loads."""
+    from fvgraph.serving.video_io import IMAGE_SUFFIXES
+
+    frames = num_frames or card.shapes.default_frames
+    if output.suffix.lower() in IMAGE_SUFFIXES and frames > 1:
+        raise ValueError(f"--output {output}: card {card.card_id} makes {frames}-frame videos and an image file holds one "
+                         f"frame; write .gif or .mp4 (or give --frames 1)")  # fmt: skip
 
 
 def request_loras(adapters: dict, lora_scale: list[str]) -> dict[str, float] | None:

@@ -12,6 +12,29 @@ from rich.console import Console
 console = Console()
 DEFAULT_CACHE_DIR = Path("capture_cache")
 
+# One -O default for generate, serve, parity and warmup: -O1, compiled and batched steps, the level that
+# runs the same on a CPU and a GPU (warmup needs a compiling level; -O2's CUDA graphs exist on a GPU only).
+# The first call of a shape pays the compile; -O0 starts at once (`make demo` runs it).
+DEFAULT_OPT_LEVEL = 1
+OPT_LEVEL_HELP = "0 eager, 1 compiled + batched steps, 2 + CUDA graphs (GPU), 3 + FP8 kernels."
+
+
+def opt_level_option(help: str = OPT_LEVEL_HELP):
+    return typer.Option(DEFAULT_OPT_LEVEL, "-O", "--opt-level", help=help)
+
+
+def cuda_graphs_note(opt_level: int, device: Optional[str], cuda_graphs: bool = True) -> Optional[str]:
+    """The one line a run at -O2 or -O3 on a CPU prints: its CUDA graphs apply only on a GPU."""
+    import torch
+
+    from fvgraph.runtime.opt_levels import OPT_LEVELS
+
+    level = OPT_LEVELS.get(opt_level)
+    on_cpu = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type != "cuda"
+    if level is None or not level.cuda_graphs or not cuda_graphs or not on_cpu:
+        return None
+    return f"note: -O{opt_level}'s CUDA graphs apply only on a GPU; on a CPU the compiled steps run without them"
+
 # The run's precision and recipe over the card's (fvgraph/card_choices.py), shared by generate, serve and env.
 DTYPE_OPTION = typer.Option(None, "--dtype", help="fp32 | bf16 | fp16: the denoiser and text encoder's dtype (default: the card's precision).")
 FLOW_SHIFT_OPTION = typer.Option(None, "--flow-shift", help="The sampler's flow_shift (default: the card's; a checkpoint that says otherwise is warned about).")
@@ -98,12 +121,13 @@ def chosen_card_from_options(card, dtype: Optional[str], flow_shift: Optional[fl
     return card
 
 
-def card_with_cache(card: str, cache: Optional[str]):
-    """The card, its `default_cache` replaced by `--cache` when given (the same errors as Request(cache=...))."""
+def card_with_cache(card, cache: Optional[str]):
+    """The card (a name or a ModelCard), its `default_cache` replaced by `--cache` when given (the same
+    errors as Request(cache=...))."""
     from fvgraph.cards import get_card
     from fvgraph.caching.methods import parse_cache_settings
 
-    model = get_card(card)
+    model = get_card(card) if isinstance(card, str) else card
     if cache is None:
         return model
     try:
@@ -126,15 +150,15 @@ def compile_config(compile_backend: str, disable_pass: list[str], compile_steps:
     return CompileConfig(backend=compile_backend, passes=PassConfig(disabled=tuple(disable_pass)), step_kinds=step_kinds)
 
 
-def serving_engine(card: str, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
+def serving_engine(card, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
                     compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
                     fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
                     cache: Optional[str] = None, cfg_parallel: Optional[int] = None,
                     ulysses: Optional[int] = None, dtype: Optional[str] = None, flow_shift: Optional[float] = None,
                     boundary_ratio: Optional[float] = None, adapters: dict | None = None,
                     cache_methods: Optional[str] = None):  # fmt: skip
-    """The engine `generate` and `serve` run, from their shared options (`adapters`: adapter_options(),
-    `cache_methods`: --cache-methods' text)."""
+    """The engine `generate` and `serve` run, from their shared options (`card`: a name or a ModelCard,
+    `checkpoint`: its local folder, `adapters`: adapter_options(), `cache_methods`: --cache-methods' text)."""
     from fvgraph.caching.settings import NO_CACHE
     from fvgraph.engine.engine import Engine
     from fvgraph.parallel.config import ParallelConfig

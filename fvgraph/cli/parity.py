@@ -9,13 +9,15 @@ import typer
 from rich.table import Table
 
 from fvgraph.cli.caching import cache_quality
-from fvgraph.cli.options import LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, adapter_options, console, parse_level, writable_dir
+from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, choose_model
+from fvgraph.cli.options import (LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, adapter_options, console, opt_level_option,
+                                 parse_level, writable_dir)  # fmt: skip
 
 
 def parity(
-    card: str = typer.Option("tiny-wan"),
-    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
-    opt_level: int = typer.Option(1, "-O", "--opt-level", help="The setting under test."),
+    card: Optional[str] = CARD_OPTION,
+    checkpoint: Optional[str] = CHECKPOINT_OPTION,
+    opt_level: int = opt_level_option("The setting under test (0-3)."),
     against: str = typer.Option("0", help="The reference opt level; 'none' (with --cache): the same level uncached."),
     compile_backend: str = typer.Option("inductor"),
     disable_pass: list[str] = typer.Option([], "--disable-pass"),
@@ -51,10 +53,10 @@ def parity(
         adapters = adapter_options(lora, [], max_loras, max_lora_rank)
         if adapters["loras"] and cache is not None:
             raise ValueError("--lora with --cache: step caching does not run with adapter slots yet")
-        from fvgraph.cards import get_card
-
-        recipe = get_card(card).recipe  # a distilled recipe fixes its steps and takes no guidance
-        num_frames = num_frames or min(5, get_card(card).shapes.max_frames)
+        choice = choose_model(None, card, checkpoint)
+        card, checkpoint = choice.card, choice.folder
+        recipe = card.recipe  # a distilled recipe fixes its steps and takes no guidance
+        num_frames = num_frames or min(5, card.shapes.max_frames)
         steps = num_inference_steps or (recipe.default_steps if recipe.step_distilled else 4)
         requests = [
             Request(prompt=text, seed=i, guidance_scale=None if recipe.cfg_distilled else 5.0 - i, num_inference_steps=steps,

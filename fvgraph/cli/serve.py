@@ -10,17 +10,20 @@ import typer
 from rich.console import Console
 
 from fvgraph.cli.caching import CACHE_HELP
+from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, MODEL_ARGUMENT, choose_model
 from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
                                  MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, at_least_one,
-                                 bindable, parse_shape, parse_size, serving_engine, writable_dir)  # fmt: skip
+                                 bindable, cuda_graphs_note, opt_level_option, parse_shape, parse_size, serving_engine,
+                                 writable_dir)  # fmt: skip
 
 
 def serve(
+    model: Optional[str] = MODEL_ARGUMENT,
     requests: str = typer.Option("-", "--requests", "-r", help="JSON-lines file of requests; '-' reads standard input."),
     output_dir: Path = typer.Option(Path("outputs/serve"), "--output-dir", "-o", help="Where each request's video or latents go."),
-    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
-    opt_level: int = typer.Option(1, "-O", "--opt-level", help="0 eager, 1 compiled + batched steps, 2 + CUDA graphs, 3 + FP8 kernels."),
+    card: Optional[str] = CARD_OPTION,
+    checkpoint: Optional[str] = CHECKPOINT_OPTION,
+    opt_level: int = opt_level_option(),
     no_cudagraph: bool = typer.Option(False, "--no-cudagraph", help="At -O2, keep everything but the CUDA graphs."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
     compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
@@ -55,7 +58,7 @@ def serve(
     warmup_shape: list[str] = typer.Option([], "--warmup-shape", help="HTTP: FRAMESxHEIGHTxWIDTH to compile before /ready (repeatable; with --cache-dir, default: the card's shape)."),
     served_model_name: list[str] = typer.Option([], "--served-model-name", help="HTTP: another name `model` may give, e.g. Wan-AI/Wan2.1-T2V-1.3B-Diffusers or sora-2 (repeatable; the card id stays valid)."),
 ) -> None:
-    """Serve requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
+    """Serve MODEL (a card name, a Hub repo id or a local diffusers folder): requests given as JSON lines (Request's fields; {"cancel": ID} cancels), printing one
     JSON answer line per input line (a request's when it ends); or, with --port, the OpenAI videos
     and images API over HTTP (docs/serving.md). Requests arriving mid-run join the running batch."""
     import sys
@@ -78,7 +81,8 @@ def serve(
             bindable(host, port)
         else:  # bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input
             source = sys.stdin.buffer if requests == "-" else open(requests, "rb")  # noqa: SIM115
-        engine = serving_engine(card, checkpoint, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
+        choice = choose_model(model, card, checkpoint)
+        engine = serving_engine(choice.card, choice.folder, opt_level, no_cudagraph, enforce_eager, compile_backend, disable_pass,
                                  device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache,
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
                                  dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
@@ -92,18 +96,23 @@ def serve(
                 engine, output_dir, host=host, port=port, api_key=api_key, max_queue=max_queue, memory_budget=memory_budget,
                 retention_s=retention_s, drain_timeout_s=drain_timeout, max_body_bytes=max_body_bytes,
                 warmup_shapes=[parse_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
-                model_names=ServedNames.of(engine.card.card_id, served_model_name, checkpoint),
+                model_names=ServedNames.of(engine.card.card_id, served_model_name, choice.checkpoint),
                 allowed_origins=tuple(allowed_origins),
                 playground=playground,
             )  # fmt: skip
         else:
             server = JsonlServer(engine, output_dir, StdoutLines(), video_format=video_format, fps=fps)
     except Exception as err:  # bad card, checkpoint, option or requests file: say why and stop
-        Console(stderr=True).print(f"[red]error:[/red] {err}")
+        Console(stderr=True).print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    for note in (choice.random_weights_note(), cuda_graphs_note(opt_level, device, not no_cudagraph and not enforce_eager)):
+        if note is not None:
+            Console(stderr=True).print(note, style="yellow", highlight=False, soft_wrap=True)
     if port is not None:
         label = f"{engine.card.card_id} -O{engine.opt_level}"
-        http.run(on_started=lambda url: Console(stderr=True).print(f"serving {label} on {url}/v1", highlight=False))
+        page = (lambda url: f"; the playground at {url}/") if playground else (lambda url: "")
+        http.run(on_started=lambda url: Console(stderr=True).print(f"serving {label} on {url}/v1{page(url)}", highlight=False,
+                                                                   soft_wrap=True))  # fmt: skip
         return
     with source:
         counts = server.serve(source)

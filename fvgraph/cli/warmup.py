@@ -10,15 +10,17 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, choose_model
 from fvgraph.cli.options import (DEFAULT_CACHE_DIR, LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION,
-                                 adapter_options, card_with_cache, compile_config, console, parse_shape, writable_dir)  # fmt: skip
+                                 adapter_options, card_with_cache, compile_config, console, cuda_graphs_note, opt_level_option,
+                                 parse_shape, writable_dir)  # fmt: skip
 
 
 def warmup(
-    card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    card: Optional[str] = CARD_OPTION,
+    checkpoint: Optional[str] = CHECKPOINT_OPTION,
     cache_dir: Path = typer.Option(DEFAULT_CACHE_DIR, help="Root of the capture cache."),
-    opt_level: int = typer.Option(2, "-O", "--opt-level", help="1 compiled steps; 2 + CUDA graphs (captured at every start); 3 + FP8 kernels."),
+    opt_level: int = opt_level_option("1 compiled steps; 2 + CUDA graphs (GPU; captured at every start); 3 + FP8 kernels."),
     buckets: str = typer.Option("1,2,4,8", help="Batch buckets, comma separated."),
     shape: list[str] = typer.Option([], "--shape", help="FRAMESxHEIGHTxWIDTH (repeatable). Default: the card's default shape."),
     guidance: list[float] = typer.Option([], "--guidance", help="Repeatable: >1 warms the CFG step, 1 the plain one. Default: the card's."),
@@ -52,7 +54,8 @@ def warmup(
             *others, last = (f"-O{n}" for n in compiling_levels())
             raise ValueError(f"-O{opt_level}: warmup compiles, so it takes {', '.join(others)} or {last}")
         writable_dir(cache_dir, "--cache-dir")  # a warmup that can store nothing is no warmup
-        model = card_with_cache(card, cache)  # warmup requests take the card's (or --cache's) step caching
+        choice = choose_model(None, card, checkpoint)
+        model = card_with_cache(choice.card, cache)  # warmup requests take the card's (or --cache's) step caching
         rules = model.shapes
         shapes = [parse_shape(text) for text in shape] or [(rules.default_frames, rules.default_height, rules.default_width)]
         spec = BucketSpec(batch_sizes=tuple(int(b) for b in buckets.split(",")), shapes=tuple(shapes))
@@ -61,14 +64,16 @@ def warmup(
             for g in scales:
                 Request(prompt="warmup", num_frames=f, height=h, width=w, guidance_scale=g, num_inference_steps=steps).resolve(model)
         engine = Engine.from_card(
-            model, checkpoint=checkpoint, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
+            model, checkpoint=choice.folder, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
             compile_config=compile_config(compile_backend, disable_pass),
             **adapter_options(lora, merge_lora, max_loras, max_lora_rank),
         )  # fmt: skip
         requests = [engine.loop.warmup_request(f, h, w, g, steps) for f, h, w in shapes for g in scales]
     except Exception as err:  # bad card, shape or bucket list: say why and stop
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    if (note := cuda_graphs_note(opt_level, device)) is not None:
+        console.print(note, style="yellow", highlight=False, soft_wrap=True)
     columns = (TextColumn("buckets"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as bar:
         task = bar.add_task("buckets", total=len(requests) * len(spec.batch_sizes))
