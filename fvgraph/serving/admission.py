@@ -79,10 +79,12 @@ class Admission:
         reservation = self.model.estimate(request)
         if reservation.total > self.budget:
             parts = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in reservation.parts.items())
+            tiling = "" if self.model.tiling is not None else " (or serve with vae_tiling, which decodes in tiles)"
             raise RequestRejected(
                 "memory_budget",
-                f"this request needs about {reservation.total / 2**20:.1f} MiB ({parts}), more than the whole "
-                f"budget of {self.budget / 2**20:.1f} MiB (--memory-budget); ask for fewer frames or a smaller size",
+                f"this request ({request.num_frames}x{request.height}x{request.width}) needs about "
+                f"{reservation.total / 2**20:.1f} MiB ({parts}), more than the whole budget of {self.budget / 2**20:.1f} MiB "
+                f"(--memory-budget); ask for fewer frames or a smaller size{tiling}",
             )
         with self._lock:
             if len(self._waiting) + len(self._not_started) >= self.max_queue:

@@ -10,7 +10,10 @@ A request that is running holds, besides the weights and compiled graphs every r
     decoded_frames  the decoded video: the float32 copies alive while it is assembled and rescaled,
                     and the uint8 frames
     vae_decode      the VAE decoder's working set for one chunk of frames at full resolution, on the
-                    engine's device (on a CPU, convolutions unfold their input: see below)
+                    engine's device (on a CPU, convolutions unfold their input: see below); with
+                    `vae_tiling`, for one chunk of one tile instead
+    vae_tile_rows   with `vae_tiling`: the two rows of decoded tiles a tiled decode holds while it
+                    blends (fvgraph/loops/tiled_coding.py)
 
 Every part is an estimate from shapes and named factors, not a measurement: it is what
 `--memory-budget` is charged with, so a request that could never fit is refused at once, and requests
@@ -88,6 +91,7 @@ class MemoryModel:
         cpu = loop.components.device.type == "cpu"
         self.vae_bytes_per_channel = VAE_CPU_BYTES_PER_CHANNEL if cpu else VAE_LIVE_MAPS * 4
         self.vae_fixed = VAE_CPU_FIXED_BYTES if cpu else 0
+        self.tiling = engine.loop.decoding.tiling  # None: the VAE decodes whole
         buckets = engine.buckets.batch_sizes
         self.padding = max(engine.buckets.batch_for(n) / n for n in range(1, buckets[-1] + 1))
 
@@ -103,13 +107,20 @@ class MemoryModel:
         text_kv = branches * self.layers * 2 * self.text_len * self.inner * self.dit_bytes
         forward = branches * tokens * (self.ffn + DIT_LIVE_INNER_MAPS * self.inner) * self.dit_bytes
         chunk = min(frames, self.temporal_scale)
+        grid = None if self.tiling is None else self.tiling.decode_grid(h, w)
+        decode_h, decode_w = height, width  # what one decoder pass covers
+        if grid is not None:
+            decode_h = (min(grid.rows[0].stop, h) - grid.rows[0].start) * self.spatial_scale
+            decode_w = (min(grid.cols[0].stop, w) - grid.cols[0].start) * self.spatial_scale
         parts = {
             "loop_state": (1 + self.carry) * latent + embeds,
             "batch_lane": (1 + self.carry) * latent + embeds + text_kv,
             "activations": int(forward * self.padding),
             "decoded_frames": frames * height * width * 3 * (4 * VIDEO_FLOAT_COPIES + 1),
-            "vae_decode": self.vae_fixed + self.vae_bytes_per_channel * self.vae_top * chunk * height * width,
+            "vae_decode": self.vae_fixed + self.vae_bytes_per_channel * self.vae_top * chunk * decode_h * decode_w,
         }
+        if grid is not None:  # two rows of float32 tiles, each row as wide as its tiles side by side
+            parts["vae_tile_rows"] = 2 * frames * 3 * 4 * decode_h * decode_w * len(grid.cols)
         return Reservation(request.request_id, parts)
 
 
