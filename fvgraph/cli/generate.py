@@ -8,11 +8,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from fvgraph.cli.caching import CACHE_HELP, cache_line
 from fvgraph.cli.flag_errors import flag_error
+from fvgraph.cli.progress import RunProgress
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, MODEL_ARGUMENT, choose_model
 from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
                                  MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, adapter_options, console,
@@ -97,13 +97,22 @@ def generate(
     phases = list(dict.fromkeys(kind.phase for kind in kinds.values()))  # the loop's phases, in its order
     stepped = next((kind.phase for kind in kinds.values() if kind.per_inference_step), None)
     total_steps = sum((r.num_inference_steps or engine.card.recipe.default_steps) for r in requests)
-    columns = (TextColumn(stepped or "steps"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console, transient=True) as bar:
-        task = bar.add_task("steps", total=total_steps)
+    after = phases[phases.index(stepped) + 1] if stepped in phases[:-1] else None  # what runs after the last step (decode)
+    with RunProgress(console, stepped or "steps", total_steps) as progress:
+        ended: dict[str, int] = {}  # steps done per phase after the stepped one
+
+        def on_step(state, kind: str) -> None:
+            declared = kinds.get(kind)
+            if declared is not None and declared.per_inference_step:
+                progress.advance()
+                if progress.done == total_steps and after is not None:
+                    progress.wait(after.replace("_", " "))
+            elif declared is not None and declared.phase == after:  # a decode step (one per tile when tiled)
+                ended[after] = ended.get(after, 0) + 1
+                progress.wait(f"{after.replace('_', ' ')} ({ended[after]} done)", announce=False)
+
         try:
-            results = engine.generate(
-                requests, on_step=lambda state, kind: bar.advance(task) if kinds[kind].per_inference_step else None
-            )
+            results = engine.generate(requests, on_step=on_step)
         finally:
             engine.close()  # a parallel engine's worker processes
 

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from fvgraph.cli.progress import RunProgress
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, choose_model
 from fvgraph.cli.options import (DEFAULT_CACHE_DIR, LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION,
                                  adapter_options, card_with_cache, compile_config, console, cuda_graphs_note, opt_level_option,
@@ -74,10 +74,9 @@ def warmup(
         raise typer.Exit(2) from None
     if (note := cuda_graphs_note(opt_level, device)) is not None:
         console.print(note, style="yellow", highlight=False, soft_wrap=True)
-    columns = (TextColumn("buckets"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("buckets", total=len(requests) * len(spec.batch_sizes))
-        results = engine.warmup(requests, on_bucket=lambda batch: bar.advance(task))
+    # Each bucket's compile is announced as it starts, with its elapsed time (fvgraph/cli/progress.py).
+    with RunProgress(console, "buckets", len(requests) * len(spec.batch_sizes), transient=False) as progress:
+        results = engine.warmup(requests, on_bucket=lambda batch: progress.advance())
     c = engine.counters
     console.print(
         f"warm: {len(engine.compiler.signatures)} step graphs ({c.compiles} compiled, {c.capture_cache_hits} loaded, "

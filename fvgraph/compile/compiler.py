@@ -24,6 +24,7 @@ from torch.nn.attention import sdpa_kernel
 from fvgraph.compile.capture_cache import CacheEntry, CaptureCache
 from fvgraph.contract.counters import Counters
 from fvgraph.contract.flops import graph_flops
+from fvgraph.contract.progress import progress_span
 from fvgraph.compile.graph_artifact import load_graph, load_in_child, save_graph, save_graph_in_child
 from fvgraph.kernels.attention import sdpa_backends
 from fvgraph.contract.plan import WorkPlan
@@ -186,12 +187,15 @@ class StepCompiler:
             # Attention kernels are picked while inductor traces (and again if aot_eager re-traces a
             # loaded graph), so the chosen SDPA backends hold around both.
             with contextlib.nullcontext() if backends is None else sdpa_kernel(backends, set_priority=True):
+                label = f"{plan.kind}, batch bucket {batch}"  # announced: the waits a person sees (contract/progress.py)
                 if self.capture_cache is not None:
-                    compiled = self._load_cached(step, plan, signature)
+                    with progress_span("loading", label):
+                        compiled = self._load_cached(step, plan, signature)
                 if compiled is None:
                     if self.frozen:  # loading a warm artifact is fine; compiling a new one is not
                         raise RecompileError(self._refusal(signature))
-                    compiled = self._build(step, plan, signature)
+                    with progress_span("compiling", label):
+                        compiled = self._build(step, plan, signature)
             self._compiled[signature] = compiled
         return compiled
 
