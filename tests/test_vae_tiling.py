@@ -20,10 +20,12 @@ from diffusers import WanPipeline
 from PIL import Image
 
 from fvgraph.cards import get_card
+from fvgraph.compile.compiler import CompileConfig
 from fvgraph.contract.phase import Phase
 from fvgraph.engine.engine import Engine
 from fvgraph.models.components import diffusers_scheduler, load_components
 from fvgraph.request import Request, RequestRejected
+from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.serving.admission import Admission
 from fvgraph.serving.memory_reservation import VAE_CPU_FIXED_BYTES, MemoryModel
 from conftest import embeds
@@ -234,3 +236,17 @@ def test_a_request_too_large_even_for_tiles_is_refused_naming_its_size(tiled_wan
     assert "vae_tiling" not in str(err.value)  # it is on: the advice would not help
     with pytest.raises(RequestRejected, match="or serve with vae_tiling"):
         Admission(MemoryModel(tiny_engine), tiled.total // 2, max_queue=4, max_running=4).offer(request)
+
+
+def test_compiled_tiled_engine_serves_a_second_wave_without_compiling():
+    """-O1: the denoise steps compile, the tiles run eagerly between them; warmed up and frozen, a second
+    wave of other seeds and step counts compiles nothing, and its frames are diffusers' tiled decode of its latents."""
+    engine = Engine.from_card("tiny-wan", device="cpu", opt_level=1, vae_tiling=WAN_TILES,
+                              compile_config=CompileConfig(backend="aot_eager"), buckets=BucketSpec(batch_sizes=(1, 2)))  # fmt: skip
+    engine.warmup([_request(1)])
+    engine.freeze()
+    with engine.counters.expect(compiles=0):
+        results = engine.generate([_request(11, steps=3), _request(12)])
+    for result in results:
+        assert result.ok, result.error
+        assert np.array_equal(result.frames, _uint8(_diffusers_decode("tiny-wan", result.latents, WAN_TILES)))
