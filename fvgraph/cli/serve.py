@@ -68,6 +68,10 @@ def serve(
     from fvgraph.serving.video_io import check_video_output
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    # What an operator reads: each request as it ends and the throughput (serving/access_log.py), and each
+    # compile as it starts and ends (contract/progress.py).
+    for name in ("fvgraph.access", "fvgraph.progress"):
+        logging.getLogger(name).setLevel(logging.INFO)
     try:
         if video_format not in ("gif", "mp4"):
             raise ValueError(f"video_format={video_format!r} must be 'gif' or 'mp4'")
@@ -110,10 +114,14 @@ def serve(
             Console(stderr=True).print(note, style="yellow", highlight=False, soft_wrap=True)
     if port is not None:
         label = f"{engine.card.card_id} -O{engine.opt_level}"
-        page = (lambda url: f"; the playground at {url}/") if playground else (lambda url: "")
-        http.run(on_started=lambda url: Console(stderr=True).print(f"serving {label} on {url}/v1{page(url)}", highlight=False,
+        http.run(on_started=lambda url: Console(stderr=True).print(started_line(label, url, playground), highlight=False,
                                                                    soft_wrap=True))  # fmt: skip
         return
     with source:
         counts = server.serve(source)
     Console(stderr=True).print("served: " + (", ".join(f"{n} {status}" for status, n in sorted(counts.items())) or "nothing"))
+
+
+def started_line(label: str, url: str, playground: bool) -> str:
+    """What `fvgraph serve --port` prints once it listens: the API's URL and, when served, the playground's."""
+    return f"serving {label} on {url}/v1" + (f"; the playground: {url}/ in a browser" if playground else "")

@@ -28,6 +28,7 @@ from fvgraph.serving.async_engine import AsyncEngine
 from fvgraph.engine.engine import Engine
 from fvgraph.serving.http_app import HttpSettings, create_app
 from fvgraph.serving.memory_reservation import MemoryModel, default_budget
+from fvgraph.serving.access_log import AccessLog
 from fvgraph.serving.model_names import ServedNames
 from fvgraph.request import Request
 from fvgraph.serving.video_store import VideoStore
@@ -81,6 +82,7 @@ class HttpServer:
         budget = memory_budget if memory_budget is not None else default_budget(engine.loop.components.device)
         admission = Admission(MemoryModel(engine), budget, max_queue, engine.max_running)
         self.served = AsyncEngine(engine, admission)
+        self.access_log = AccessLog(self.served)  # one line per request, throughput every minute (fvgraph.access)
         self.store = VideoStore(storage_dir, settings.retention_s)
         self.app = create_app(self.served, self.store, settings)
         config = uvicorn.Config(self.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5,
