@@ -6,11 +6,14 @@
     parallel = fvgraph.Engine.from_card("tiny-wan", parallel=fvgraph.ParallelConfig(cfg=2))  # docs/parallel.md
 """
 
-from fvgraph.card import ModelCard
-from fvgraph.cards import card_names, get_card
-from fvgraph.engine.engine import Engine
-from fvgraph.parallel.config import ParallelConfig
-from fvgraph.request import Request, RequestRejected, Result
+from fvgraph.torchvision_notes import drop_torchvision_fallback_notes
+
+drop_torchvision_fallback_notes()  # before the imports below raise them  # noqa: E402
+from fvgraph.card import ModelCard  # noqa: E402
+from fvgraph.cards import card_names, get_card  # noqa: E402
+from fvgraph.engine.engine import Engine  # noqa: E402
+from fvgraph.parallel.config import ParallelConfig  # noqa: E402
+from fvgraph.request import Request, RequestRejected, Result  # noqa: E402
 
 __all__ = ["Engine", "ModelCard", "ParallelConfig", "Request", "RequestRejected", "Result", "card_names", "get_card"]
 __version__ = "0.1.0"

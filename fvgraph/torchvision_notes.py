@@ -1,0 +1,23 @@
+"""transformers 5 says, when an image processor class is first imported, that it "requires torchvision
+(not installed); falling back to ..." PIL. fvgraph needs no torchvision, and the FLUX helper it imports
+from diffusers (diffusers.pipelines.flux.pipeline_flux) imports two such classes, so without this every
+`import fvgraph` and every command began with two lines of noise. Only those notes are dropped; its
+other warnings (weights not loaded, say) still show."""
+
+from __future__ import annotations
+
+import logging
+
+
+class _DropTorchvisionFallback(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "requires torchvision (not installed)" not in record.getMessage()
+
+
+def drop_torchvision_fallback_notes() -> None:
+    """Filter those notes out at transformers' own handlers (records from its child loggers reach them)."""
+    from transformers.utils import logging as transformers_logging
+
+    for handler in transformers_logging._get_library_root_logger().handlers:
+        if not any(isinstance(f, _DropTorchvisionFallback) for f in handler.filters):
+            handler.addFilter(_DropTorchvisionFallback())
