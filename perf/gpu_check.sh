@@ -24,15 +24,17 @@
 #   FVGRAPH_GPU_PART=rollouts    bash perf/gpu_check.sh  # bench_rollouts: samples/s of engine.rollout K=8 vs a per-sample loop, 480x832x33, 10 CFG steps, -O2; est. 400 s (1 compile + 6 groups of 8)
 #   FVGRAPH_GPU_PART=flux_step   bash perf/gpu_check.sh  # bench_step on FLUX.1-dev's config (seeded, bf16), 1024x1024, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 500 s (12B seeded init + 2 compiles)
 #   FVGRAPH_GPU_PART=run_ahead   bash perf/gpu_check.sh  # device idle between replays, serial vs run-ahead: Wan 1.3B config, 256x256x17, -O2, buckets 4, 8 (bucket 1 measured 2026-12-04; FVGRAPH_IDLE_BUCKETS); est. 400 s
+#   FVGRAPH_GPU_PART=memory      bash perf/gpu_check.sh  # bench_memory: Wan 2.2 A14B's config (seeded, bf16) at 720x1280x81 under an 80 GB cap, one expert resident + tiled decode; est. 450 s (two 14B seeded inits)
+#   FVGRAPH_GPU_PART=memory_resident bash perf/gpu_check.sh  # the same with everything resident (expected: out of memory under the cap); est. 400 s
 #   FVGRAPH_GPU_PART=all         bash perf/gpu_check.sh  # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
-case " probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead all " in
+case " probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead memory memory_resident all " in
   *" $PART "*) ;;
-  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead all" >&2; exit 2 ;;
+  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead memory memory_resident all" >&2; exit 2 ;;
 esac
 # Before anything else: without the carried wheels every test stops at `import diffusers` (docs/gpu.md).
 if ! compgen -G "wheels/*.whl" >/dev/null; then
@@ -106,5 +108,8 @@ part http && run bench_http 540 python3 "$REPO"/perf/bench_http.py --gpu --repea
 part interceptors && run bench_interceptors 540 python3 "$REPO"/perf/bench_interceptors.py --gpu --repeats 2 --methods "${FVGRAPH_CACHE_METHOD:-magcache}" ${FVGRAPH_CACHE_SETTING:+--setting "$FVGRAPH_CACHE_SETTING"}
 part parallel && run pytest_gpu_parallel 300 "${PYTEST[@]}" -k degree_1 "$REPO/tests/test_parallel.py"
 part parallel && run generate_parallel 120 python3 -m fvgraph generate --cfg-parallel 1 --ulysses 1 -O2 --device cuda --steps 4 -o "$OUT/parallel.gif"
+# Two 14B experts initialized from a seed on the host each time (about 2-4 min): one case per part.
+part memory && run bench_memory 570 python3 "$REPO"/perf/bench_memory.py --gpu --case one_expert_tiled
+part memory_resident && run bench_memory_resident 570 python3 "$REPO"/perf/bench_memory.py --gpu --case everything_resident
 cat "$OUT"/bench_*.log "$OUT"/tf32_probe.log 2>/dev/null | grep -h '^{' >"$OUT/results.jsonl"
 echo "results in $OUT"
