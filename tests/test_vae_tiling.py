@@ -249,3 +249,20 @@ def test_compiled_tiled_engine_serves_a_second_wave_without_compiling():
     for result in results:
         assert result.ok, result.error
         assert np.array_equal(result.frames, _uint8(_diffusers_decode("tiny-wan", result.latents, WAN_TILES)))
+
+
+def test_generate_tiles_with_the_flag_and_names_it_in_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from fvgraph.cli import app
+
+    settings = ",".join(f"{key}={value}" for key, value in WAN_TILES.items())
+    out = tmp_path / "fox.gif"
+    args = ["generate", "tiny-wan", "-p", "a fox", "--steps", "1", "--frames", "5", "--width", "96", "-O0", "-o", str(out)]
+    done = CliRunner().invoke(app, [*args, "--vae-tiling", settings])
+    assert done.exit_code == 0, done.output
+    with Image.open(out) as gif:
+        assert gif.n_frames == 5 and gif.size == (96, 64)
+    for bad, words in (("tile_size=3", "--vae-tiling: AutoencoderKLWan.enable_tiling takes"), ("tile_sample_min_height=a", "whole number")):
+        refused = CliRunner().invoke(app, [*args, "--vae-tiling", bad])
+        assert refused.exit_code == 2 and words in refused.output, refused.output

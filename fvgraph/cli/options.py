@@ -150,15 +150,34 @@ def compile_config(compile_backend: str, disable_pass: list[str], compile_steps:
     return CompileConfig(backend=compile_backend, passes=PassConfig(disabled=tuple(disable_pass)), step_kinds=step_kinds)
 
 
+VAE_TILING_OPTION = typer.Option(None, "--vae-tiling", help="Decode (and encode) in tiles, one step each: 'on' for diffusers' defaults, or KEY=VALUE,... of the VAE's enable_tiling (docs/memory.md).")
+
+
+def parse_vae_tiling(text: Optional[str]) -> bool | dict | None:
+    """Engine.from_card's vae_tiling from --vae-tiling: None, True ('on'), or enable_tiling's keywords as ints."""
+    if text is None:
+        return None
+    if text.strip().lower() == "on":
+        return True
+    settings = {}
+    for key, value in _pairs([item for item in text.split(",") if item.strip()], "--vae-tiling", "KEY=VALUE").items():
+        try:
+            settings[key] = int(value)
+        except ValueError:
+            raise ValueError(f"--vae-tiling {key}={value!r}: the value must be a whole number of pixels") from None
+    return settings
+
+
 def serving_engine(card, checkpoint: Optional[Path], opt_level: int, no_cudagraph: bool, enforce_eager: bool,
                     compile_backend: str, disable_pass: list[str], device: Optional[str], cache_dir: Optional[Path],
                     fail_on_recompile: bool, compile_steps: str = "loop", max_running: int = 16,
                     cache: Optional[str] = None, cfg_parallel: Optional[int] = None,
                     ulysses: Optional[int] = None, dtype: Optional[str] = None, flow_shift: Optional[float] = None,
                     boundary_ratio: Optional[float] = None, adapters: dict | None = None,
-                    cache_methods: Optional[str] = None):  # fmt: skip
+                    cache_methods: Optional[str] = None, vae_tiling: Optional[str] = None):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options (`card`: a name or a ModelCard,
-    `checkpoint`: its local folder, `adapters`: adapter_options(), `cache_methods`: --cache-methods' text)."""
+    `checkpoint`: its local folder, `adapters`: adapter_options(), `cache_methods`: --cache-methods' text,
+    `vae_tiling`: --vae-tiling's text)."""
     from fvgraph.caching.settings import NO_CACHE
     from fvgraph.engine.engine import Engine
     from fvgraph.parallel.config import ParallelConfig
@@ -181,11 +200,17 @@ def serving_engine(card, checkpoint: Optional[Path], opt_level: int, no_cudagrap
     if cache is not None and methods is not None and chosen.default_cache.method not in (*methods, NO_CACHE):
         raise ValueError(f"--cache={cache!r}: method {chosen.default_cache.method!r} is not in --cache-methods "
                          f"({', '.join(methods) or 'none'}); enable it there or leave --cache out")  # fmt: skip
-    engine = Engine.from_card(
-        chosen, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
-        compile_config=compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
-        cache_dir=cache_dir, max_running=max_running, parallel=parallel, cache_methods=methods, **(adapters or {}),
-    )  # fmt: skip
+    try:
+        engine = Engine.from_card(
+            chosen, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
+            compile_config=compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
+            cache_dir=cache_dir, max_running=max_running, parallel=parallel, cache_methods=methods, **(adapters or {}),
+            vae_tiling=parse_vae_tiling(vae_tiling),
+        )  # fmt: skip
+    except ValueError as err:  # the engine names its keyword; the command line names the flag
+        if not str(err).startswith("vae_tiling"):
+            raise
+        raise ValueError("--vae-tiling" + str(err).removeprefix("vae_tiling")) from None
     if fail_on_recompile:
         engine.freeze()
     return engine
