@@ -6,8 +6,9 @@ screen needed).
     python perf/plot_results.py perf/results/2026-12-01-cpu.jsonl --out plots/
 
 A benchmark line holds its timings as spreads, {"repeats", "min", "median", "max"} dicts at any depth
-(fvgraph/perf/method.py); `plot_bench_line` draws every spread of one line as its median with the
-min-max range, one panel per unit.
+(perf/method.py); `plot_bench_line` draws every spread of one line as its median with the min-max
+range, one panel per unit, labelled in words, on axes from zero (log where values span decades) with
+the 1.0 line on ratios.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def plot_parity(report, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(columns) + 3), max(3, 0.28 * len(taps) + 1.5)))
     # headroom on both ends, so the tolerance line sits inside the colour bar
     image = ax.imshow(grid, aspect="auto", cmap="viridis", norm=LogNorm(vmin=low / 2, vmax=max(high * 3, low * 10)))
-    bar = fig.colorbar(image, ax=ax, label="max |a - b|" + (f"  (red line: atol {atol:g})" if atol else ""))
+    bar = fig.colorbar(image, ax=ax, label="max |a - b|, log scale" + (f" (red line: atol {atol:g})" if atol else ""))
     if atol:
         bar.ax.axhline(atol, color="red", linewidth=2)
     for c in comparisons:
@@ -61,6 +62,8 @@ def plot_parity(report, path: str | Path) -> Path:
                 markersize=16, markeredgecolor="red")  # fmt: skip
     ax.set_xticks(range(len(columns)), [f"r{r} s{s}" for r, s in columns], rotation=90, fontsize=7)
     ax.set_yticks(range(len(taps)), taps, fontsize=7)
+    ax.set_xlabel("request r, denoise step s")
+    ax.set_ylabel("tap (execution order)")
     verdict = "passed" if report.passed else f"first divergence: r{first.request} s{first.step} {first.tap}"
     ax.set_title(f"parity {report.config.get('a')} vs {report.config.get('b')} on {report.config.get('card')}: {verdict}", fontsize=9)
     return _save(fig, plt, path)
@@ -79,20 +82,51 @@ def spreads(line: dict, prefix: str = "") -> Iterator[tuple[str, dict]]:
 
 def _unit(name: str) -> str:
     """The unit a spread is in, from the nearest part of its key path that names one."""
-    units = (("per_s", "1/s"), ("gflops", "GFLOP/s"), ("_ms", "ms"), ("_us", "us"), ("seconds", "s"), ("_s", "s"))
     for part in reversed(name.split(".")):
+        if "ratio" in part or "speedup" in part or "_over_" in part or "_vs_" in part:
+            return "ratio"
+        if "gflop" in part:
+            return "GFLOP/s"
+        if part.endswith("_per_s"):  # samples_per_s: samples/s
+            return part[: -len("_per_s")].replace("_", " ") + "/s"
         if part.startswith(("s_per_", "ms_per_", "us_per_")):  # seconds (ms, us) per something
             return part.split("_", 1)[0]
-        for marker, unit in units:
+        if part.endswith("_percent"):
+            return "%"
+        for marker, unit in (("_ms", "ms"), ("_us", "us"), ("seconds", "s"), ("_s", "s")):
             if part.endswith(marker) or f"{marker}_" in part:
                 return unit
-        if "ratio" in part or "speedup" in part:
-            return "ratio"
-    return name.rsplit(".", 1)[-1]
+    return name.rsplit(".", 1)[-1].replace("_", " ")
 
 
-def plot_bench_line(line: dict, path: str | Path) -> Path:
-    """One benchmark JSON line: each spread as its median (dot) and min-max range (bar), a panel per unit."""
+_UNIT_WORDS = {"ms", "us", "s", "percent"}
+
+
+def readable(name: str) -> str:
+    """A spread's key path as a label: "per_step_ms.fvgraph_O1" -> "per step / fvgraph O1" (the unit
+    goes on the axis, so unit words are dropped; a part that is only a unit is dropped whole)."""
+    words = []
+    for part in name.split("."):
+        tokens = part.split("_")
+        if "gflops" in tokens or part.endswith("_per_s"):  # the axis says GFLOP/s, samples/s
+            continue
+        kept = [t for i, t in enumerate(tokens) if not (t in _UNIT_WORDS and i in (0, len(tokens) - 1))]
+        if kept:
+            words.append(" ".join(kept))
+    return " / ".join(words) or name
+
+
+_UNIT_NAMES = {"s": "seconds", "ms": "milliseconds", "us": "microseconds", "%": "percent", "ratio": "ratio, x (dashed: 1.0)"}
+
+
+def _axis_label(unit: str) -> str:
+    return f"{_UNIT_NAMES.get(unit, unit)} (median, bar: min-max)"
+
+
+def bench_line_figure(line: dict):
+    """The figure `plot_bench_line` saves: a panel per unit, each spread's median (dot) and min-max
+    range (bar). Every axis starts at zero, so ratios between bars read true, unless the values span
+    two decades or more, where the axis is logarithmic and says so; ratio panels draw the 1.0 line."""
     plt = _pyplot()
     found = list(spreads(line))
     if not found:
@@ -100,20 +134,33 @@ def plot_bench_line(line: dict, path: str | Path) -> Path:
     panels: dict[str, list[tuple[str, dict]]] = {}
     for name, spread in found:
         panels.setdefault(_unit(name), []).append((name, spread))
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, sum(0.35 * len(v) + 1.2 for v in panels.values())), squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, sum(0.35 * len(v) + 1.4 for v in panels.values())), squeeze=False)
     for ax, (unit, rows) in zip(axes[:, 0], panels.items()):
         ys = range(len(rows))
         medians = [s["median"] for _, s in rows]
         ax.errorbar(medians, ys, xerr=[[m - s["min"] for m, (_, s) in zip(medians, rows)],
                                        [s["max"] - m for m, (_, s) in zip(medians, rows)]],  # fmt: skip
                     fmt="o", capsize=3)
-        ax.set_yticks(list(ys), [name for name, _ in rows], fontsize=7)
+        ax.set_yticks(list(ys), [readable(name) for name, _ in rows], fontsize=7)
         ax.invert_yaxis()  # the line's own order, top down
-        ax.set_xlabel(unit)
+        lows, highs = [s["min"] for _, s in rows], [s["max"] for _, s in rows]
+        label = _axis_label(unit)
+        if min(lows) > 0 and max(highs) / min(lows) >= 100:
+            ax.set_xscale("log")
+            label += ", log scale"
+        else:
+            ax.set_xlim(left=0, right=(max(max(highs), 1.0 if unit == "ratio" else 0.0) * 1.08) or 1.0)
+        if unit == "ratio":
+            ax.axvline(1.0, color="grey", linewidth=1, linestyle="--")
+        ax.set_xlabel(label)
         ax.grid(axis="x", alpha=0.3)
-    axes[0, 0].set_title(f"{line.get('bench')} on {line.get('card', '?')} (commit {line.get('commit', '?')}): median, min-max",
-                         fontsize=9)  # fmt: skip
-    return _save(fig, plt, path)
+    axes[0, 0].set_title(f"{line.get('bench')} on {line.get('card', '?')} (commit {line.get('commit', '?')})", fontsize=9)
+    return fig
+
+
+def plot_bench_line(line: dict, path: str | Path) -> Path:
+    """One benchmark JSON line as a PNG (bench_line_figure)."""
+    return _save(bench_line_figure(line), _pyplot(), path)
 
 
 def plot_caching_tradeoff(line: dict, path: str | Path) -> Path:
@@ -131,10 +178,13 @@ def plot_caching_tradeoff(line: dict, path: str | Path) -> Path:
         m = speedup["median"]
         ax.errorbar(quality["final_rel_l2"], m, yerr=[[m - speedup["min"]], [speedup["max"] - m]], fmt="o", capsize=3)
         ax.annotate(name, (quality["final_rel_l2"], m), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    ax.axhline(1.0, color="grey", linewidth=1, linestyle="--")
-    ax.set_xlabel("final relative L2 against the uncached run")
-    ax.set_ylabel("speedup (median, min-max)")
-    ax.set_title(f"step caching on {line.get('card', '?')}, {line.get('steps', '?')} steps", fontsize=9)
+    ax.axhline(1.0, color="grey", linewidth=1, linestyle="--")  # 1.0: as fast as uncached
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("final relative L2 against the uncached latents (0: identical)")
+    ax.set_ylabel("speedup over uncached (x)")
+    ax.set_title(f"step caching on {line.get('card', '?')}, {line.get('steps', '?')} steps: median speedup, bar min-max, "
+                 "dashed 1.0", fontsize=8)  # fmt: skip
     ax.grid(alpha=0.3)
     return _save(fig, plt, path)
 

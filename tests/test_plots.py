@@ -72,3 +72,54 @@ def test_bench_plot_draws_what_the_benchmark_printed(tmp_path):
     assert result.exit_code == 0, result.output
     line = json.loads(next(text for text in result.stdout.splitlines() if text.startswith("{")))
     assert line["bench"] == "distilled" and _png(out)
+
+
+def test_bench_plots_read_in_words_from_zero_with_the_ratio_line_and_log_axes_for_decades():
+    from fvgraph.plots import bench_line_figure
+
+    spread = lambda lo, mid, hi: {"repeats": 3, "min": lo, "median": mid, "max": hi}  # noqa: E731
+    line = {"bench": "distilled", "card": "wan-cpu-bench", "commit": "abc",
+            "s_per_request": {"base_50step_cfg": spread(9.9, 10.3, 14.0), "distilled_4step": spread(0.4, 0.5, 0.6)},
+            "time_ratio_per_round": {"base_vs_distilled": spread(19.9, 26.7, 27.0)},
+            "gflops_per_s": {"gemm_384x512x512": spread(180.0, 190.0, 195.0)},
+            "samples_per_s": {"engine": spread(0.01, 0.02, 0.03), "loop": spread(5.0, 6.0, 7.0)}}  # fmt: skip
+    fig = bench_line_figure(line)
+    by_label = {ax.get_xlabel(): ax for ax in fig.axes}
+    assert set(by_label) == {"seconds (median, bar: min-max)", "ratio, x (dashed: 1.0) (median, bar: min-max)",
+                             "GFLOP/s (median, bar: min-max)", "samples/s (median, bar: min-max), log scale"}  # fmt: skip
+    seconds = by_label["seconds (median, bar: min-max)"]
+    assert seconds.get_xlim()[0] == 0  # the 20x between the two shows on one axis from zero
+    assert [t.get_text() for t in seconds.get_yticklabels()] == ["per request / base 50step cfg", "per request / distilled 4step"]
+    ratio = by_label["ratio, x (dashed: 1.0) (median, bar: min-max)"]
+    assert ratio.get_xlim()[0] == 0 and any(list(l.get_xdata()) == [1.0, 1.0] for l in ratio.get_lines())
+    assert by_label["samples/s (median, bar: min-max), log scale"].get_xscale() == "log"
+    labels = [t.get_text() for ax in fig.axes for t in ax.get_yticklabels()]
+    assert all("_" not in label for label in labels), labels
+
+
+def test_the_parity_heatmap_labels_its_axes(monkeypatch, tmp_path):
+    import fvgraph.plots as plots
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, plt, path: figures.append(fig) or Path(path))
+    report = compare("tiny-wan", [Request(prompt="a fox", seed=0, num_inference_steps=1, num_frames=1, height=32, width=32)],
+                     Setting(0), Setting(0, batched=True))  # fmt: skip
+    plot_parity(report, tmp_path / "p.png")
+    ax = figures[0].axes[0]
+    assert ax.get_xlabel() == "request r, denoise step s" and ax.get_ylabel() == "tap (execution order)"
+    assert figures[0].axes[1].get_ylabel().startswith("max |a - b|, log scale")
+
+
+def test_plot_results_reports_what_it_skipped(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("plot_results", RESULTS.parent / "plot_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    spread = {"repeats": 2, "min": 1.0, "median": 1.5, "max": 2.0}
+    results = tmp_path / "r.jsonl"
+    results.write_text("\n".join(json.dumps(line) for line in (
+        {"bench": "step", "per_step_ms": {"a": spread}}, {"bench": "profile_step", "ops": {"addmm": 0.7}},
+        {"bench": "lora", "per_step_ms": {"a": spread}})) + "\n")  # fmt: skip
+    assert len(module.main([str(results), "--out", str(tmp_path / "out")])) == 2
+    assert capsys.readouterr().err.strip() == f"{results}: plotted 2 of 3 lines, skipped 1 (1 without spreads: lines 2 (profile_step))"
+    assert len(module.main([str(results), "--out", str(tmp_path / "out"), "--bench", "step"])) == 1
+    assert capsys.readouterr().err.strip() == (f"{results}: plotted 1 of 3 lines, skipped 2 (2 of another bench: lines 2 "
+                                               "(profile_step), 3 (lora))")  # fmt: skip
