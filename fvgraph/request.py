@@ -17,17 +17,20 @@ from __future__ import annotations
 import secrets
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
+from fvgraph.adapters.names import bad_name
 from fvgraph.behavior import BehaviorRecord, RolloutSampling
 from fvgraph.card import ModelCard
 from fvgraph.caching.settings import CacheSettings, NoCache
 from fvgraph.caching.methods import parse_cache_settings
 from fvgraph.contract.model_facts import ModelFacts
+from fvgraph.media_file import write_video
 from fvgraph.request_image import to_rgb_image
 
 # Ids are echoed into result lines, logs and file names: bounded, printable.
@@ -176,6 +179,9 @@ class Request(BaseModel):
     def _lora_scales(cls, value):
         if isinstance(value, dict):
             for name, scale in value.items():
+                why = bad_name(name)  # held to the rule loading holds names to, and quoted short
+                if why is not None:
+                    raise ValueError(why)
                 if isinstance(scale, bool) or not isinstance(scale, int | float) or not np.isfinite(scale) or abs(scale) > 100:
                     raise ValueError(f"loras[{name!r}]={scale!r} must be a finite number in [-100, 100]")
         return value
@@ -362,3 +368,13 @@ class Result:
     def images(self) -> np.ndarray | None:
         """The frames as images, uint8 [N, H, W, 3]: an image card's request gives one (N = 1)."""
         return self.frames
+
+    def save(self, path: str | Path, fps: int = 8) -> Path:
+        """Write the frames to `path`, the format by its extension: .mp4 (H.264 through PyAV, as
+        diffusers' `export_to_video` writes one) or .gif at `fps`; a one-frame result also .png, .jpg
+        or .webp (fvgraph/media_file.py). ValueError when the result has no frames or the file cannot
+        hold them."""
+        if self.frames is None:
+            raise ValueError(f"request {self.request_id} ended {self.status!r} with no frames to save"
+                             + (f": {self.error}" if self.error else ""))  # fmt: skip
+        return write_video(self.frames, path, fps=fps)

@@ -22,7 +22,7 @@ from fvgraph.serving.http_app import HttpSettings, create_app
 from fvgraph.serving.media_encode import decode_mp4, encode_spritesheet, sprite_grid
 from fvgraph.serving.memory_reservation import MemoryModel
 from fvgraph.serving.shared_video_store import SharedVideoStore
-from fvgraph.serving.video_io import write_video
+from fvgraph.media_file import write_video
 from fvgraph.serving.video_store import StoredVideo, VideoStore
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks the videos API deprecated

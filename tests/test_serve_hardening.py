@@ -162,7 +162,7 @@ def test_mp4_is_written_with_pyav(tmp_path):
     import numpy as np
 
     from fvgraph.serving.media_encode import encode_mp4
-    from fvgraph.serving.video_io import write_video
+    from fvgraph.media_file import write_video
 
     frames = np.random.default_rng(0).integers(0, 255, size=(5, 32, 48, 3), dtype=np.uint8)
     path = write_video(frames, tmp_path / "v.mp4", fps=8)

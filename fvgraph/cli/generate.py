@@ -61,7 +61,7 @@ def generate(
     timing table. MODEL: a card name, a Hub repo id or a local diffusers folder."""
     from fvgraph.parallel.executor import ParallelExecutor
     from fvgraph.request import Request
-    from fvgraph.serving.video_io import check_video_output, write_video
+    from fvgraph.media_file import check_video_output, write_video
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     began = time.perf_counter()
@@ -160,7 +160,7 @@ def generate(
 def check_output_holds(output: Path, card, num_frames: Optional[int]) -> None:
     """ValueError naming --output when the file cannot hold what the card makes (an image file for a
     video), before anything loads."""
-    from fvgraph.serving.video_io import IMAGE_SUFFIXES
+    from fvgraph.media_file import IMAGE_SUFFIXES
 
     frames = num_frames or card.shapes.default_frames
     if output.suffix.lower() in IMAGE_SUFFIXES and frames > 1:

@@ -1,7 +1,7 @@
 """A run's progress where the time goes: steps done of the total, and the wait under way (compiling a
 step graph at a batch bucket, loading one, decoding) with its elapsed seconds.
 
-    with RunProgress(console, "denoise", total=16) as progress:
+    with RunProgress(console, stepped_phase, total=16) as progress:
         engine.generate(requests, on_step=lambda state, kind: progress.advance())
 
 On a terminal: a rich bar whose label is the wait under way, ticking. Otherwise (a log file, CI, a

@@ -66,7 +66,7 @@ def serve(
 
     from fvgraph.serving.http_cors import check_origins
     from fvgraph.serving.jsonl_server import JsonlServer, StdoutLines
-    from fvgraph.serving.video_io import check_video_output
+    from fvgraph.media_file import check_video_output
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     # What an operator reads: each request as it ends and the throughput (serving/access_log.py), and each

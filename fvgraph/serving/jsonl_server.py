@@ -41,7 +41,7 @@ from safetensors.torch import save_file
 
 from fvgraph.engine.engine import Engine
 from fvgraph.request import MAX_REQUEST_ID_LENGTH, Request, RequestRejected, Result
-from fvgraph.serving.video_io import check_video_output, write_video
+from fvgraph.media_file import check_video_output, write_video
 
 log = logging.getLogger(__name__)
 # request_id becomes a file name: no separators, no leading dot.

@@ -18,12 +18,13 @@ import av
 import numpy as np
 from PIL import Image
 
+from fvgraph.media_file import write_mp4
+
 
 # The frame rates a served mp4 is written at: each is kept as given (to 1/1001 precision), so a
 # video's length is frames / mp4_rate(fps). Below 1/1001 the rate would round to 0, which libx264
 # silently replaces by 24.
 MIN_FPS, MAX_FPS = 1.0, 120.0
-FASTSTART = {"movflags": "+faststart"}  # the mp4 muxer's option: moov before mdat
 SPRITE_MAX_SIDE = 256  # a spritesheet's tiles are the frames scaled down to at most this many pixels a side
 
 
@@ -46,27 +47,6 @@ def encode_mp4(frames: np.ndarray, fps: float) -> bytes:
         path = Path(folder) / "video.mp4"
         write_mp4(frames, path, mp4_rate(fps))
         return path.read_bytes()
-
-
-def write_mp4(frames: np.ndarray, path: Path, rate: Fraction | int, codec: str = "libx264") -> None:
-    """uint8 [T, H, W, 3] -> a faststart mp4 at `path`, `rate` frames per second: what the server sends
-    and what the CLI and the JSON-lines server write (they fall back to MPEG-4 part 2 where PyAV's
-    FFmpeg has no H.264)."""
-    _, height, width, _ = frames.shape
-    if height % 2 or width % 2:  # yuv420p stores chroma at half resolution
-        raise ValueError(f"an mp4 (yuv420p) needs an even height and width, got {height}x{width}")
-    with av.open(str(path), mode="w", format="mp4", options=FASTSTART) as container:
-        stream = container.add_stream(codec, rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        if codec == "libx264":
-            # mbtree off: with it, on a CPU with AVX-512, libx264 encoded the same 32x32 frames to
-            # different bitstreams from call to call in one process (one frame's decisions differed);
-            # without it, one input is one bitstream again (tests/test_http_*.py compare served videos
-            # bit for bit).
-            stream.options = {"crf": "18", "preset": "veryfast", "x264-params": "mbtree=0"}
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
-        container.mux(stream.encode())  # flush the encoder's delayed frames
 
 
 def decode_mp4(data: bytes) -> np.ndarray:

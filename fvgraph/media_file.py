@@ -1,7 +1,8 @@
-"""Writing generated frames to a file a person can open: .gif (Pillow) or .mp4 (PyAV, through the
-served mp4's writer, fvgraph/serving/media_encode.py: H.264 when its FFmpeg has it, MPEG-4 part 2
-otherwise; faststart: the index before the frames, so it plays while it downloads), or, for a
-one-frame result (an image card's), .png, .jpg or .webp (Pillow).
+"""Writing generated frames to a file a person can open: .gif (Pillow) or .mp4 (PyAV: H.264 when its
+FFmpeg has it, MPEG-4 part 2 otherwise; faststart: the index before the frames, so it plays while it
+downloads; the server's mp4s, fvgraph/serving/media_encode.py, are written by the same `write_mp4`),
+or, for a one-frame result (an image card's), .png, .jpg or .webp (Pillow). `Result.save(path)`, the
+CLI and the JSON-lines server write through it.
 
 `check_video_output` checks a path's suffix, the frame rate and, for .mp4, that an encoder is there,
 so a command can refuse bad output options before it does any work.
@@ -9,6 +10,7 @@ so a command can refuse bad output options before it does any work.
 
 from __future__ import annotations
 
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ from diffusers.utils import export_to_gif
 from PIL import Image
 
 VIDEO_SUFFIXES = (".gif", ".mp4")
+FASTSTART = {"movflags": "+faststart"}  # the mp4 muxer's option: moov before mdat
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
@@ -60,7 +63,28 @@ def write_video(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
     elif path.suffix.lower() == ".gif":
         export_to_gif([Image.fromarray(frame) for frame in frames], str(path), fps=fps)
     else:
-        from fvgraph.serving.media_encode import write_mp4  # PyAV: imported where an .mp4 is written
-
         write_mp4(frames, path, fps, _mp4_codec())
     return path
+
+
+def write_mp4(frames: np.ndarray, path: Path, rate: Fraction | int, codec: str = "libx264") -> None:
+    """uint8 [T, H, W, 3] -> a faststart mp4 at `path`, `rate` frames per second: what the server sends
+    and what the CLI and the JSON-lines server write (they fall back to MPEG-4 part 2 where PyAV's
+    FFmpeg has no H.264)."""
+    import av  # PyAV: imported where an .mp4 is written
+
+    _, height, width, _ = frames.shape
+    if height % 2 or width % 2:  # yuv420p stores chroma at half resolution
+        raise ValueError(f"an mp4 (yuv420p) needs an even height and width, got {height}x{width}")
+    with av.open(str(path), mode="w", format="mp4", options=FASTSTART) as container:
+        stream = container.add_stream(codec, rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if codec == "libx264":
+            # mbtree off: with it, on a CPU with AVX-512, libx264 encoded the same 32x32 frames to
+            # different bitstreams from call to call in one process (one frame's decisions differed);
+            # without it, one input is one bitstream again (tests/test_http_*.py compare served videos
+            # bit for bit).
+            stream.options = {"crf": "18", "preset": "veryfast", "x264-params": "mbtree=0"}
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
+        container.mux(stream.encode())  # flush the encoder's delayed frames
