@@ -55,10 +55,10 @@ def test_o2_on_a_cpu_says_once_that_cuda_graphs_need_a_gpu(tmp_path):
     assert " ".join(result.output.split()).count("CUDA graphs apply only on a GPU") == 1
 
 
-def test_generate_serve_parity_and_warmup_share_one_opt_level_default():
+def test_every_command_with_an_opt_level_shares_one_default():
     command = typer.main.get_command(app)
     defaults = {}
-    for name in ("generate", "serve", "parity", "warmup"):
+    for name in ("generate", "serve", "serve-ray", "parity", "warmup"):
         [option] = [p for p in command.commands[name].params if p.name == "opt_level"]
         defaults[name] = option.default
     assert set(defaults.values()) == {DEFAULT_OPT_LEVEL} == {1}, defaults

@@ -82,6 +82,16 @@ def test_served_names_origins_and_playground_reach_the_replicas_http_settings(tm
     assert defaults.model_names.listed == ["tiny-wan"] and defaults.allowed_origins == () and defaults.playground is True
 
 
+def test_a_hub_repo_id_reaches_the_replicas_as_given_and_a_folder_as_an_absolute_path(tmp_path, monkeypatch):
+    repo = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    built = _built_spec(monkeypatch, tmp_path, ["--card", "wan2.1-t2v-1.3b", "--checkpoint", repo])
+    assert built["checkpoint"] == repo and built["settings"].model_names.listed == ["wan2.1-t2v-1.3b", repo]
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert _built_spec(monkeypatch, tmp_path, ["--checkpoint", "weights"])["checkpoint"] == str(folder.resolve())
+
+
 def test_replica_spec_names_the_field_and_the_rule(tmp_path):
     pytest.importorskip("ray", reason="the ray extra is not installed")
     from fvgraph.serving.ray_deployment import ReplicaSpec, build_app

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from fvgraph.cli.options import CACHE_METHODS_OPTION
+from fvgraph.cli.options import CACHE_METHODS_OPTION, opt_level_option
 
 
 def serve_ray(
@@ -35,8 +35,9 @@ def serve_ray(
     host: str = typer.Option("127.0.0.1", help="The address Ray Serve's HTTP proxy binds (0.0.0.0 to serve other machines)."),
     port: int = typer.Option(8000, help="The port Ray Serve's HTTP proxy listens on."),
     card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights (the same path on every machine)."),
-    opt_level: int = typer.Option(1, "-O", "--opt-level", help="0 eager, 1 compiled + batched steps, 2 + CUDA graphs, 3 + FP8 kernels."),
+    checkpoint: Optional[str] = typer.Option(None, help="The card's weights: a Hub repo id (each replica resolves it through its "
+                                             "own Hub cache) or a local diffusers folder (the same path on every machine)."),
+    opt_level: int = opt_level_option(),
     no_cudagraph: bool = typer.Option(False, "--no-cudagraph", help="At -O2, keep everything but the CUDA graphs."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
     compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor (at -O1 and up)."),
@@ -78,7 +79,7 @@ def serve_ray(
         writable_dir(storage_dir, "--storage-dir")
         bindable(host, port)
         spec = ReplicaSpec(
-            storage_dir=str(storage_dir.resolve()), card=card, checkpoint=_absolute(checkpoint), opt_level=opt_level,
+            storage_dir=str(storage_dir.resolve()), card=card, checkpoint=_replica_checkpoint(checkpoint), opt_level=opt_level,
             device=device, cache_dir=_absolute(cache_dir), freeze=fail_on_recompile, max_queue=max_queue,
             engine_kwargs={"compile_config": compile_config(compile_backend, disable_pass), "enforce_eager": enforce_eager,
                            "cuda_graphs": not no_cudagraph, "max_running": max_running,
@@ -139,7 +140,7 @@ def _autoscaling(text: str) -> dict:
     return config
 
 
-def _http_settings(card_name: str, shapes, warm_default: bool, aliases: list[str], checkpoint: Optional[Path], **fields):
+def _http_settings(card_name: str, shapes, warm_default: bool, aliases: list[str], checkpoint: Optional[str], **fields):
     """HttpSettings as `fvgraph serve --port` makes them: its warmup shapes, the names `model` may
     give (the card id, the aliases, the checkpoint's name), and `fields` as given."""
     from fvgraph.cards import get_card
@@ -152,6 +153,13 @@ def _http_settings(card_name: str, shapes, warm_default: bool, aliases: list[str
         shapes = [(card.shapes.default_frames, card.shapes.default_height, card.shapes.default_width)]
     return HttpSettings(warmup=warmup_requests(card, shapes), model_names=ServedNames.of(card.card_id, aliases, checkpoint),
                         **fields)  # fmt: skip
+
+
+def _replica_checkpoint(checkpoint: Optional[str]) -> Optional[str]:
+    """A Hub repo id as given (each replica resolves it), a folder as an absolute path."""
+    from fvgraph.models.hub_checkpoint import looks_like_repo_id
+
+    return checkpoint if checkpoint is None or looks_like_repo_id(checkpoint) else _absolute(Path(checkpoint))
 
 
 def _absolute(path: Optional[Path]) -> Optional[str]:
