@@ -24,7 +24,7 @@ def cache_line(cache: dict) -> str:
 
 def calibrate(
     card: str = typer.Option("tiny-wan", help="Card name (see `fvgraph env`)."),
-    checkpoint: Optional[Path] = typer.Option(None, help="Local diffusers folder with the card's weights."),
+    checkpoint: Optional[str] = typer.Option(None, help="The card's weights: a Hub repo id or a local diffusers folder."),
     num_inference_steps: int = typer.Option(..., "--steps", help="Steps of the calibration run (ratios are interpolated to other counts)."),
     method: str = typer.Option("magcache", help="The cache method whose settings are calibrated."),
     prompt: str = typer.Option("a red fox running through fresh snow", "--prompt", "-p"),

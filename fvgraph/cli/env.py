@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -15,7 +14,8 @@ from fvgraph.cli.options import BOUNDARY_RATIO_OPTION, DTYPE_OPTION, FLOW_SHIFT_
 def env(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     card: Optional[str] = typer.Option(None, help="Also list the recipe a run of this card uses (loads no weights)."),
-    checkpoint: Optional[Path] = typer.Option(None, help="With --card: set each recipe value beside what this folder says."),
+    checkpoint: Optional[str] = typer.Option(None, help="With --card: set each recipe value beside what this checkpoint "
+                                             "(a local folder or a Hub repo id in the Hub cache) says."),
     dtype: Optional[str] = DTYPE_OPTION,
     flow_shift: Optional[float] = FLOW_SHIFT_OPTION,
     boundary_ratio: Optional[float] = BOUNDARY_RATIO_OPTION,
@@ -24,6 +24,7 @@ def env(
     with --card, the precision and recipe a run uses, and where a --checkpoint says otherwise."""
     from fvgraph.cards import card_names, get_card
     from fvgraph.env_report import environment
+    from fvgraph.models.hub_checkpoint import local_checkpoint
     from fvgraph.runtime.checkpoint_recipe import recipe_values
 
     report = environment()
@@ -31,11 +32,12 @@ def env(
     if card is not None:
         try:
             chosen = chosen_card_from_options(get_card(card), dtype, flow_shift, boundary_ratio)
+            folder = None if checkpoint is None else local_checkpoint(checkpoint)
         except (KeyError, ValueError) as err:
             console.print(f"[red]error:[/red] {err}")
             raise typer.Exit(2) from None
         report["precision"] = chosen.recipe.precision
-        for value in recipe_values(chosen, checkpoint) if checkpoint is not None else ():
+        for value in recipe_values(chosen, folder) if folder is not None else ():
             report[f"recipe {value.key}"] = str(value) + (" (differs)" if value.differs else "")
         if checkpoint is None:
             report["recipe flow_shift"] = str(chosen.recipe.sampler.config.get("flow_shift"))
