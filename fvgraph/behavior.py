@@ -16,6 +16,7 @@ attention backend, parallel plan).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -74,4 +75,43 @@ class BehaviorRecord:
             tensors = load_file(str(path))
         except Exception as err:  # unreadable, not safetensors, or no record in its metadata
             raise ValueError(f"{path}: not a saved BehaviorRecord ({err})") from None
+        _check_values(path, values)
+        _check_tensors(path, tensors, values["guidance_scale"] > 1)
         return cls(**values, **{name: tensors.get(name) for name in TENSORS})
+
+
+# The record's fields besides its tensors, with the types a saved one must hold (JSON's).
+_VALUES = {"request_id": (str,), "seed": (int,), "noise_level": (int, float), "guidance_scale": (int, float),
+           "group": (int, type(None)), "provenance": (dict,)}  # fmt: skip
+
+
+def _check_values(path: str | Path, values) -> None:
+    """ValueError naming the file and the field for metadata a saved record cannot hold."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: the record's metadata is a {type(values).__name__}, not an object of its fields")
+    missing, unknown = sorted(set(_VALUES) - set(values) - {"group", "provenance"}), sorted(set(values) - set(_VALUES))
+    if missing or unknown:
+        raise ValueError(f"{path}: the record's metadata " + (f"lacks {', '.join(missing)}" if missing else f"has unknown fields {', '.join(unknown)}"))
+    for name, kinds in _VALUES.items():
+        value = values.get(name)
+        if name in values and (not isinstance(value, kinds) or isinstance(value, bool)):
+            raise ValueError(f"{path}: field {name}={value!r} must be {' or '.join(k.__name__ for k in kinds)}")
+    for name in ("noise_level", "guidance_scale"):
+        if not math.isfinite(values[name]):
+            raise ValueError(f"{path}: field {name}={values[name]!r} must be finite")
+
+
+def _check_tensors(path: str | Path, tensors: dict[str, torch.Tensor], cfg: bool) -> None:
+    """ValueError naming the file and the tensor for a missing one or shapes that do not agree."""
+    required = [name for name in TENSORS if name != "negative_prompt_embeds" or cfg]
+    for name in required:
+        if name not in tensors:
+            raise ValueError(f"{path}: the record has no {name!r} tensor" + (" (guidance_scale > 1 needs it)" if name.startswith("negative") else ""))
+    steps = tensors["timesteps"].shape[0] if tensors["timesteps"].ndim == 1 else -1
+    expected = {"timesteps": (steps,), "coeffs": (steps, 4), "log_probs": (steps,)}
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape or steps < 1:
+            raise ValueError(f"{path}: tensor {name!r} has shape {list(tensors[name].shape)}, expected {list(shape)} "
+                             "(N steps: timesteps [N], coeffs [N, 4], log_probs [N])")  # fmt: skip
+    if tensors["latents"].ndim < 2 or tensors["latents"].shape[0] != steps + 1:
+        raise ValueError(f"{path}: tensor 'latents' has shape {list(tensors['latents'].shape)}, expected [{steps + 1}, ...] (N + 1)")

@@ -29,6 +29,10 @@ import torch
 from torch import nn
 
 DENOISER_PREFIX = "transformer."
+MAX_SAFETENSORS_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+# The largest value an adapted linear may add, bound as |scaling| * max|up| * max|down| * rank: past
+# float32's range the slot's product is Inf, and a row that multiplies it by 0 gets NaN.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class AdapterError(ValueError):
@@ -65,8 +69,7 @@ class LoraWeights:
 def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> LoraWeights:
     """Read and check a local LoRA file (`.safetensors`, any key format diffusers converts for this family)."""
     path = Path(path)
-    if not path.is_file():
-        raise AdapterError(f"lora path {str(path)!r} is not a file: pass a local .safetensors file")
+    check_safetensors(path)
     pipeline = getattr(diffusers, pipeline_class)
     # Families whose files may carry kohya-style `.alpha` keys (FLUX) return them apart, as network
     # alphas, when asked; diffusers' load_lora_weights then builds the LoraConfig from them.
@@ -90,13 +93,38 @@ def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> 
     alphas = {k.removeprefix(DENOISER_PREFIX): v for k, v in (alphas or {}).items() if k.startswith(DENOISER_PREFIX)} or None
     if alphas and metadata:  # diffusers' load_lora_adapter refuses the pair too
         raise AdapterError(f"lora {str(path)!r} has both `.alpha` keys and a LoraConfig in its metadata: keep one")
-    config = _lora_config(state_dict, alphas, metadata, transformer)
+    try:  # the file's metadata builds the config: r=0, an unknown key or a text alpha fail inside peft
+        config = _lora_config(state_dict, alphas, metadata, transformer)
+    except AdapterError:
+        raise
+    except Exception as err:
+        raise AdapterError(f"lora {str(path)!r}: its LoraConfig (metadata, `.alpha` keys or ranks) is not valid: "
+                           f"{type(err).__name__}: {err}") from None  # fmt: skip
     if config.use_dora:
         raise AdapterError(f"lora {str(path)!r} is a DoRA adapter, which adapter slots do not support")
     modules = {}
     for name in sorted({k.split(".lora_")[0] for k in state_dict}):
-        modules[name] = _checked_module(name, state_dict, transformer, config)
+        modules[name] = _checked_module(name, state_dict, transformer, config, path)
     return LoraWeights(str(path), modules, _digest(modules))
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse, before anything reads it whole, a path that is not a regular file holding a safetensors
+    header: diffusers would fall back to `torch.load` and then read an unknown file as text."""
+    shown = str(path) if len(str(path)) <= 300 else f"{str(path)[:300]}... ({len(str(path))} characters)"
+    try:
+        if not path.is_file():
+            raise AdapterError(f"lora path {shown!r} is not a file: pass a local .safetensors file")
+        if path.suffix != ".safetensors":
+            raise AdapterError(f"lora path {shown!r}: adapters load from .safetensors files only")
+        with path.open("rb") as file:  # 8 bytes of header length, then the JSON header
+            head = file.read(9)
+        size = path.stat().st_size
+    except OSError as err:  # a name too long, a permission denied: the path, not a traceback
+        raise AdapterError(f"lora path {shown!r} cannot be opened: {err.strerror or type(err).__name__}") from None
+    length = int.from_bytes(head[:8], "little") if len(head) == 9 else -1
+    if length <= 0 or length > min(size - 8, MAX_SAFETENSORS_HEADER) or head[8:9] != b"{":
+        raise AdapterError(f"lora path {shown!r} is not a safetensors file (no valid header)")
 
 
 def _lora_config(state_dict: dict, alphas: dict | None, metadata: dict | None, transformer: nn.Module):
@@ -110,16 +138,25 @@ def _lora_config(state_dict: dict, alphas: dict | None, metadata: dict | None, t
     return _create_lora_config(state_dict, alphas, metadata, rank, model_state_dict=transformer.state_dict())
 
 
-def _scaling(config, name: str) -> float:
-    """The scaling peft gives module `name` under `config` (LoraModel._create_and_replace, LoraLayer.update_layer)."""
+def _scaling(config, name: str, path: Path) -> float:
+    """The scaling peft gives module `name` under `config` (LoraModel._create_and_replace, LoraLayer.update_layer),
+    refused naming the file unless it is a finite number within float32's range."""
     from peft.utils.other import get_pattern_key
 
     r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), name), config.r)
     alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), name), config.lora_alpha)
-    return alpha / math.sqrt(r) if config.use_rslora else alpha / r
+    try:
+        scaling = float(alpha / math.sqrt(r) if config.use_rslora else alpha / r)
+    except (TypeError, ZeroDivisionError, ValueError) as err:
+        raise AdapterError(f"lora {str(path)!r}: module {name}: lora_alpha={alpha!r} and r={r!r} give no scaling "
+                           f"({type(err).__name__}: {err}); both must be numbers, r > 0") from None  # fmt: skip
+    if not math.isfinite(scaling) or abs(scaling) > FLOAT32_MAX:
+        raise AdapterError(f"lora {str(path)!r}: module {name}: scaling lora_alpha / r = {scaling!r} (lora_alpha={alpha!r}, "
+                           f"r={r!r}) is not a finite float32")  # fmt: skip
+    return scaling
 
 
-def _checked_module(name: str, state_dict: dict, transformer: nn.Module, config) -> LoraModule:
+def _checked_module(name: str, state_dict: dict, transformer: nn.Module, config, path: Path) -> LoraModule:
     key_a, key_b = f"{name}.lora_A.weight", f"{name}.lora_B.weight"
     if key_a not in state_dict or key_b not in state_dict:
         raise AdapterError(f"lora key {DENOISER_PREFIX}{name}: needs both {key_a!r} and {key_b!r}")
@@ -139,11 +176,19 @@ def _checked_module(name: str, state_dict: dict, transformer: nn.Module, config)
     bias = state_dict.get(f"{name}.lora_B.bias")
     if bias is not None and list(bias.shape) != [out_features]:
         raise AdapterError(f"lora key {DENOISER_PREFIX}{name}.lora_B.bias has shape {list(bias.shape)}, expected [{out_features}]")
+    if down.shape[0] == 0:
+        raise AdapterError(f"lora key {DENOISER_PREFIX}{key_a} has rank 0 (factors {list(down.shape)}): nothing to adapt")
     for key, t in ((key_a, down), (key_b, up), (f"{name}.lora_B.bias", bias)):
         if t is not None and not torch.isfinite(t).all():
             raise AdapterError(f"lora key {DENOISER_PREFIX}{key} holds NaN or Inf values")
-    return LoraModule(down.detach().float(), up.detach().float(), None if bias is None else bias.detach().float(),
-                      float(_scaling(config, name)))  # fmt: skip
+    scaling = _scaling(config, name, path)
+    bound = abs(scaling) * float(up.abs().max()) * float(down.abs().max()) * down.shape[0]
+    if bias is not None:
+        bound = max(bound, abs(scaling) * float(bias.abs().max()))
+    if bound > FLOAT32_MAX:
+        raise AdapterError(f"lora key {DENOISER_PREFIX}{name}: scaling x factors reach {bound:.3g}, past float32's range "
+                           f"({FLOAT32_MAX:.3g}): the adapter would add Inf")  # fmt: skip
+    return LoraModule(down.detach().float(), up.detach().float(), None if bias is None else bias.detach().float(), scaling)
 
 
 def _digest(modules: dict[str, LoraModule]) -> str:

@@ -15,7 +15,6 @@ the scale they were merged with.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,9 @@ import torch
 from torch import nn
 
 from fvgraph.adapters.lora_file import AdapterError, LoraWeights, read_lora
+from fvgraph.adapters.names import bad_name
 from fvgraph.adapters.slots import SlotStore
 
-NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 @dataclass
@@ -165,6 +164,6 @@ class AdapterRegistry:
 
 
 def check_name(name: str) -> None:
-    if not isinstance(name, str) or not NAME_RULE.fullmatch(name):
-        raise AdapterError(f"lora name {name!r} must be 1-64 characters of letters, digits, '.', '_' or '-', "
-                           "starting with a letter or digit")  # fmt: skip
+    why = bad_name(name)
+    if why is not None:
+        raise AdapterError(why)

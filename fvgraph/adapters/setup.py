@@ -11,6 +11,7 @@ Merging comes first, so FP8 copies (-O3) and every signature see the merged weig
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,6 +41,9 @@ class AdapterSetup:
 
 def engine_adapter_setup(card, loras: dict | None, merge_loras: dict | None, slots: LoraSlots | None) -> AdapterSetup | None:
     """What Engine.from_card's `loras`, `merge_loras` and `lora_slots` ask for, with the card's recipe adapter."""
+    for name, scale in (merge_loras or {}).items():  # fused into the weights: NaN there fails every request
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale) or abs(scale) > 100:
+            raise AdapterError(f"merge_loras[{name!r}]={scale!r} must be a finite number in [-100, 100]")
     setup = AdapterSetup(dict(loras or {}), dict(merge_loras or {}), slots) if loras or slots else None
     return with_recipe_adapter(card, setup)
 

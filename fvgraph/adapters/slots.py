@@ -165,12 +165,17 @@ class SlotLinear:
             raise AdapterError(f"adapter rows: a linear's input has leading dim {x.shape[0]}, not a multiple of the {rows} batch rows")
         t = self.slots
         rank = t.down.shape[1]
-        s = (scale * t.scaling[index]).to(x.dtype)  # [N, K]
+        # A row's unused places (scale 0) point at slot 0, whatever it holds: they must read nothing of
+        # it, since 0 x Inf is NaN. `where` selects zeros there and leaves the used places' values as they were.
+        used = scale != 0  # [N, K]
+        s = torch.where(used, scale * t.scaling[index], 0.0).to(x.dtype)  # [N, K]
+        used_rank = used.repeat_interleave(rank, dim=1)  # [N, K*R]
         x3 = x.reshape(rows, -1, x.shape[-1])  # [N, T, in]: a row's tokens are contiguous
         down = t.down[index].flatten(1, 2)  # [N, K*R, in]
-        up = t.up[index].flatten(1, 2)  # [N, K*R, out]
-        h = torch.bmm(x3, down.transpose(1, 2)) * s.repeat_interleave(rank, dim=1).unsqueeze(1)
-        delta = torch.bmm(h, up) + (s.unsqueeze(-1) * t.bias[index]).sum(1, keepdim=True)
+        up = torch.where(used_rank.unsqueeze(-1), t.up[index].flatten(1, 2), 0.0)  # [N, K*R, out]
+        h = torch.where(used_rank.unsqueeze(1), torch.bmm(x3, down.transpose(1, 2)) * s.repeat_interleave(rank, dim=1).unsqueeze(1), 0.0)
+        bias = torch.where(used.unsqueeze(-1), s.unsqueeze(-1) * t.bias[index], 0.0)
+        delta = torch.bmm(h, up) + bias.sum(1, keepdim=True)
         return y + delta.reshape(y.shape)
 
 

@@ -3,6 +3,7 @@ and checks of paths and shapes that fail before any work (a bad option must not 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -81,6 +82,8 @@ def adapter_options(lora: list[str], merge_lora: list[str], max_loras: Optional[
             merge[name] = float(text)
         except ValueError:
             raise ValueError(f"--merge-lora {name}={text!r}: the scale must be a number") from None
+        if not math.isfinite(merge[name]) or abs(merge[name]) > 100:  # the rule a request's scale follows
+            raise ValueError(f"--merge-lora {name}={text}: the scale must be a finite number in [-100, 100]")
     slots = None
     if max_loras is not None or max_lora_rank is not None:
         try:

@@ -13,6 +13,8 @@ from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, choose_mode
 from fvgraph.cli.options import (LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, adapter_options, console, opt_level_option,
                                  parse_level, writable_dir)  # fmt: skip
 
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib picks the format by suffix)
+
 
 def parity(
     card: Optional[str] = CARD_OPTION,
@@ -66,6 +68,10 @@ def parity(
         ]
         if report is not None:
             writable_dir(report.parent, "--report")  # the report is written after the whole comparison
+        if plot is not None:  # so is the plot: a bad path must not cost the run, nor read as a divergence
+            if plot.suffix.lower() not in PLOT_SUFFIXES:
+                raise ValueError(f"--plot {plot}: the file's suffix names its format, one of {', '.join(PLOT_SUFFIXES)}")
+            writable_dir(plot.parent, "--plot")
         if reference is None:
             cache_quality(card, checkpoint, opt_level, compile_backend, disable_pass, device, requests, cache, report)
             return

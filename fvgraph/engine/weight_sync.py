@@ -89,7 +89,11 @@ class WeightSync:
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
                 got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
                 raise ValueError(f"update_weights: {name!r} must be a tensor of shape {list(target.shape)}, got {got}")
-            if value.is_floating_point() and not torch.isfinite(value).all():
-                raise ValueError(f"update_weights: {name!r} holds NaN or Inf values")
-            pairs.append((target, value.detach().to(target.device, target.dtype)))
+            if value.is_complex() or value.dtype == torch.bool:
+                raise ValueError(f"update_weights: {name!r} is {value.dtype}; the denoiser's parameter is {target.dtype} (real values)")
+            cast = value.detach().to(target.device, target.dtype)
+            # Checked after the cast: a float64 1e300 is finite, and Inf once it is the parameter's dtype.
+            if cast.is_floating_point() and not torch.isfinite(cast).all():
+                raise ValueError(f"update_weights: {name!r} holds NaN or Inf values as {target.dtype} (the parameter's dtype)")
+            pairs.append((target, cast))
         return pairs
