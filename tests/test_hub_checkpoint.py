@@ -88,3 +88,14 @@ def test_a_folder_the_weights_do_not_place_lists_the_candidate_cards(tiny_checkp
     index = json.loads((folder / "model_index.json").read_text())
     (folder / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImagePipeline"}))
     assert card_for_checkpoint(folder, folder).card_id == "qwen-image"  # the one card serving the class
+
+
+def test_serve_takes_the_repo_id_as_its_model(hub_cache, tmp_path):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(json.dumps({"prompt": "a fox", "request_id": "fox", "num_inference_steps": 1, "num_frames": 1,
+                                    "height": 32, "width": 32}) + "\n")  # fmt: skip
+    result = CliRunner().invoke(app, ["serve", REPO_ID, "-O0", "--dtype", "fp32", "--requests", str(requests),
+                                      "-o", str(tmp_path / "out")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    [answer] = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert answer["request_id"] == "fox" and answer["status"] == "ok", answer
