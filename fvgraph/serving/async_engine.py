@@ -33,6 +33,7 @@ from fvgraph.serving.engine_commands import Accepted, Call, Cancel, EngineComman
 from fvgraph.serving.memory_reservation import MemoryModel, default_budget
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.serving.request_events import CancelReason, RequestEvent
+from fvgraph.serving.wait_events import WaitRelay
 
 log = logging.getLogger(__name__)
 Listener = Callable[[RequestEvent], None]
@@ -73,6 +74,8 @@ class AsyncEngine:
         self._started: set[str] = set()
         self._phase_seconds: dict[str, dict[str, float]] = {}
         self._stopping = False
+        # The engine thread's long waits (compiles) as `wait` events of the requests in it (wait_events.py).
+        self._waits = WaitRelay(lambda: self._thread, lambda: tuple(self._in_engine), self._send)
 
     # -- life cycle (event loop) -------------------------------------------------------------------
 
@@ -81,6 +84,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._idle.set()
         self._thread = threading.Thread(target=self._run, name="fvgraph-engine", daemon=True)
+        self._waits.attach()
         self._thread.start()
         self.accepting = True
 
@@ -117,6 +121,7 @@ class AsyncEngine:
         await self.drain(drain_timeout_s)
         self._commands.put(Stop())
         await asyncio.to_thread(self._thread.join)
+        self._waits.detach()
         self._thread = None
 
     async def __aenter__(self) -> AsyncEngine:

@@ -11,7 +11,7 @@ from typing import Literal
 
 from fvgraph.request import Result
 
-EventKind = Literal["queued", "started", "step", "done", "failed", "cancelled"]
+EventKind = Literal["queued", "started", "wait", "step", "done", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 # Why a request was cancelled: a client asked, its deadline passed, or the server shut down.
 CancelReason = Literal["client", "timeout", "shutdown"]
@@ -22,7 +22,9 @@ class RequestEvent:
     """One thing that happened to one request.
 
     `step` events carry the denoise step just done (`step`, 1-based) of `total`, the step kind, how
-    long the batch it ran in took (`step_seconds`) and how many requests shared it (`batch`). Terminal
+    long the batch it ran in took (`step_seconds`) and how many requests shared it (`batch`). `wait`
+    events name a long wait the engine is in while the request is in it (`activity`: "compiling
+    denoise_cfg, batch bucket 1"), once as it begins and once as it ends (`wait_seconds`). Terminal
     events (done / failed / cancelled) carry the Result; a cancelled one says why in `reason`.
     """
 
@@ -35,6 +37,8 @@ class RequestEvent:
     batch: int | None = None
     error: str | None = None
     reason: CancelReason | None = None
+    activity: str | None = None
+    wait_seconds: float | None = None
     result: Result | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -44,7 +48,7 @@ class RequestEvent:
     def to_json(self) -> dict:
         """The event as sent on the wire (no tensors or frames)."""
         body = {"request_id": self.request_id, "event": self.kind}
-        for name in ("step", "total", "step_kind", "step_seconds", "batch", "error", "reason"):
+        for name in ("step", "total", "step_kind", "step_seconds", "batch", "error", "reason", "activity", "wait_seconds"):
             value = getattr(self, name)
             if value is not None:
                 body[name] = round(value, 6) if isinstance(value, float) else value
