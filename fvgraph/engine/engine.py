@@ -57,7 +57,9 @@ from fvgraph.parallel.config import ParallelConfig
 from fvgraph.parallel.workers import WorkersLost
 from fvgraph.contract.model_facts import ModelFacts
 from fvgraph.models.hub_checkpoint import local_checkpoint
+from fvgraph.runtime.component_residency import ComponentResidency
 from fvgraph.runtime.projection_cache import ExactProjectionCache
+from fvgraph.runtime.residency_order import ResidentFirst
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.runtime.request_slot import RequestSlots
 from fvgraph.runtime.scheduler import Scheduler
@@ -68,11 +70,13 @@ log = logging.getLogger(__name__)
 class Engine:
     def __init__(self, card: ModelCard, loop: Loop, executor: EagerExecutor | CompiledExecutor, opt_level: int,
                  counters: Counters, buckets: BucketSpec, max_running: int, run_ahead: bool = False,
-                 projection_cache: ExactProjectionCache | None = None, adapters: AdapterRegistry | None = None):  # fmt: skip
+                 projection_cache: ExactProjectionCache | None = None, adapters: AdapterRegistry | None = None,
+                 residency: ComponentResidency | None = None):  # fmt: skip
         self.card = card
         self.buckets = buckets
         self.max_running = max_running
-        self._scheduler = Scheduler(loop, buckets, max_running)
+        self._scheduler = Scheduler(loop, buckets, max_running, None if residency is None else ResidentFirst(residency))
+        self.residency = None if residency is None else residency.ledger  # offload's ResidencyLedger (docs/memory.md)
         self._in_flight: dict[str, float] = {}  # submitted, not yet handed back: id -> submit time
         self._outbox: list[Result] = []  # ended, not yet handed back
         self.loop = loop
@@ -146,6 +150,7 @@ class Engine:
         lora_slots: LoraSlots | None = None,
         run_ahead: bool | None = None,
         vae_tiling: bool | dict | None = None,
+        offload: str | None = None,
     ) -> Engine:
         """Validate the card, then load its weights (seeded, or from a diffusers `checkpoint`: a local folder,
         or a Hub repo id resolved through huggingface_hub's cache, fvgraph/models/hub_checkpoint.py;
@@ -168,7 +173,8 @@ class Engine:
         `run_ahead` (None: on CUDA only): the host prepares the next batch while the device runs the last
         one, with the same results as the serial order (fvgraph/engine/run_ahead.py). `vae_tiling`: True tiles
         the VAE's decode and encode with diffusers' defaults for its class, a dict with the keywords of its
-        `enable_tiling(...)`; each tile is a step of its own (docs/memory.md).
+        `enable_tiling(...)`; each tile is a step of its own (docs/memory.md). `offload="components"`: each
+        component on the device only while its steps run, counted in `engine.residency` (docs/memory.md).
         """
         folder = None if checkpoint is None else local_checkpoint(checkpoint)
         if card is None and folder is None:
@@ -180,12 +186,12 @@ class Engine:
             projection_cache_bytes=projection_cache_bytes, buckets=buckets or BucketSpec(), max_running=max_running,
             debug=debug, taps=taps, text_encoder=text_encoder, calibration_dir=calibration_dir,
             step_caching_methods=cache_methods, parallel=parallel,
-            adapters=engine_adapter_setup(card, loras, merge_loras, lora_slots), vae_tiling=vae_tiling,
+            adapters=engine_adapter_setup(card, loras, merge_loras, lora_slots), vae_tiling=vae_tiling, offload=offload,
         )  # fmt: skip
         parts = build_engine_parts(card, folder, opt_level, device, switches)  # with its worker ranks when parallel
         ahead = parts.loop.components.device.type == "cuda" if run_ahead is None else run_ahead
         return cls(card, parts.loop, parts.executor, parts.level.level, parts.counters, switches.buckets, max_running,
-                   ahead, parts.projection_cache, parts.adapters)  # fmt: skip
+                   ahead, parts.projection_cache, parts.adapters, parts.residency)  # fmt: skip
 
     @property
     def unavailable(self) -> str | None:

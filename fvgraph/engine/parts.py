@@ -28,6 +28,8 @@ from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.models.components import load_components
 from fvgraph.contract.counters import Counters
 from fvgraph.runtime.checkpoint_recipe import warn_recipe_differences
+from fvgraph.runtime.component_residency import ComponentResidency
+from fvgraph.runtime.offload import OffloadPolicy, ResidencyLedger
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.kernels.fp8_weights import apply_fp8_weights
 from fvgraph.runtime.graph_runner import GraphRunner
@@ -66,8 +68,10 @@ class EngineSwitches:
     parallel: ParallelConfig | None = None  # worker processes splitting the denoise steps (docs/parallel.md)
     adapters: AdapterSetup | None = None  # LoRA adapters merged or in slots (docs/adapters.md)
     vae_tiling: bool | dict | None = None  # tiled VAE decode / encode, one step per tile (docs/memory.md)
+    offload: OffloadPolicy | str | None = None  # "components" or "blocks:N" (docs/memory.md); checked here
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "offload", OffloadPolicy.parse(self.offload))
         object.__setattr__(self, "step_caching_methods", enabled_methods(self.step_caching_methods))  # checked, METHODS' order; None: all
 
 
@@ -81,6 +85,7 @@ class EngineParts:
     projection_cache: ExactProjectionCache | None
     parallel: RankSetup | None = None  # this rank's share of a parallel engine
     adapters: AdapterRegistry | None = None  # the engine's LoRA adapters
+    residency: ComponentResidency | None = None  # component offload (None: every component stays on the device)
 
 
 def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int, device: str | torch.device | None,
@@ -111,7 +116,8 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     parallel = None
     if switches.parallel is not None:
         parallel = setup_rank(switches.parallel, steps, loop.step_kinds, components, rank, init_method, device)
-    executor = EagerExecutor(steps, counters)
+    residency = _offload(switches, components, steps, loop, effective, device)
+    executor = EagerExecutor(steps, counters, residency=residency)
     if effective.compiled:
         config = compile_config_for(switches.compile_config or CompileConfig(), effective, switches.taps)
         weights_version = components.weights_version
@@ -133,7 +139,24 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None and layout is not None:
         projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
         layout(components.transformer, projection_cache)
-    return EngineParts(card, loop, executor, effective, counters, projection_cache, parallel, adapters)
+    return EngineParts(card, loop, executor, effective, counters, projection_cache, parallel, adapters, residency)
+
+
+def _offload(switches: EngineSwitches, components, steps: dict, loop: Loop, level: OptLevel,
+             device: torch.device) -> ComponentResidency | None:  # fmt: skip
+    """Component offload applied to the built steps' components (fvgraph/runtime/component_residency.py)."""
+    policy = switches.offload
+    if policy is None:
+        return None
+    if policy.mode == "blocks":
+        raise ValueError(f"offload={str(policy)!r}: block offload is not built yet (docs/memory.md says what it lacks); "
+                         'offload="components" moves whole components')  # fmt: skip
+    if switches.parallel is not None:
+        raise ValueError("offload does not run on a parallel engine yet: build it without `parallel`")
+    graphed = level.compiled and level.cuda_graphs and switches.cuda_graphs and device.type == "cuda"
+    # The kinds compiled by default: on a graphed engine their components' device storage stays put.
+    captured = frozenset(kind for kind, declared in loop.step_kinds.items() if declared.compiled) if graphed else frozenset()
+    return ComponentResidency(components.modules(), steps, device, ResidencyLedger(), captured)
 
 
 def compile_config_for(config: CompileConfig, level: OptLevel, taps: bool) -> CompileConfig:

@@ -5,10 +5,14 @@ faster path is unavailable. It runs each plan on its own (batch 1), so numerics 
 other requests happen to be in flight, unless it is given batch buckets (`padded`): then compatible
 plans run as one padded batch, as the compiled executor runs them, which is how the parity diff
 measures an eager side's batch-composition noise floor (fvgraph/parity.py).
+
+With component offload both executors run each group inside `residency.around(kind)`
+(fvgraph/runtime/component_residency.py): the components the kind reads are on the device while it runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -17,6 +21,7 @@ from torch import nn
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.runtime.batch_results import request_rows
+from fvgraph.runtime.component_residency import ComponentResidency
 from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.compile.compiler import StepCompiler
 from fvgraph.contract.counters import Counters
@@ -37,10 +42,16 @@ class EagerExecutor:
     def close(self) -> None:
         """Release what the executor holds beyond memory (nothing, here)."""
 
-    def __init__(self, steps: dict[str, nn.Module], counters: Counters, padded: BucketSpec | None = None):
+    def __init__(self, steps: dict[str, nn.Module], counters: Counters, padded: BucketSpec | None = None,
+                 residency: ComponentResidency | None = None):  # fmt: skip
         self.steps = steps
         self.counters = counters
         self.padded = padded  # None: one plan at a time; buckets: compatible plans as one padded batch
+        self.residency = residency  # component offload (None: every component stays on the device)
+
+    def resident(self, kind: str) -> contextlib.AbstractContextManager:
+        """Around a group of `kind`: its components on the device (component offload), else nothing."""
+        return contextlib.nullcontext() if self.residency is None else self.residency.around(kind)
 
     def run(self, plan: WorkPlan) -> StepResult:
         step = self.steps.get(plan.kind)
@@ -53,6 +64,10 @@ class EagerExecutor:
     def run_batch(self, plans: list[WorkPlan], slots: list[RequestSlot], lane: int = 0) -> list[StepResult]:
         """Batch 1 per plan (a request's numerics never depend on its neighbours), or with `padded`
         one batch padded with zero rows up to its bucket, each plan getting its rows of every output."""
+        with self.resident(plans[0].kind):
+            return self._run_batch(plans)
+
+    def _run_batch(self, plans: list[WorkPlan]) -> list[StepResult]:
         if self.padded is None or len(plans) == 1 and self.padded.batch_for(1) == 1:
             return [self.run(plan) for plan in plans]
         step = self.steps[plans[0].kind]
@@ -103,7 +118,7 @@ class CompiledExecutor:
             self.counters.fallbacks += len(plans)
             return self.eager.run_batch(plans, slots)
         bucket = self.buckets.batch_for(len(plans))
-        with torch.no_grad():
+        with torch.no_grad(), self.eager.resident(first.kind):
             results = self.runner.run(self.steps[first.kind], plans, slots, bucket, lane)
         self.counters.compiled_steps += len(plans)
         self.counters.batches += 1
@@ -114,7 +129,7 @@ class CompiledExecutor:
         largest graph claims the shared memory pool and the smaller ones reuse it."""
         if not self.compiler.wants(plan.kind) or (plan.pixel_shape and not self._has_graphs(plan.pixel_shape)):
             return
-        with torch.no_grad():
+        with torch.no_grad(), self.eager.resident(plan.kind):
             for bucket in reversed(self.buckets.batch_sizes):
                 slot = RequestSlot()  # warmup's stand-in request, one per bucket: every bucket's prologue runs
                 self.runner.run(self.steps[plan.kind], [plan] * bucket, [slot] * bucket, bucket)

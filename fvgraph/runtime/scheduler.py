@@ -9,6 +9,10 @@ guidance scales, seeds and step counts fall into one group: those are [B] tensor
 whose kind `continues` (the first launch of a step its loop splits in two) has its request's next
 step grouped again in the same tick (`continue_within_tick`), once the engine ran it.
 
+With component offload (fvgraph/runtime/residency_order.py) an `order` holds back the groups whose
+components are not resident, for a bounded number of ticks, so requests at different stages do not
+move components back and forth every tick.
+
 `tick()` is `commit(plan())`: `plan` works the tick out without changing the scheduler, so an engine
 running ahead (fvgraph/engine/run_ahead.py) can plan and stage the next tick before the last batch
 is settled, and plan it again when a submit, cancel or failure came in between (`version`).
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.contract.loop import Loop, LoopState
 from fvgraph.contract.plan import Done, WorkPlan
+from fvgraph.runtime.residency_order import ResidentFirst
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Tick:
     cancelled: list[LoopState] = field(default_factory=list)
     groups: list[Group] = field(default_factory=list)
     failed: list[tuple[LoopState, Exception]] = field(default_factory=list)  # their loop could not plan a step
+    held: list[Group] = field(default_factory=list)  # groups the order holds back this tick (they run later)
     # What the scheduler holds once the tick is committed, and its version when the tick was planned.
     running: list[LoopState] = field(default_factory=list)
     waiting: deque[LoopState] = field(default_factory=deque)
@@ -47,12 +53,13 @@ class Tick:
 
 
 class Scheduler:
-    def __init__(self, loop: Loop, buckets: BucketSpec, max_running: int):
+    def __init__(self, loop: Loop, buckets: BucketSpec, max_running: int, order: ResidentFirst | None = None):
         if max_running < 1:
             raise ValueError(f"max_running={max_running} must be at least 1")
         self.loop = loop
         self.buckets = buckets
         self.max_running = max_running
+        self.order = order  # ResidentFirst under component offload; None: every group runs each tick
         self.waiting: deque[LoopState] = deque()
         self.running: list[LoopState] = []
         self.cancel_requested: set[str] = set()
@@ -118,6 +125,8 @@ class Scheduler:
             members = [(state, self._asked[id(state)][1]) for state in running]
         tick.running, tick.waiting = running, waiting
         tick.groups = self._grouped(members)
+        if self.order is not None:
+            tick.groups, tick.held = self.order.arrange(tick.groups)
         return tick
 
     def commit(self, tick: Tick) -> Tick:
@@ -126,6 +135,8 @@ class Scheduler:
             raise RuntimeError(f"a tick planned at version {tick.version} committed at {self.version}: plan it again")
         self.running, self.waiting = tick.running, tick.waiting
         self._asked = {}
+        if self.order is not None:
+            self.order.committed(tick.held)
         return tick
 
     def _leave(self, running: list[LoopState], tick: Tick, waiting: deque[LoopState]) -> list[LoopState]:
