@@ -83,3 +83,13 @@ def test_help_at_80_columns_shows_every_option_whole(path):
         for flag in (*param.opts, *param.secondary_opts):
             if flag.startswith("-"):
                 assert any(flag in line.split() or f"{flag}," in line or line.strip().startswith(flag) for line in lines), flag
+
+
+def test_parity_at_o2_on_a_cpu_says_once_that_cuda_graphs_need_a_gpu(monkeypatch):
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped before comparing")
+
+    monkeypatch.setattr("fvgraph.parity.compare", stop)
+    result = runner.invoke(app, ["parity", "-O2", "--against", "3", "--device", "cpu"])
+    assert result.exit_code == 2 and "stopped before comparing" in result.output
+    assert " ".join(result.output.split()).count("CUDA graphs apply only on a GPU") == 2  # -O2's and -O3's: one line each

@@ -35,6 +35,10 @@ def test_warmup_prepares_the_flux_buckets(tmp_path):
     result = CliRunner().invoke(app, ["warmup", "--card", "tiny-flux", "-O", "1", "--compile-backend", "aot_eager",
                                       "--buckets", "1,2", "--cache-dir", str(tmp_path / "cache"), "--steps", "1"])  # fmt: skip
     assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()  # each compile announced as it starts, largest bucket first, then its seconds
+    assert [line for line in lines if line.startswith("compiling ") and line.endswith(" ...")] == [
+        "compiling denoise, batch bucket 2 ...", "compiling denoise, batch bucket 1 ..."]
+    assert sum(line.startswith("compiling denoise, batch bucket ") and ": done in " in line for line in lines) == 2
 
 
 def test_parity_runs_on_an_image_card_with_one_frame():

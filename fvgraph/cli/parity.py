@@ -10,8 +10,8 @@ from rich.table import Table
 
 from fvgraph.cli.caching import cache_quality
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, choose_model
-from fvgraph.cli.options import (LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, adapter_options, console, opt_level_option,
-                                 parse_level, writable_dir)  # fmt: skip
+from fvgraph.cli.options import (LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, adapter_options, console,
+                                 cuda_graphs_note, opt_level_option, parse_level, writable_dir)  # fmt: skip
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib picks the format by suffix)
 
@@ -72,6 +72,9 @@ def parity(
             if plot.suffix.lower() not in PLOT_SUFFIXES:
                 raise ValueError(f"--plot {plot}: the file's suffix names its format, one of {', '.join(PLOT_SUFFIXES)}")
             writable_dir(plot.parent, "--plot")
+        for note in dict.fromkeys(cuda_graphs_note(level, device) for level in (opt_level, reference or 0)):
+            if note is not None:  # said once, however many sides run at a CUDA-graph level
+                console.print(note, style="yellow", highlight=False, soft_wrap=True)
         if reference is None:
             cache_quality(card, checkpoint, opt_level, compile_backend, disable_pass, device, requests, cache, report)
             return
