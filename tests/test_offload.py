@@ -169,3 +169,17 @@ def test_blocks_offload_is_refused_until_built():
     assert OffloadPolicy.parse("blocks:2") == OffloadPolicy("blocks", 2)
     with pytest.raises(ValueError, match=r"offload='blocks:2': block offload is not built yet"):
         Engine.from_card("tiny-wan", device="cpu", offload="blocks:2")
+
+
+def test_generate_offloads_with_the_flag_and_names_it_in_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from fvgraph.cli import app
+
+    out = tmp_path / "fox.gif"
+    args = ["generate", "tiny-wan", "-p", "a fox", "--steps", "1", "--frames", "5", "-O0", "-o", str(out)]
+    done = CliRunner().invoke(app, [*args, "--offload", "components"])
+    assert done.exit_code == 0, done.output
+    assert out.exists()
+    refused = CliRunner().invoke(app, [*args, "--offload", "everything"])
+    assert refused.exit_code == 2 and "--offload='everything': offload must be None" in refused.output, refused.output

@@ -15,7 +15,7 @@ from fvgraph.cli.flag_errors import flag_error
 from fvgraph.cli.progress import RunProgress
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, MODEL_ARGUMENT, choose_model
 from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
-                                 MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, VAE_TILING_OPTION, adapter_options,
+                                 MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, OFFLOAD_OPTION, VAE_TILING_OPTION, adapter_options,
                                  console, cuda_graphs_note, opt_level_option, serving_engine, writable_dir)  # fmt: skip
 
 
@@ -54,6 +54,7 @@ def generate(
     max_loras: Optional[int] = MAX_LORAS_OPTION,
     max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
     vae_tiling: Optional[str] = VAE_TILING_OPTION,
+    offload: Optional[str] = OFFLOAD_OPTION,
     output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; one frame (an image card's): .png, .jpg or .webp too. Several prompts add _i."),
     fps: int = typer.Option(8),
 ) -> None:
@@ -84,7 +85,7 @@ def generate(
                                  device, cache_dir, fail_on_recompile, compile_steps, cache=cache,
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
                                  dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
-                                 adapters=adapters, cache_methods=cache_methods, vae_tiling=vae_tiling)  # fmt: skip
+                                 adapters=adapters, cache_methods=cache_methods, vae_tiling=vae_tiling, offload=offload)  # fmt: skip
         engine.loop.check_request(requests[0])  # the card's rules and calibrated settings, before any step runs
     except Exception as err:  # bad card, checkpoint or request: say why, in the flags' words, and stop
         console.print(f"[red]error:[/red] {flag_error(err)}", highlight=False, soft_wrap=True)

@@ -156,6 +156,9 @@ def compile_config(compile_backend: str, disable_pass: list[str], compile_steps:
 VAE_TILING_OPTION = typer.Option(None, "--vae-tiling", help="Decode (and encode) in tiles, one step each: 'on' for diffusers' defaults, or KEY=VALUE,... of the VAE's enable_tiling (docs/memory.md).")
 
 
+OFFLOAD_OPTION = typer.Option(None, "--offload", help="'components': each component (text encoder, transformer or expert, VAE) on the device only while its steps run (docs/memory.md).")
+
+
 def parse_vae_tiling(text: Optional[str]) -> bool | dict | None:
     """Engine.from_card's vae_tiling from --vae-tiling: None, True ('on'), or enable_tiling's keywords as ints."""
     if text is None:
@@ -177,10 +180,11 @@ def serving_engine(card, checkpoint: Optional[Path], opt_level: int, no_cudagrap
                     cache: Optional[str] = None, cfg_parallel: Optional[int] = None,
                     ulysses: Optional[int] = None, dtype: Optional[str] = None, flow_shift: Optional[float] = None,
                     boundary_ratio: Optional[float] = None, adapters: dict | None = None,
-                    cache_methods: Optional[str] = None, vae_tiling: Optional[str] = None):  # fmt: skip
+                    cache_methods: Optional[str] = None, vae_tiling: Optional[str] = None,
+                    offload: Optional[str] = None):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options (`card`: a name or a ModelCard,
     `checkpoint`: its local folder, `adapters`: adapter_options(), `cache_methods`: --cache-methods' text,
-    `vae_tiling`: --vae-tiling's text)."""
+    `vae_tiling`: --vae-tiling's text, `offload`: --offload's)."""
     from fvgraph.caching.settings import NO_CACHE
     from fvgraph.engine.engine import Engine
     from fvgraph.parallel.config import ParallelConfig
@@ -208,12 +212,13 @@ def serving_engine(card, checkpoint: Optional[Path], opt_level: int, no_cudagrap
             chosen, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
             compile_config=compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
             cache_dir=cache_dir, max_running=max_running, parallel=parallel, cache_methods=methods, **(adapters or {}),
-            vae_tiling=parse_vae_tiling(vae_tiling),
+            vae_tiling=parse_vae_tiling(vae_tiling), offload=offload,
         )  # fmt: skip
     except ValueError as err:  # the engine names its keyword; the command line names the flag
-        if not str(err).startswith("vae_tiling"):
-            raise
-        raise ValueError("--vae-tiling" + str(err).removeprefix("vae_tiling")) from None
+        for keyword, flag in (("vae_tiling", "--vae-tiling"), ("offload", "--offload")):
+            if str(err).startswith(keyword):
+                raise ValueError(flag + str(err).removeprefix(keyword)) from None
+        raise
     if fail_on_recompile:
         engine.freeze()
     return engine

@@ -12,7 +12,7 @@ from rich.console import Console
 from fvgraph.cli.caching import CACHE_HELP
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, MODEL_ARGUMENT, choose_model
 from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
-                                 MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, VAE_TILING_OPTION, adapter_options,
+                                 MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, OFFLOAD_OPTION, VAE_TILING_OPTION, adapter_options,
                                  at_least_one, bindable, cuda_graphs_note, opt_level_option, parse_shape, parse_size,
                                  serving_engine, writable_dir)  # fmt: skip
 
@@ -42,6 +42,7 @@ def serve(
     max_loras: Optional[int] = MAX_LORAS_OPTION,
     max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
     vae_tiling: Optional[str] = VAE_TILING_OPTION,
+    offload: Optional[str] = OFFLOAD_OPTION,
     video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 is written with PyAV)."),
     fps: int = typer.Option(8),
     port: Optional[int] = typer.Option(None, help="Serve the OpenAI-style HTTP API on this port (0: any free one) instead of JSON lines."),
@@ -92,7 +93,7 @@ def serve(
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
                                  dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
                                  adapters=adapter_options(lora, merge_lora, max_loras, max_lora_rank),
-                                 cache_methods=cache_methods, vae_tiling=vae_tiling)  # fmt: skip
+                                 cache_methods=cache_methods, vae_tiling=vae_tiling, offload=offload)  # fmt: skip
         if port is not None:
             from fvgraph.serving.http_server import HttpServer
             from fvgraph.serving.model_names import ServedNames
