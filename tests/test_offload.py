@@ -183,3 +183,20 @@ def test_generate_offloads_with_the_flag_and_names_it_in_errors(tmp_path):
     assert out.exists()
     refused = CliRunner().invoke(app, [*args, "--offload", "everything"])
     assert refused.exit_code == 2 and "--offload='everything': offload must be None" in refused.output, refused.output
+
+
+def test_the_next_group_of_the_tick_is_prefetched_while_this_one_runs():
+    """On a CPU the prefetch copies at once, right after the running group was launched: both are
+    resident then, and the next group finds its component in place (its move counted for it)."""
+    ledger = ResidencyLedger()
+    encoder, decoder = torch.nn.Linear(4, 4), torch.nn.Linear(4, 8)
+    steps = {"encode": torch.nn.Sequential(encoder), "decode": torch.nn.Sequential(decoder)}
+    residency = ComponentResidency({"encoder": encoder, "decoder": decoder}, steps, torch.device("cpu"), ledger)
+    residency.upcoming = ["encode", "decode"]  # as the scheduler's arrangement of a tick hands it over
+    with residency.around("encode"):
+        assert set(residency.resident) == {"encoder"}
+    assert set(residency.resident) == {"encoder", "decoder"}  # prefetched once "encode" was launched
+    with residency.around("decode"):
+        pass
+    assert [(s.kind, s.moved_in, s.moved_out) for s in ledger.steps] == [
+        ("encode", {"encoder": 80}, {}), ("decode", {"decoder": 160}, {"encoder": 80})]  # weight + bias, fp32
