@@ -4,9 +4,9 @@ step graph at a batch bucket, loading one, decoding) with its elapsed seconds.
     with RunProgress(console, stepped_phase, total=16) as progress:
         engine.generate(requests, on_step=lambda state, kind: progress.advance())
 
-On a terminal: a rich bar whose label is the wait under way, ticking. Otherwise (a log file, CI, a
-pipe): plain lines, one when a wait begins and ends and one every `every` seconds while anything runs,
-so a log shows a 100 s compile as it happens. The waits come from the engine's progress logger
+Each wait is a line as it begins and as it ends. On a terminal a rich bar below them shows the wait
+under way with its seconds ticking; otherwise (a log file, CI, a pipe) a plain status line comes every
+`every` seconds while anything runs, so a log shows a 100 s compile as it happens. The waits come from the engine's progress logger
 (fvgraph/contract/progress.py); a command adds its own with `wait(...)` (the VAE decode, say).
 """
 
@@ -48,8 +48,8 @@ class RunProgress(logging.Handler):
             self._bar.update(self._task, completed=self.done, description=self._description())
 
     def wait(self, text: str | None, announce: bool = True) -> None:
-        """Show `text` as the wait under way (None: none), e.g. 'vae decode' after the last step; without
-        a terminal, `announce` prints it at once (else it shows in the next periodic line)."""
+        """Show `text` as the wait under way (None: none), e.g. 'vae decode' after the last step; with
+        `announce` it is also a line at once, without it only the bar or the next periodic line shows it."""
         with self._lock:
             self._wait = None if text is None else (text, time.perf_counter())
         if announce:
@@ -93,7 +93,8 @@ class RunProgress(logging.Handler):
             self.console.print(text, highlight=False, soft_wrap=True)
 
     def _line_now(self, text: str | None) -> None:
-        if self._bar is None and text is not None:
+        # A line on a terminal too (above the bar, kept): what a run waited on reads the same in a log.
+        if text is not None:
             self._print(f"{text} ...")
 
     def _tick(self) -> None:
