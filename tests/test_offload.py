@@ -92,6 +92,23 @@ def test_two_expert_request_moves_each_expert_once_and_equals_no_offload(a14b_pa
     assert boundary.moved_in == {"transformer_2": b["transformer_2"]} and boundary.moved_out == {"transformer": b["transformer"]}
 
 
+def test_flux_text_encode_brings_both_text_encoders_and_equals_no_offload():
+    """The components a kind reads are found in its step module: FLUX's text_encode reads CLIP and T5."""
+    request = Request(prompt="a fox", seed=1, num_inference_steps=2, height=64, width=64)
+    [want] = Engine.from_card("tiny-flux", device="cpu").generate([request])
+    offloaded = Engine.from_card("tiny-flux", device="cpu", offload="components")
+    [got] = offloaded.generate([request])
+    assert torch.equal(want.latents, got.latents) and (want.frames == got.frames).all()
+    b = _bytes(offloaded)
+    assert [(s.kind, set(s.resident), set(s.moved_in), set(s.moved_out)) for s in offloaded.residency.steps] == [
+        ("text_encode", {"text_encoder", "text_encoder_2"}, {"text_encoder", "text_encoder_2"}, set()),
+        ("denoise", {"transformer"}, {"transformer"}, {"text_encoder", "text_encoder_2"}),
+        ("denoise", {"transformer"}, set(), set()),
+        ("vae_decode", {"vae"}, {"vae"}, {"transformer"}),
+    ]
+    assert offloaded.residency.steps[0].resident == {"text_encoder": b["text_encoder"], "text_encoder_2": b["text_encoder_2"]}
+
+
 def test_the_experts_share_one_device_slot(a14b_pair):
     """The expert taking over is copied into the storage the other used: both experts' steps read the
     same addresses (what CUDA graphs of both kinds need)."""
