@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from fvgraph.engine.engine import Engine
 from fvgraph.serving.admission import Admission, QueueFull
 from fvgraph.serving.memory_reservation import VAE_CPU_FIXED_BYTES, MemoryModel
 from fvgraph.request import Request, RequestRejected
@@ -80,3 +82,20 @@ def test_the_estimate_covers_the_measured_peak_of_a_request_on_cpu(shape):
     # Above: 3x the growth plus the estimate's fixed part (the allocator's arenas), which a small decode
     # may or may not take: at 5x32x32 the growth was 13.4 MB in one run and 20.4-20.7 MB in others.
     assert measured["growth"] <= measured["estimate"] <= 3 * measured["growth"] + VAE_CPU_FIXED_BYTES, measured
+
+
+def test_the_default_budget_takes_off_what_offload_brings_onto_the_device():
+    """With offload the weights sit in host memory when the budget is read: the most they bring onto
+    the device at once (the largest step's components plus one prefetched) comes off it, and a
+    request's run never holds more than that bound."""
+    from fvgraph.serving.memory_reservation import default_budget
+
+    whole = Engine.from_card("tiny-wan2.2-a14b", device="cpu")
+    offloaded = Engine.from_card("tiny-wan2.2-a14b", device="cpu", offload="components")
+    sizes = {name: sum(p.numel() * p.element_size() for p in module.parameters())
+             for name, module in offloaded.loop.components.modules().items() if isinstance(module, torch.nn.Module)}  # fmt: skip
+    assert whole.residency is None and offloaded.residency.planned_peak == 2 * max(sizes.values())
+    assert default_budget(whole) - default_budget(offloaded) == offloaded.residency.planned_peak
+    [result] = offloaded.generate([Request(prompt="a fox", num_inference_steps=6, height=32, width=32, num_frames=5, seed=1)])
+    assert result.ok, result.error
+    assert 0 < offloaded.residency.peak_resident <= offloaded.residency.planned_peak

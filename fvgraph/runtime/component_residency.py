@@ -72,11 +72,23 @@ class ComponentResidency:
         for name, tensors in self._tensors.items():  # everything starts in host memory
             for t, host in zip(tensors, self._host[name]):
                 t.data = host
+        ledger.planned_peak = self.planned_peak_bytes()
 
     @property
     def resident(self) -> dict[str, int]:
         """Component -> bytes it holds on the device now."""
         return {slot.occupant: self._nbytes[slot.occupant] for slot in self._slots() if slot.occupant is not None}
+
+    def planned_peak_bytes(self) -> int:
+        """The most weight bytes this can hold on the device at once, bounded from its plan: the slots
+        that never leave (a graphed expert slot), the largest step's other components, and one
+        component prefetched for the next group (what admission charges, fvgraph/serving/memory_reservation.py)."""
+        size = {id(slot): max(self._nbytes[name] for name in slot.members) for slot in self._slots()}
+        fixed = sum(size[id(slot)] for slot in self._slots() if slot.fixed)
+        moving = [slot for slot in self._slots() if not slot.fixed]
+        step = max((sum(size[id(s)] for s in {id(self._slot_of[n]): self._slot_of[n] for n in names}.values() if not s.fixed)
+                    for names in self.kind_components.values()), default=0)  # fmt: skip
+        return fixed + step + max((size[id(slot)] for slot in moving), default=0)
 
     def components_of(self, kind: str) -> frozenset[str]:
         return self.kind_components.get(kind, frozenset())

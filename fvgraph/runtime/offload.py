@@ -74,6 +74,7 @@ class ResidencyLedger:
     bytes_out: Counter = field(default_factory=Counter)
     written_back: Counter = field(default_factory=Counter)
     peak_resident: int = 0  # the most device bytes held by components at once
+    planned_peak: int = 0  # the most it can hold, bounded from the plan (ComponentResidency.planned_peak_bytes)
     _pending_in: dict[str, int] = field(default_factory=dict, repr=False)
     _pending_out: dict[str, int] = field(default_factory=dict, repr=False)
 

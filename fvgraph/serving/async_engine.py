@@ -52,7 +52,7 @@ class AsyncEngine:
         of `max_queue`. `idle_wait_s` is how often an idle engine thread checks deadlines."""
         self.engine = engine
         self.admission = admission or Admission(
-            MemoryModel(engine), default_budget(engine.loop.components.device), max_queue, engine.max_running
+            MemoryModel(engine), default_budget(engine), max_queue, engine.max_running
         )
         self.listeners: list[Listener] = []
         self.batch_listeners: list[BatchListener] = []

@@ -79,7 +79,7 @@ class HttpServer:
                  port: int = 8000, max_queue: int = 256, memory_budget: int | None = None):  # fmt: skip
         """`port` 0 picks a free one (see `running()`); `memory_budget` in bytes defaults to the
         device's (fvgraph.serving.memory_reservation.default_budget)."""
-        budget = memory_budget if memory_budget is not None else default_budget(engine.loop.components.device)
+        budget = memory_budget if memory_budget is not None else default_budget(engine)
         admission = Admission(MemoryModel(engine), budget, max_queue, engine.max_running)
         self.served = AsyncEngine(engine, admission)
         self.access_log = AccessLog(self.served)  # one line per request, throughput every minute (fvgraph.access)

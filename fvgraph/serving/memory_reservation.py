@@ -124,9 +124,18 @@ class MemoryModel:
         return Reservation(request.request_id, parts)
 
 
-def default_budget(device: torch.device) -> int:
-    """The memory requests may reserve when no `--memory-budget` is given (see the shares above)."""
+def default_budget(engine) -> int:
+    """The memory requests may reserve when no `--memory-budget` is given (see the shares above). With
+    offload, the weights are in host memory when this is read, so the most they bring onto the device
+    at once (`engine.residency.planned_peak`) is taken off; a budget that leaves nothing is refused."""
+    device = engine.loop.components.device
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free * CUDA_BUDGET_SHARE)
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * CPU_BUDGET_SHARE)
+        budget = int(free * CUDA_BUDGET_SHARE)
+    else:
+        budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * CPU_BUDGET_SHARE)
+    weights = 0 if engine.residency is None else engine.residency.planned_peak
+    if budget - weights <= 0:
+        raise ValueError(f"offload: the weights it brings onto the device at once ({weights / 2**30:.2f} GiB) leave no "
+                         f"memory for requests in the default budget of {budget / 2**30:.2f} GiB")  # fmt: skip
+    return budget - weights

@@ -110,7 +110,7 @@ class EngineReplica:
         self.spec = spec
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = spec.build_engine()
-        budget = spec.memory_budget or default_budget(self.engine.loop.components.device)
+        budget = spec.memory_budget or default_budget(self.engine)
         admission = Admission(MemoryModel(self.engine), budget, spec.max_queue, self.engine.max_running)
         self.served = AsyncEngine(self.engine, admission)
         self.store = SharedVideoStore(spec.storage_dir, spec.settings.retention_s, owner=self.replica_id,
