@@ -24,6 +24,7 @@ class Counters:
     hoisted_rows_copied: int = 0  # a request's hoisted values copied into a batch row (it arrived there, or moved)
     captures: int = 0  # CUDA graphs captured
     replays: int = 0  # CUDA graph replays
+    graphs_dropped: int = 0  # CUDA graphs dropped because the weights they read were freed (sleep); captured again
     batches: int = 0  # groups of steps run as one compiled batch
     batches_redone: int = 0  # running ahead: a batch launched before its tick was committed, dropped and run again
     capture_cache_hits: int = 0  # compiled steps loaded from the capture cache instead of compiled

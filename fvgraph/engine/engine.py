@@ -14,8 +14,8 @@ per-request state beyond its queue: that is all in each request's loop state, wh
 
 The engine is composed, as vLLM's v1 engine holds its scheduler and executor: beside the scheduler
 and the executor it holds the run-ahead order of a tick's batches (fvgraph/engine/run_ahead.py), the
-adapter admin (adapter_admin.py), weight sync (weight_sync.py) and rollouts (rollouts.py), each
-handed exactly the parts and engine calls it uses; its methods for those delegate to them.
+adapter admin (adapter_admin.py), weight sync (weight_sync.py), sleep and wake (sleep.py) and rollouts
+(rollouts.py), each handed exactly the parts and engine calls it uses; its methods for those delegate to them.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from fvgraph.engine.builder import build_engine_parts
 from fvgraph.engine.fold_back import ResultCallback, StepCallback
 from fvgraph.engine.rollouts import Rollouts
 from fvgraph.engine.run_ahead import RunAhead
+from fvgraph.engine.sleep import EngineSleep
 from fvgraph.engine.weight_sync import WeightSync
 from fvgraph.engine.parts import DEFAULT_PROJECTION_CACHE_BYTES, EngineSwitches
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
@@ -92,8 +93,9 @@ class Engine:
         # they hold make a reference cycle: a dropped engine is freed by the cyclic collector.
         self._ahead = RunAhead(loop, self._scheduler, self._slots, executor, counters, self._fail, run_ahead)
         self._adapter_admin = AdapterAdmin(adapters, projection_cache, self._live_states, self._refuse_reentry, self.drain)
-        self._weight_sync = WeightSync(loop, executor, projection_cache, self._scheduler, self._live_states, self._refuse_reentry,
-                                       self.cancel, partial(self._tick, None, None), self.drain)  # fmt: skip
+        between_ticks = (self._live_states, self._refuse_reentry, self.cancel, partial(self._tick, None, None), self.drain)
+        self._sleep = EngineSleep(card, loop, executor, projection_cache, self._scheduler, residency, adapters, *between_ticks)
+        self._weight_sync = WeightSync(loop, executor, projection_cache, self._scheduler, *between_ticks, self._sleep)
         self._rollouts = Rollouts(self.start, self.step, self.generate)
 
     @property
@@ -222,6 +224,19 @@ class Engine:
         """New denoiser weights, called `version`, with nothing recompiled (fvgraph/engine/weight_sync.py)."""
         return self._weight_sync.update_weights(weights, version, in_flight)
 
+    def sleep(self, level: int = 1, in_flight: Literal["finish", "stop", "refuse"] = "finish") -> dict:
+        """The denoiser's weights off the device: 1 to host memory, 2 discarded (fvgraph/engine/sleep.py)."""
+        return self._sleep.sleep(level, in_flight)
+
+    def wake(self) -> dict:
+        """The denoiser's weights back, bit for bit, nothing recompiled (fvgraph/engine/sleep.py)."""
+        return self._sleep.wake()
+
+    @property
+    def asleep(self) -> int | None:
+        """The sleep level (1 or 2), or None when awake."""
+        return self._sleep.level
+
     def rollout(self, prompts: Sequence[str], group_size: int, seed: int, noise_level: float = 0.7,
                 on_step: StepCallback | None = None, **fields) -> list[BehaviorRecord]:  # fmt: skip
         """One BehaviorRecord per sample, `group_size` per prompt (fvgraph/engine/rollouts.py)."""
@@ -230,7 +245,8 @@ class Engine:
     # -- one request at a time -------------------------------------------------------------------
 
     def start(self, request: Request) -> LoopState:
-        """Check `request` against the card and build its loop state. Raises RequestRejected."""
+        """Check `request` against the card and build its loop state. Raises RequestRejected (EngineAsleep)."""
+        self._sleep.refuse_while_asleep()
         return self.loop.init(self.loop.check_request(request))
 
     def resume(self, state: LoopState) -> LoopState:
@@ -241,6 +257,7 @@ class Engine:
     def step(self, state: LoopState, on_step: StepCallback | None = None) -> bool:
         """Run the request's next step. Returns False once the loop is done."""
         self.drain()
+        self._sleep.refuse_while_asleep()
         plan = self.loop.next(state)
         if isinstance(plan, Done):
             return False

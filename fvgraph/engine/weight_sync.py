@@ -9,7 +9,9 @@ copied into the same parameter storage, so every compiled step, whose graph take
 arguments (fvgraph/compile/step_capture.py), runs them as they are: the next steps compile nothing.
 The weights version changes (loop states, results and rollout records carry it, and a state saved on
 the old version is refused on resume), and the eager projection cache, whose entries were computed
-from the old weights, is emptied. No request ever mixes two versions.
+from the old weights, is emptied. No request ever mixes two versions. On a sleeping engine the values
+go where its weights are (fvgraph/engine/sleep.py): into the host copies (level 1), or held for wake
+(level 2).
 
 Refused, before anything changes: an unknown or missing parameter name, a shape mismatch, an engine
 running FP8 copies of the weights (-O3: they would go stale), and a parallel engine (its worker ranks
@@ -24,6 +26,7 @@ from typing import Literal
 import torch
 
 from fvgraph.contract.loop import Loop, LoopState
+from fvgraph.engine.sleep import EngineSleep
 from fvgraph.parallel.executor import ParallelExecutor
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.runtime.projection_cache import ExactProjectionCache
@@ -34,12 +37,15 @@ class WeightSync:
     """Handed the engine's loop (its components: the denoiser and the weights version), executor and
     eager projection cache, its scheduler (whether requests remain), and the engine calls it drives:
     `live_states`, `refuse_in_tick(what, instead)`, `cancel(request_id)`, `tick(what)` (one tick
-    without callbacks, its results left for the next `Engine.tick`) and `drain`."""
+    without callbacks, its results left for the next `Engine.tick`) and `drain`; and its EngineSleep,
+    which says where a sleeping engine's weights are written."""
 
     def __init__(self, loop: Loop, executor: EagerExecutor | CompiledExecutor | ParallelExecutor,
                  projection_cache: ExactProjectionCache | None, scheduler: Scheduler,
                  live_states: Callable[[], list[LoopState]], refuse_in_tick: Callable[[str, str], None],
-                 cancel: Callable[[str], bool], tick: Callable[[str], None], drain: Callable[[], None]):  # fmt: skip
+                 cancel: Callable[[str], bool], tick: Callable[[str], None], drain: Callable[[], None],
+                 sleep: EngineSleep):  # fmt: skip
+        self._sleep = sleep
         self._loop, self._executor, self._projection_cache, self._scheduler = loop, executor, projection_cache, scheduler
         self._live_states, self._refuse_in_tick = live_states, refuse_in_tick
         self._cancel, self._tick, self._drain = cancel, tick, drain
@@ -65,7 +71,7 @@ class WeightSync:
         self._drain()
         with torch.no_grad():
             for target, value in targets:
-                target.copy_(value)
+                self._sleep.write(target, value)
         components.weights_version = version
         if self._projection_cache is not None:
             self._projection_cache.clear()
@@ -91,7 +97,7 @@ class WeightSync:
                 raise ValueError(f"update_weights: {name!r} must be a tensor of shape {list(target.shape)}, got {got}")
             if value.is_complex() or value.dtype == torch.bool:
                 raise ValueError(f"update_weights: {name!r} is {value.dtype}; the denoiser's parameter is {target.dtype} (real values)")
-            cast = value.detach().to(target.device, target.dtype)
+            cast = value.detach().to(self._sleep.value_device(target), target.dtype)
             # Checked after the cast: a float64 1e300 is finite, and Inf once it is the parameter's dtype.
             if cast.is_floating_point() and not torch.isfinite(cast).all():
                 raise ValueError(f"update_weights: {name!r} holds NaN or Inf values as {target.dtype} (the parameter's dtype)")

@@ -43,6 +43,7 @@ class Components:
     image_processor: object | None = None
     text_encoder_2: nn.Module | None = None  # a second text encoder (FLUX: T5 beside CLIP)
     tokenizer_2: object | None = None
+    checkpoint: Path | None = None  # the folder the weights were loaded from (None: the card's seeded weights)
 
     @property
     def facts(self) -> ModelFacts:
@@ -230,8 +231,18 @@ def load_components(card: ModelCard, checkpoint: str | Path | None, device: torc
                     _own_storage(module)
             built[name] = module
     version = _checkpoint_fingerprint(folder) if folder is not None else _content_hash(card, built)
-    return Components(device=device, weights_version=version,
+    return Components(device=device, weights_version=version, checkpoint=folder,
                       **{"text_encoder": None, "tokenizer": None, "text_encoder_2": None, "tokenizer_2": None, **built})
+
+
+def load_component(card: ModelCard, name: str, checkpoint: Path | None) -> nn.Module:
+    """One component as `load_components` builds it, on the CPU and before it is placed: from the card's
+    seed (`checkpoint` None) or from the folder, in the card's dtype (an engine's wake reloads its denoiser so)."""
+    spec = card.components[name]
+    with torch.device("cpu"):
+        if checkpoint is None:
+            return _build_seeded(name, spec, card.seed or 0, card)
+        return _load_from_folder(name, spec, Path(checkpoint), DTYPES[spec.dtype])
 
 
 def _content_hash(card: ModelCard, built: dict) -> str:

@@ -61,6 +61,7 @@ class BucketGraph:
     outputs: tuple[torch.Tensor, ...] = ()  # the graph's static outputs
     addresses: tuple[int, ...] = ()  # data_ptr of every static buffer at capture (debug checks)
     storages: frozenset[int] = frozenset()  # storage of every static argument (an output aliasing one is copied out)
+    recapture: bool = False  # its graph was dropped (the weights it read moved): capture again at the next run
     # Per row: whose request constants the input buffers hold, and whose hoisted values (the owner is
     # the request's RequestSlot, held so its identity cannot be reused; None: a padding row).
     input_owners: list = field(default_factory=list)
@@ -117,6 +118,9 @@ class GraphRunner:
         stream behind the batches before, so a run may be issued while an earlier one still runs
         (fvgraph/engine/run_ahead.py): its outputs were copied out at its launch."""
         entry = self._entry(step, plans, slots, bucket, lane)
+        if entry.graph is None and self.cuda_graphs and entry.recapture:  # its graph was dropped (drop_graphs)
+            entry.recapture = False
+            self._capture(entry, (plans[0].signature, bucket, lane))
         self._fill(entry, plans, slots)
         return self._scatter(entry, plans, self._replay(entry))
 
@@ -213,6 +217,19 @@ class GraphRunner:
         self.counters.captures += 1
         if self.compiler.capture_cache is not None and key[2] == 0:  # the manifest records lane 0's capture time
             self.compiler.capture_cache.annotate(entry.compiled.signature.key(), capture_seconds=time.perf_counter() - began)
+
+    def drop_graphs(self) -> int:
+        """Drop every captured CUDA graph and the memory pool they share (an engine's sleep: the weights
+        they read are about to be freed, and a graph replayed after wake would read the old addresses).
+        Each bucket captures again the next time it runs (counters.captures); returns how many were dropped."""
+        dropped = 0
+        for entry in self._graphs.values():
+            if entry.graph is not None:
+                entry.graph, entry.outputs, entry.addresses, entry.recapture = None, (), (), True
+                dropped += 1
+        self._pool = None
+        self.counters.graphs_dropped += dropped
+        return dropped
 
     # -- one run ---------------------------------------------------------------------------------------
 
