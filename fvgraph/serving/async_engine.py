@@ -7,12 +7,13 @@
         await served.cancel(request_id)
 
 `submit` checks a request against the card and the admission queue at once (RequestRejected: 400;
-QueueFull: 429; EngineClosed: 503) and never blocks. Everything else reaches the engine thread as a
-command (fvgraph/serving/engine_commands.py: a frozen dataclass each, dispatched by type); the thread
-admits requests as memory frees (fvgraph.serving.admission), ticks the engine, cancels requests whose
-deadline passed, and sends each request's events (fvgraph.serving.request_events) back to the event
-loop, where listeners (the HTTP front end's store and metrics) and per-request subscribers see them in
-order. Every accepted request ends with exactly one terminal event, whose Result's
+QueueFull: 429; EngineClosed: 503, also while the engine sleeps: `sleep` / `wake`) and never blocks.
+Everything else reaches the engine thread as a command (fvgraph/serving/engine_commands.py: a frozen
+dataclass each, dispatched by type); the thread admits requests as memory frees
+(fvgraph.serving.admission), ticks the engine, cancels requests whose deadline passed, and sends each
+request's events (fvgraph.serving.request_events) back to the event loop, where listeners (the HTTP
+front end's store and metrics) and per-request subscribers see them in order. Every accepted request
+ends with exactly one terminal event, whose Result's
 `timings["total"]` runs from acceptance (time spent waiting for memory counts) to the end.
 """
 
@@ -29,7 +30,8 @@ from typing import Any
 
 from fvgraph.serving.admission import Admission
 from fvgraph.engine.engine import Engine
-from fvgraph.serving.engine_commands import Accepted, Call, Cancel, EngineCommand, Refused, Stop, Warmup
+from fvgraph.engine.sleep import EngineAsleep, RequestsInFlight
+from fvgraph.serving.engine_commands import Accepted, Call, Cancel, EngineCommand, Refused, Sleep, Stop, Wake, Warmup
 from fvgraph.serving.memory_reservation import MemoryModel, default_budget
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.serving.request_events import CancelReason, RequestEvent
@@ -57,6 +59,7 @@ class AsyncEngine:
         self.listeners: list[Listener] = []
         self.batch_listeners: list[BatchListener] = []
         self.accepting = False
+        self.asleep: int | None = None  # the sleep level, set as soon as a sleep begins (requests are refused)
         self.error: BaseException | None = None  # set if the engine thread died
         self._idle_wait_s = idle_wait_s
         self._commands: queue.Queue[EngineCommand] = queue.Queue()
@@ -103,6 +106,41 @@ class AsyncEngine:
         self._commands.put(Call(fn, done))
         return await asyncio.wrap_future(done)
 
+    async def sleep(self, level: int = 1, in_flight: str = "finish") -> dict:
+        """Engine.sleep (fvgraph/engine/sleep.py) on the engine thread. New requests are refused (EngineClosed,
+        naming sleep) from now on; those accepted first end as `in_flight` says: "finish" lets them run to
+        their end (those still waiting for memory too), "stop" cancels them (reason 'sleep'), "refuse"
+        raises while any is in flight, changing nothing."""
+        if in_flight not in ("finish", "stop", "refuse"):
+            raise ValueError(f"in_flight={in_flight!r} must be 'finish', 'stop' or 'refuse'")
+        if level not in (1, 2) or isinstance(level, bool):
+            raise ValueError(f"level={level!r} must be 1 (weights to host memory) or 2 (weights discarded)")
+        if self.asleep is not None:
+            raise EngineAsleep(f"the engine is already asleep (sleep level {self.asleep}); wake it before sleeping again")
+        if in_flight == "refuse" and self._known:
+            raise RequestsInFlight(f"sleep(in_flight='refuse'): {len(self._known)} requests are in flight; let them end, "
+                               "or sleep with in_flight='finish' or 'stop'")  # fmt: skip
+        self.asleep = level
+        try:
+            if in_flight == "stop":
+                for request_id in list(self._known):
+                    await self.cancel(request_id, reason="sleep")
+            await self._idle.wait()  # every accepted request has ended and its events are out
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            self._commands.put(Sleep(level, done))
+            return await asyncio.wrap_future(done)
+        except BaseException:
+            self.asleep = None
+            raise
+
+    async def wake(self) -> dict:
+        """Engine.wake on the engine thread; requests are accepted again once it returns."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(Wake(done))
+        answer = await asyncio.wrap_future(done)
+        self.asleep = None
+        return answer
+
     async def drain(self, timeout_s: float) -> None:
         """Take no new requests; let those accepted end for up to `timeout_s`, then cancel the rest
         (reason 'shutdown') and wait for their terminal events."""
@@ -148,6 +186,9 @@ class AsyncEngine:
         if not self.accepting or self.error is not None:
             raise EngineClosed("the server is shutting down and takes no new requests" if self.error is None
                                else f"the engine stopped: {self.error!r}")  # fmt: skip
+        if self.asleep is not None:
+            raise EngineClosed(f"the engine is asleep (sleep level {self.asleep}): it takes requests again after wake "
+                               "(POST /v1/admin/wake, or AsyncEngine.wake)")  # fmt: skip
         if self.engine.unavailable is not None:  # a parallel engine that lost a worker rank: 503, not 500
             raise EngineClosed(f"the engine takes no new requests: {self.engine.unavailable}")
         if request.request_id in self._known:
@@ -300,6 +341,10 @@ class AsyncEngine:
                 self._answer(command.done, lambda: self.engine.warmup(list(command.requests)))
             case Call():
                 self._answer(command.done, lambda: command.fn(self.engine))
+            case Sleep():  # nothing is in flight: AsyncEngine.sleep waited for that
+                self._answer(command.done, lambda: self.engine.sleep(command.level, in_flight="refuse"))
+            case Wake():
+                self._answer(command.done, self.engine.wake)
             case Stop():
                 self._stopping = True
             case _:

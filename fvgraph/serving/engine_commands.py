@@ -60,8 +60,23 @@ class Call:
 
 
 @dataclass(frozen=True)
+class Sleep:
+    """Engine.sleep(level) once nothing is in flight (AsyncEngine.sleep waited); `done` gets its answer."""
+
+    level: int
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Engine.wake(); `done` gets its answer or its exception."""
+
+    done: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
 class Stop:
     """End the thread once the engine has no work left."""
 
 
-EngineCommand = Accepted | Refused | Cancel | Warmup | Call | Stop
+EngineCommand = Accepted | Refused | Cancel | Warmup | Call | Sleep | Wake | Stop

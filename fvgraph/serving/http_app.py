@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException
 from fvgraph.serving.async_engine import AsyncEngine, EngineClosed
 from fvgraph.serving.client_fields import named_as_sent
 from fvgraph.serving.http_adapters import ADAPTER_ROUTES, AdapterApi
+from fvgraph.serving.http_admin import ADMIN_ROUTES, AdminApi
 from fvgraph.serving.http_content import etag, file_download
 from fvgraph.serving.http_cors import add_cors, check_origins
 from fvgraph.serving.http_error_shape import OpenAiErrorShape
@@ -67,6 +68,7 @@ CONTENT_TYPES = {"video": "video/mp4", "thumbnail": "image/jpeg", "spritesheet":
 CANCELLED = {  # what a video cancelled by the server says, by reason (a client's DELETE removes the video)
     "timeout": "cancelled when its timeout passed (field timeout)",
     "shutdown": "cancelled: the server shut down before it finished",
+    "sleep": "cancelled: the engine was put to sleep (POST /v1/admin/sleep) before it finished",
 }
 
 
@@ -343,7 +345,7 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
     app.add_middleware(OpenAiErrorShape)  # outermost: it reshapes what the others answer in plain text
     adapters = AdapterApi(served)
     models = ModelsApi(api.names)
-    for owner, routes in ((api, ROUTES), (adapters, ADAPTER_ROUTES), (models, MODEL_ROUTES)):
+    for owner, routes in ((api, ROUTES), (adapters, ADAPTER_ROUTES), (AdminApi(served), ADMIN_ROUTES), (models, MODEL_ROUTES)):
         for method, path, name in routes:  # a GET answers HEAD as well: the same headers, no body
             app.add_api_route(path, getattr(owner, name), methods=[method, "HEAD"] if method == "GET" else [method])
     if settings.playground:

@@ -14,7 +14,7 @@ from fvgraph.request import Result
 EventKind = Literal["queued", "started", "wait", "step", "done", "failed", "cancelled"]
 TERMINAL: frozenset[str] = frozenset({"done", "failed", "cancelled"})
 # Why a request was cancelled: a client asked, its deadline passed, or the server shut down.
-CancelReason = Literal["client", "timeout", "shutdown"]
+CancelReason = Literal["client", "timeout", "shutdown", "sleep"]
 
 
 @dataclass(frozen=True)
