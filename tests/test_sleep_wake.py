@@ -250,3 +250,28 @@ def test_level_2_gives_the_transformers_host_memory_back():
     m = json.loads(run.stdout.strip().splitlines()[-1])
     assert m["transformer_bytes"] > 40e6
     assert m["before"] - m["asleep"] >= 0.7 * m["transformer_bytes"], m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", [1, 2])
+def test_cuda_graphs_are_dropped_at_sleep_and_captured_again_after_wake(level):
+    """Not run on a GPU yet. The graphs read the freed weights' addresses: none may replay after wake."""
+    engine = Engine.from_card("tiny-wan", device="cuda", opt_level=2, compile_config=CompileConfig(backend="aot_eager"),
+                              buckets=BucketSpec(batch_sizes=(1,)), debug=True)  # fmt: skip
+    request = _request()
+    [before] = engine.warmup([request])
+    captured = engine.counters.captures
+    assert captured > 0
+    params = _denoiser_parameters(engine)
+    allocated = torch.cuda.memory_allocated()
+    with engine.counters.expect(graphs_dropped=captured, captures=0):
+        engine.sleep(level=level)
+    assert all(p.device.type == "cpu" and (level == 2 or p.is_pinned()) for p in params)
+    assert allocated - torch.cuda.memory_allocated() >= sum(p.numel() * p.element_size() for p in params)
+    engine.wake()
+    assert all(p.device.type == "cuda" for p in params)
+    before_run = engine.counters.snapshot()
+    [after] = engine.generate([request])  # debug=True checks every static argument's address at replay
+    grew = engine.counters.since(before_run)
+    assert grew["compiles"] == 0 and grew["fallbacks"] == 0 and grew["captures"] > 0 and grew["replays"] > 0
+    assert torch.equal(after.latents, before.latents)

@@ -201,8 +201,8 @@ class EngineSleep:
                     self._host[id(parameter)] = _host_copy(parameter, pin)
                     parameter.data = self._host[id(parameter)]
                 else:
-                    # One element expanded to the shape: update_weights still checks names and shapes against it.
-                    parameter.data = torch.empty((), dtype=parameter.dtype, device=parameter.device).expand(parameter.shape)
+                    # One host element expanded to the shape: update_weights still checks names and shapes against it.
+                    parameter.data = torch.empty((), dtype=parameter.dtype).expand(parameter.shape)
             for buffer in module.buffers():
                 self._host[id(buffer)] = _host_copy(buffer, pin)
                 buffer.data = self._host[id(buffer)]
