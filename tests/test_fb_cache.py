@@ -21,7 +21,7 @@ from fvgraph.engine.engine import Engine
 from fvgraph.runtime.host_outputs import copy_to_host
 from cache_helpers import run_together_and_alone
 from conftest import embeds
-from reference_helpers import assert_matches_reference
+from reference_helpers import assert_matches_reference, assert_within_compiled_noise
 
 STEPS = 10
 SHAPE = {"height": 64, "width": 64, "num_frames": 9, "num_inference_steps": STEPS}
@@ -168,10 +168,9 @@ def test_compiled_first_block_steps_equal_eager_and_add_no_recompile(tiny_engine
     # both requests' first launches ran as one batch; their second launches split by decision
     assert signatures == {("denoise_cfg_first_block", 2), *{(f"denoise_cfg_after_first_{d}", 2) for d in ("cc", "rc", "rr")}}
     eager = tiny_engine.generate(requests)
-    tol = engine.card.parity.tolerance("fp32", "loop")
     for a, b, c in zip(compiled, again, eager):
         assert a.ok and b.ok and a.cache == c.cache, (a.error, a.cache, c.cache)
-        torch.testing.assert_close(a.latents, c.latents, atol=tol.atol, rtol=tol.rtol)
+        assert_within_compiled_noise(a.latents, c.latents)
         assert torch.equal(a.latents, b.latents)
 
 
@@ -199,8 +198,7 @@ def test_the_launches_without_guidance_trace_whole_and_equal_eager(tiny_engine):
     kinds = {signature.step_kind for signature in engine.compiler.signatures}
     assert kinds == {"denoise_first_block", "denoise_after_first_c", "denoise_after_first_r"}
     assert compiled.ok and compiled.cache == eager.cache and 0 < eager.cache["reused"] < STEPS
-    tol = engine.card.parity.tolerance("fp32", "loop")
-    torch.testing.assert_close(compiled.latents, eager.latents, atol=tol.atol, rtol=tol.rtol)
+    assert_within_compiled_noise(compiled.latents, eager.latents)
 
 
 @pytest.mark.parametrize("between_launches", [True, False], ids=["between-launches", "between-steps"])
@@ -244,7 +242,7 @@ def test_graphed_first_block_steps_on_cuda_equal_eager_and_read_the_change_on_th
     with engine.counters.expect(compiles=0, captures=0):
         graphed = engine.generate(requests, on_result=record)
     assert devices == {"cpu"} and engine.counters.replays > 0
-    tol = tiny_card.parity.tolerance("fp32", "loop")
+    tol = tiny_card.parity.tolerance("fp32", "loop")  # on CUDA: the GPU's noise is not the CPU's measured one
     for a, b in zip(eager, graphed):
         assert b.ok and a.cache == b.cache, (b.error, a.cache, b.cache)
         torch.testing.assert_close(b.latents, a.latents, atol=tol.atol, rtol=tol.rtol)
