@@ -39,6 +39,15 @@ def test_warmup_prepares_the_flux_buckets(tmp_path):
     assert [line for line in lines if line.startswith("compiling ") and line.endswith(" ...")] == [
         "compiling denoise, batch bucket 2 ...", "compiling denoise, batch bucket 1 ..."]
     assert sum(line.startswith("compiling denoise, batch bucket ") and ": done in " in line for line in lines) == 2
+    # and the capture cache holds them: one denoise entry per bucket, for this card, whose files are there
+    from fvgraph.compile.capture_cache import CacheEntry, CaptureCache
+
+    [folder] = [d for d in (tmp_path / "cache").iterdir() if d.is_dir()]
+    cache = CaptureCache.open_existing(folder)
+    entries = [CacheEntry(key, entry) for key, entry in cache.entries().items()]
+    assert sorted([e.record["factors"][k] for k in ("card_id", "step_kind", "batch")] for e in entries) == [
+        ["tiny-flux", "denoise", 1], ["tiny-flux", "denoise", 2]]
+    assert all(cache.check(e) is None for e in entries), [cache.check(e) for e in entries]
 
 
 def test_parity_runs_on_an_image_card_with_one_frame():

@@ -129,8 +129,12 @@ def test_quantized_step_matches_the_unrewritten_one(wan):
         assert _cosine(a, b) > 0.999, name
     # what the step adds to the latents: the guided prediction through the sampler update
     update, update_ref = ours[names.index("latents")] - latents, reference[names.index("latents")] - latents
-    assert _cosine(update, update_ref) > 0.99
-    assert _max_rel(update, update_ref) < 0.2
+    # FP8's own noise on this step, measured (seeded weights, deterministic on the CPU): max_rel 0.0709,
+    # cosine 0.99783 on 2026-12-05 with torch 2.13. The bounds leave 1.4x the first and 2.3x the second's
+    # distance from 1; the test prints both.
+    print(f"fp8 update max_rel {_max_rel(update, update_ref):.4f} cosine {_cosine(update, update_ref):.6f}")
+    assert _cosine(update, update_ref) > 0.995
+    assert _max_rel(update, update_ref) < 0.1
     # the custom ops trace for a compiling backend (fake implementations) and give the same result
     compiled = torch._dynamo.lookup_backend("aot_eager")(gm, args)
     with torch.no_grad():

@@ -1,10 +1,11 @@
 """The SDPA backend choice for the DiT's self-attention: torch SDPA, backends in a per-shape priority.
 
 `sdpa_backends(seq_len, head_dim, dtype, device)` picks torch SDPA backends, in priority order, from a
-small table (below). `sdpa_backend_for(...)` is the context manager around
-`torch.nn.attention.sdpa_kernel(..., set_priority=True)` that applies the choice; it traces under
-torch.compile(fullgraph=True). The compiler compiles every GPU step under it and names the choice in
-the step's signature (fvgraph/compile/compiler.py). fvgraph has no attention kernel of its own.
+small table (below). The compiler asks `sdpa_backends` for each step whose denoiser declares its
+attention shape, compiles the step under `torch.nn.attention.sdpa_kernel(those, set_priority=True)`
+and names the choice in the step's signature (fvgraph/compile/compiler.py). `sdpa_backend_for(...)`
+returns that same context for a shape (it traces under torch.compile(fullgraph=True)); the kernel
+benchmark (perf/bench_kernels.py) times each backend through it. fvgraph has no attention kernel of its own.
 """
 
 import dataclasses
