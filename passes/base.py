@@ -115,8 +115,11 @@ class _DimSuggestionFailure(logging.Filter):
 def _quiet_dim_suggestions():
     """After tracing, export solves the shape guards for dynamic-dim suggestions; a guard holding the
     square root of a size makes that solver's printer fail, and it logs a traceback per capture
-    (torch 2.13, wan-cpu-bench's steps). The graph and its guards are unaffected and no suggestion is
-    wanted, so only that record is dropped, only while exporting."""
+    (torch 2.13, wan-cpu-bench's steps). Where: `DimConstraints.solve` in
+    torch/fx/experimental/symbolic_shapes.py catches the printer's NotImplementedError / AssertionError
+    and logs "Failed to reduce inequalities" with its traceback, then keeps the unreduced expressions;
+    no upstream issue tracks it that we know of. The graph and its guards are unaffected and no
+    suggestion is wanted, so only that record is dropped, only while exporting."""
     logger, quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes"), _DimSuggestionFailure()
     logger.addFilter(quiet)
     try:
