@@ -9,7 +9,8 @@ CPU: every sample is a fresh process (fvgraph/perf/memory_worker.py) serving one
 (one denoise step, no CFG), its peak resident growth read from the kernel's high-water mark; the
 cases run interleaved, the order rotated each round. Cases: fvgraph's whole and tiled decode beside
 diffusers' own `vae.decode` untiled and after `enable_tiling(**same)`; the request with each offload
-mode; sleep at levels 1 and 2 (resident memory before and after, and the seconds sleep and wake take).
+mode; sleep at levels 1 and 2 on wan-cpu-bench (resident memory before and after, and the seconds sleep
+and wake take).
 Prints one JSON line: per case growth in MiB and seconds as min / median / max, and the paired ratios
 tiled / whole.
 
@@ -49,6 +50,11 @@ def cpu_cases(tiles: dict) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+# Sleep is measured where the transformer's bytes stand out of the noise: wan-cpu-bench's is 54 MB
+# (tiny-wan's 0.2 MB would vanish in the allocator's movements).
+SLEEP_CARD, SLEEP_SHAPE = "wan-cpu-bench", "5x64x64"
+
+
 def _worker(card: str, shape: str, side: str, *extra: str) -> dict:
     args = [sys.executable, "-m", "fvgraph.perf.memory_worker", side, card, shape, *extra]
     done = subprocess.run(args, capture_output=True, text=True, timeout=1800)
@@ -60,14 +66,15 @@ def _worker(card: str, shape: str, side: str, *extra: str) -> dict:
     return out
 
 
-def run_cpu(card: str, shape: str, repeats: int) -> dict:
-    cases = cpu_cases(TILES)
+def run_cpu(card: str, shape: str, repeats: int, only: list[str] | None = None) -> dict:
+    cases = {name: args for name, args in cpu_cases(TILES).items() if only is None or name in only}
     samples: dict[str, list[dict]] = {name: [] for name in cases}
     for r in range(repeats):
         names = list(cases)
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
-            samples[name].append(_worker(card, shape, cases[name][0], *cases[name][1:]))
+            on = (SLEEP_CARD, SLEEP_SHAPE) if name.startswith("sleep") else (card, shape)
+            samples[name].append(_worker(*on, cases[name][0], *cases[name][1:]))
     out: dict = {}
     for name, runs in samples.items():
         if name.startswith("sleep"):
@@ -79,6 +86,8 @@ def run_cpu(card: str, shape: str, repeats: int) -> dict:
         else:
             out[name] = {"growth_mib": spread([s["growth"] / MIB for s in runs]), "seconds": spread([s["seconds"] for s in runs])}
     for side in ("fvgraph", "diffusers"):
+        if f"{side}_whole" not in samples or f"{side}_tiled" not in samples:
+            continue
         whole, tiled = samples[f"{side}_whole"], samples[f"{side}_tiled"]
         out[f"{side}_tiled_over_whole_growth"] = paired_ratio([s["growth"] for s in tiled], [s["growth"] for s in whole])
     return out
@@ -162,15 +171,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="--gpu: denoise steps (the bench card's boundary is crossed at 2)")
     parser.add_argument("--budget-gb", type=float, default=80.0, help="--gpu: the memory the process may use")
-    parser.add_argument("--case", action="append", choices=list(GPU_CASES), help="--gpu: run only these (default: all)")
+    parser.add_argument("--case", action="append", help="run only these cases (repeatable; default: all of the mode's)")
     args = parser.parse_args()
+    known = list(GPU_CASES) if args.gpu else list(cpu_cases(TILES))
+    unknown = sorted(set(args.case or ()) - set(known))
+    if unknown:
+        parser.error(f"--case {', '.join(unknown)}: the cases are {', '.join(known)}")
     if args.gpu:
         shape = tuple(int(v) for v in (args.shape or "720x1280x81").split("x"))
         emit({**provenance("memory", torch.device("cuda")), "shape": shape, **run_gpu(shape, args.steps, args.budget_gb, args.case or list(GPU_CASES))})
     else:
         shape = args.shape or "5x256x256"
         emit({**provenance("memory", torch.device("cpu")), "card": args.card, "shape": shape, "tiles": TILES,
-              **run_cpu(args.card, shape, args.repeats)})  # fmt: skip
+              **run_cpu(args.card, shape, args.repeats, args.case)})  # fmt: skip
 
 
 if __name__ == "__main__":
