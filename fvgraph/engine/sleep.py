@@ -44,6 +44,7 @@ from torch import nn
 from fvgraph.adapters.registry import AdapterRegistry
 from fvgraph.card import ModelCard
 from fvgraph.contract.loop import Loop, LoopState
+from fvgraph.engine.in_flight import settle_in_flight
 from fvgraph.models.components import load_component
 from fvgraph.parallel.executor import ParallelExecutor
 from fvgraph.runtime.component_residency import ComponentResidency
@@ -118,12 +119,7 @@ class EngineSleep:
         if in_flight == "refuse" and ids:
             raise RequestsInFlight(f"sleep(in_flight='refuse'): {len(ids)} requests are in flight ({', '.join(ids[:3])}); "
                                "let them end, or sleep with in_flight='finish' or 'stop'")  # fmt: skip
-        if in_flight == "stop":
-            for request_id in ids:
-                self._cancel(request_id)
-        while self._scheduler.has_work():  # finished or stopped at a step boundary; their results wait in the outbox
-            self._tick("sleep")
-        self._drain()
+        settle_in_flight(ids, in_flight == "stop", "sleep", self._cancel, self._scheduler.has_work, self._tick, self._drain)
         if isinstance(self._executor, CompiledExecutor) and self._executor.runner.cuda_graphs:
             self._executor.runner.drop_graphs()  # they read the addresses freed below
         if self._projection_cache is not None:

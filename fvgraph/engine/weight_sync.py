@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from fvgraph.contract.loop import Loop, LoopState
+from fvgraph.engine.in_flight import settle_in_flight
 from fvgraph.engine.sleep import EngineSleep
 from fvgraph.parallel.executor import ParallelExecutor
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
@@ -63,12 +64,7 @@ class WeightSync:
                              f"(the engine runs {components.weights_version!r})")  # fmt: skip
         targets = self._weight_targets(weights)
         ids = [s.request_id for s in self._live_states()]
-        if in_flight == "stop":
-            for request_id in ids:
-                self._cancel(request_id)
-        while self._scheduler.has_work():  # finished or stopped at a step boundary; their results wait in the outbox
-            self._tick("update_weights")
-        self._drain()
+        settle_in_flight(ids, in_flight == "stop", "update_weights", self._cancel, self._scheduler.has_work, self._tick, self._drain)
         with torch.no_grad():
             for target, value in targets:
                 self._sleep.write(target, value)
