@@ -53,6 +53,8 @@ def serve(
     retention_s: float = typer.Option(3600.0, help="HTTP: finished videos and their files are deleted this long after they end."),
     drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
     max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
+    lora_dir: Optional[Path] = typer.Option(None, "--lora-dir", help="HTTP: the folder POST /v1/loras loads adapter files from (paths relative to it); without it, loading over HTTP is refused."),
+    allowed_hosts: list[str] = typer.Option([], "--allowed-hosts", help="HTTP: a Host name the server answers besides localhost, 127.0.0.1 and [::1] (repeatable); bound elsewhere than loopback, the only names it answers. Without it there, any."),
     allowed_origins: list[str] = typer.Option([], "--allowed-origins", help="HTTP: a web origin (scheme://host[:port]) whose pages may call the API (CORS; repeatable; '*': any). Without it: no CORS headers."),
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     cache_methods: Optional[str] = CACHE_METHODS_OPTION,
@@ -83,6 +85,8 @@ def serve(
             parse_size(memory_budget, "--memory-budget")
         at_least_one(max_body_bytes, "--max-body-bytes", "bytes of the largest request body accepted")
         check_origins(allowed_origins)
+        if lora_dir is not None and not lora_dir.is_dir():
+            raise ValueError(f"--lora-dir {lora_dir}: not a folder")
         if port is not None:
             bindable(host, port)
         else:  # bytes: each line is decoded alone, so one that is not UTF-8 is rejected without ending the input
@@ -103,7 +107,7 @@ def serve(
                 retention_s=retention_s, drain_timeout_s=drain_timeout, max_body_bytes=max_body_bytes,
                 warmup_shapes=[parse_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
                 model_names=ServedNames.of(engine.card.card_id, served_model_name, choice.checkpoint),
-                allowed_origins=tuple(allowed_origins),
+                allowed_origins=tuple(allowed_origins), allowed_hosts=tuple(allowed_hosts), lora_dir=lora_dir,
                 playground=playground,
             )  # fmt: skip
         else:

@@ -29,6 +29,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,6 +47,7 @@ from fvgraph.serving.http_errors import ApiError, error_handlers
 from fvgraph.serving.http_guard import HttpGuard
 from fvgraph.serving.http_images import ImageRoutes
 from fvgraph.serving.http_playground import PLAYGROUND_ROUTES, PlaygroundApi
+from fvgraph.serving.http_same_origin import SameOriginGuard
 from fvgraph.serving.media_encode import encode_image, encode_mp4, encode_spritesheet
 from fvgraph.serving.model_names import MODEL_ROUTES, ModelsApi, ServedNames
 from fvgraph.serving.openai_requests import (
@@ -85,6 +87,10 @@ class HttpSettings:
     model_names: ServedNames | None = None  # what `model` may name; None: the card id only
     allowed_origins: tuple[str, ...] = ()  # web origins that may call the API (CORS); "*": any; (): none
     playground: bool = True  # serve the playground page at / (fvgraph serve --no-playground: off, / is a 404)
+    # Host names answered (http_same_origin.py; None: any). `fvgraph serve` derives them from its bind
+    # address: the loopback names on a loopback address, plus --allowed-hosts.
+    allowed_hosts: tuple[str, ...] | None = None
+    lora_dir: Path | None = None  # where POST /v1/loras may load adapter files from; None: loading over HTTP is refused
 
     def __post_init__(self):
         object.__setattr__(self, "allowed_origins", check_origins(self.allowed_origins))
@@ -341,9 +347,12 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
     app.state.api = api
     app.add_middleware(HttpGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
                        on_reject=api.metrics.reject)  # fmt: skip
+    # Outside the key check: a request for another Host, or a cross-site write to a keyless server, stops first.
+    app.add_middleware(SameOriginGuard, allowed_hosts=settings.allowed_hosts, keyless=settings.api_key is None,
+                       allowed_origins=settings.allowed_origins)  # fmt: skip
     add_cors(app, settings.allowed_origins)  # outside the guard: a preflight carries no key
     app.add_middleware(OpenAiErrorShape)  # outermost: it reshapes what the others answer in plain text
-    adapters = AdapterApi(served)
+    adapters = AdapterApi(served, settings.lora_dir)
     models = ModelsApi(api.names)
     for owner, routes in ((api, ROUTES), (adapters, ADAPTER_ROUTES), (AdminApi(served), ADMIN_ROUTES), (models, MODEL_ROUTES)):
         for method, path, name in routes:  # a GET answers HEAD as well: the same headers, no body

@@ -27,6 +27,7 @@ from fvgraph.card import ModelCard
 from fvgraph.serving.async_engine import AsyncEngine
 from fvgraph.engine.engine import Engine
 from fvgraph.serving.http_app import HttpSettings, create_app
+from fvgraph.serving.http_same_origin import default_allowed_hosts
 from fvgraph.serving.memory_reservation import MemoryModel, default_budget
 from fvgraph.serving.access_log import AccessLog
 from fvgraph.serving.model_names import ServedNames
@@ -94,11 +95,14 @@ class HttpServer:
                      max_queue: int, memory_budget: str | None, retention_s: float, drain_timeout_s: float,
                      max_body_bytes: int, warmup_shapes: list[tuple[int, int, int]], warm_default_shape: bool,
                      model_names: ServedNames | None = None, allowed_origins: tuple[str, ...] = (),
-                     playground: bool = True) -> HttpServer:  # fmt: skip
+                     playground: bool = True, allowed_hosts: tuple[str, ...] = (),
+                     lora_dir: str | Path | None = None) -> HttpServer:  # fmt: skip
         """The server `fvgraph serve --port` builds from its options. `memory_budget` is a size such as
         '60GiB'; with no `warmup_shapes` and `warm_default_shape` (a capture cache was given), the
         card's default shape is warmed before /ready; `model_names` what `model` may name;
-        `allowed_origins` may call it from a browser (CORS)."""
+        `allowed_origins` may call it from a browser (CORS); `allowed_hosts` are Host names it answers
+        besides the loopback ones (fvgraph/serving/http_same_origin.py); `lora_dir` where POST /v1/loras
+        loads adapter files from."""
         shapes = list(warmup_shapes)
         if warm_default_shape and not shapes:
             rules = engine.card.shapes
@@ -106,7 +110,8 @@ class HttpServer:
         settings = HttpSettings(api_key=api_key, max_body_bytes=max_body_bytes, retention_s=retention_s,
                                 drain_timeout_s=drain_timeout_s, warmup=warmup_requests(engine.card, shapes),
                                 model_names=model_names, allowed_origins=tuple(allowed_origins),
-                                playground=playground)  # fmt: skip
+                                playground=playground, allowed_hosts=default_allowed_hosts(host, tuple(allowed_hosts)),
+                                lora_dir=None if lora_dir is None else Path(lora_dir))  # fmt: skip
         budget = None if memory_budget is None else parse_bytes(memory_budget, "--memory-budget")
         return cls(engine, settings, storage_dir, host=host, port=port, max_queue=max_queue, memory_budget=budget)
 
