@@ -31,17 +31,18 @@ def lora_paths(tmp_path_factory):
 def test_adapters_are_loaded_chosen_and_unloaded_over_http(lora_paths, tmp_path):
     a, kv = lora_paths
     engine = Engine.from_card("tiny-wan", device="cpu", loras={"a": a}, lora_slots=LoraSlots(2, 8, 2))
-    with live_server(engine, tmp_path) as (_, url):
+    folder = kv.parent.parent  # the adapter directory: paths are given relative to it
+    with live_server(engine, tmp_path, lora_dir=folder) as (_, url):
         listed = httpx.get(url + "/v1/loras", headers=AUTH).json()["data"]
-        assert [(x["name"], x["slot"]) for x in listed] == [("a", 0)]
+        assert [(x["name"], x["slot"]) for x in listed] == [("a", 0)] and "path" not in listed[0]
         assert httpx.get(url + "/v1/loras").status_code == 401  # under the API key
-        loaded = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "kv", "path": str(kv)})
+        loaded = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "kv", "path": "kv/lora.safetensors"})
         assert loaded.status_code == 200 and loaded.json()["slot"] == 1
-        full = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "c", "path": str(kv)})
+        full = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "c", "path": "kv/lora.safetensors"})
         assert full.status_code == 400 and "all max_loras=2 slots" in full.json()["error"]["message"]
-        missing = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "d", "path": str(tmp_path / "none.safetensors")})
-        assert missing.status_code == 400 and missing.json()["error"]["param"] == "path"
-        extra = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "d", "path": str(kv), "scale": 1})
+        missing = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "d", "path": "none.safetensors"})
+        assert missing.status_code == 404 and missing.json()["error"]["param"] == "path"
+        extra = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "d", "path": "kv/lora.safetensors", "scale": 1})
         assert extra.status_code == 400 and extra.json()["error"]["param"] == "scale"
 
         api = client(url)
@@ -95,3 +96,25 @@ def test_generate_takes_lora_and_lora_scale(lora_paths, tmp_path):
     assert bad.exit_code == 2 and "--lora='a' must be NAME=PATH" in bad.output
     unknown = runner.invoke(app, [*common, "--lora", f"a={a}", "--lora-scale", "b=1", "-o", str(tmp_path / "bad.gif")])
     assert unknown.exit_code == 2 and "'b' is not a --lora adapter" in unknown.output
+
+
+def test_over_http_adapters_load_only_from_the_adapter_directory(lora_paths, tmp_path):
+    """Issue 51's fault 9: no file outside --lora-dir is opened, and outside and missing get one answer."""
+    a, kv = lora_paths
+    folder = kv.parent.parent
+    (folder / "link.safetensors").unlink(missing_ok=True)
+    (folder / "link.safetensors").symlink_to("/etc/hostname")  # inside by name, outside once resolved
+    engine = Engine.from_card("tiny-wan", device="cpu", lora_slots=LoraSlots(2, 8, 2))
+    with live_server(engine, tmp_path / "no-dir") as (_, url):
+        refused = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "kv", "path": "kv/lora.safetensors"})
+        assert refused.status_code == 403 and "--lora-dir" in refused.json()["error"]["message"]
+    with live_server(engine, tmp_path / "dir", lora_dir=folder) as (_, url):
+        answers = {}
+        for path in ("/etc/hostname", "../../../../etc/hostname", "/etc/no-such-file", "link.safetensors",
+                     "none.safetensors", "x" * 300 + ".safetensors"):  # fmt: skip
+            answer = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "z", "path": path})
+            assert answer.status_code == 404 and answer.json()["error"]["param"] == "path", (path, answer.text)
+            answers[path] = answer.json()["error"]["message"].replace(repr(path[:200]), "PATH")
+        assert len(set(answers.values())) == 1  # existing or not, outside or missing: the same words
+        assert httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "z", "path": "x" * 5000}).status_code == 400
+        assert engine.loras() == []

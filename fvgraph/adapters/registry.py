@@ -78,12 +78,19 @@ class AdapterRegistry:
             raise AdapterError(f"lora {name!r} is already loaded (from {self.adapters[name].weights.path}); unload it first")
         return read_lora(path, self.pipeline_class, self.transformer)
 
-    def load(self, name: str, path: str | Path) -> LoadedAdapter:
-        """Read `path`, check it against the slots, and write it into a free slot."""
+    def load(self, name: str, source: str | Path | LoraWeights) -> LoadedAdapter:
+        """Read `source` (or take it read already, by `read` on another thread), check it against the
+        slots, and write it into a free slot."""
         if self.store is None:
             raise AdapterError("this engine has no adapter slots (it was built with merged adapters only): "
                                "build it with lora_slots to load adapters while serving")  # fmt: skip
-        weights = self.read(name, path)
+        if isinstance(source, LoraWeights):
+            check_name(name)
+            if name in self.adapters:  # loaded meanwhile under that name
+                raise AdapterError(f"lora {name!r} is already loaded (from {self.adapters[name].weights.path}); unload it first")
+            weights = source
+        else:
+            weights = self.read(name, source)
         self.store.check(weights)
         free = [i for i, digest in enumerate(self.store.digests) if digest is None]
         if not free:

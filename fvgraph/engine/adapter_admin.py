@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fvgraph.adapters.lora_file import AdapterError
+from fvgraph.adapters.lora_file import AdapterError, LoraWeights
 from fvgraph.adapters.registry import AdapterRegistry
 from fvgraph.contract.loop import LoopState
 from fvgraph.runtime.projection_cache import ExactProjectionCache
@@ -36,13 +36,22 @@ class AdapterAdmin:
         """The loaded adapters: name, path, digest, rank, adapted modules, slot (None: merged)."""
         return [] if self._adapters is None else self._adapters.describe()
 
-    def load_lora(self, name: str, path: str | Path) -> dict[str, Any]:
-        """Read a local LoRA file (any format diffusers converts for this family) into a free slot.
-        AdapterError names the key or rule when the file does not fit the engine's slots."""
+    def read_lora(self, name: str, path: str | Path) -> LoraWeights:
+        """Read and check a local LoRA file for `name` without loading it: touches no engine state, so
+        a server runs it on a worker thread and hands the result to `load_lora`."""
+        if self._adapters is None or self._adapters.store is None:
+            raise AdapterError("this engine has no adapter slots: build it with lora_slots (or --max-loras) to load adapters")
+        weights = self._adapters.read(name, path)
+        self._adapters.store.check(weights)
+        return weights
+
+    def load_lora(self, name: str, source: str | Path | LoraWeights) -> dict[str, Any]:
+        """Read a local LoRA file (any format diffusers converts for this family; or take what
+        `read_lora` read) into a free slot. AdapterError names the key or rule when it does not fit."""
         self._between_ticks("load_lora")
         if self._adapters is None or self._adapters.store is None:
             raise AdapterError("this engine has no adapter slots: build it with lora_slots (or --max-loras) to load adapters")
-        return self._adapters.load(name, path).describe()
+        return self._adapters.load(name, source).describe()
 
     def unload_lora(self, name: str) -> dict[str, Any]:
         """Free `name`'s slot. Refused while a submitted request that chose it has not ended."""

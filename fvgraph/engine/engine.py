@@ -38,6 +38,7 @@ from fvgraph.card_choices import chosen_card
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.contract.counters import Counters
+from fvgraph.adapters.lora_file import LoraWeights
 from fvgraph.adapters.registry import AdapterRegistry
 from fvgraph.adapters.setup import engine_adapter_setup
 from fvgraph.adapters.slots import LoraSlots
@@ -211,9 +212,13 @@ class Engine:
         """The loaded adapters: name, path, digest, rank, adapted modules, slot (None: merged)."""
         return self._adapter_admin.loras()
 
-    def load_lora(self, name: str, path: str | Path) -> dict[str, Any]:
-        """Read a local LoRA file into a free slot, between ticks (fvgraph/engine/adapter_admin.py)."""
-        return self._adapter_admin.load_lora(name, path)
+    def read_lora(self, name: str, path: str | Path) -> LoraWeights:
+        """Read and check a LoRA file for `name`, changing nothing (any thread; fvgraph/engine/adapter_admin.py)."""
+        return self._adapter_admin.read_lora(name, path)
+
+    def load_lora(self, name: str, source: str | Path | LoraWeights) -> dict[str, Any]:
+        """A local LoRA file (or what read_lora read) into a free slot, between ticks (fvgraph/engine/adapter_admin.py)."""
+        return self._adapter_admin.load_lora(name, source)
 
     def unload_lora(self, name: str) -> dict[str, Any]:
         """Free `name`'s slot; refused while a request in flight chose it (fvgraph/engine/adapter_admin.py)."""

@@ -4,12 +4,19 @@
     POST   /v1/loras           {"name": "style", "path": "/models/style.safetensors"}: load into a free slot
     DELETE /v1/loras/{name}    unload; 409 while a request in flight uses it
 
-`path` is a file on the server's own disk: loading is an operator's action, as with SGLang's
-set_lora. Each change runs on the engine thread between two ticks (AsyncEngine.call), so a step
-never reads a slot while it is written. Requests then choose adapters with the body's `loras`.
+`path` names a file in the operator's adapter directory (`fvgraph serve --lora-dir DIR`), relative
+to it; without one, loading over HTTP is refused. A path that leaves the directory (after links are
+resolved) or names no file gets one answer either way, and nothing outside is opened: the endpoint
+tells nothing of the rest of the disk, and the list shows names, not paths. The file is read on a
+worker thread (a slow disk stalls no step); the slot is written on the engine thread between two
+ticks (AsyncEngine.call), so a step never reads a slot while it is written. Requests then choose
+adapters with the body's `loras`.
 """
 
 from __future__ import annotations
+
+import asyncio
+from pathlib import Path
 
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -28,12 +35,27 @@ class LoadLora(BaseModel):
 
 
 class AdapterApi:
-    def __init__(self, served: AsyncEngine):
+    def __init__(self, served: AsyncEngine, lora_dir: Path | None):
         self.served = served
+        self.lora_dir = None if lora_dir is None else Path(lora_dir).resolve()
 
     async def list_loras(self):
         data = await self.served.call(lambda engine: engine.loras())
-        return {"object": "list", "data": [{"object": "lora", **adapter} for adapter in data]}
+        return {"object": "list", "data": [{"object": "lora", **_without_path(adapter)} for adapter in data]}
+
+    def _file(self, given: str) -> Path:
+        """The adapter file `given` names inside the adapter directory; one 404 for outside and missing."""
+        if self.lora_dir is None:
+            raise ApiError(403, "loading adapters over HTTP needs an adapter directory: start the server with "
+                                "--lora-dir DIR and name files in it", "path", "lora_dir_unset")  # fmt: skip
+        absent = ApiError(404, f"no adapter file {given[:200]!r} in the server's adapter directory", "path", "not_found")
+        path = (self.lora_dir / given).resolve()
+        try:
+            if not path.is_relative_to(self.lora_dir) or not path.is_file():
+                raise absent
+        except OSError:  # a name too long to stat: the same answer
+            raise absent from None
+        return path
 
     async def load_lora(self, http: HttpRequest):
         try:
@@ -42,11 +64,13 @@ class AdapterApi:
             first = err.errors()[0]
             name = str(first["loc"][-1]) if first.get("loc") else "body"
             raise ApiError(400, f"{name}: {first['msg']}", name, "invalid_value") from None
+        path = self._file(body.path)
         try:
-            adapter = await self.served.call(lambda engine: engine.load_lora(body.name, body.path))
+            weights = await asyncio.to_thread(self.served.engine.read_lora, body.name, path)
+            adapter = await self.served.call(lambda engine: engine.load_lora(body.name, weights))
         except AdapterError as err:
             raise ApiError(400, str(err), "path" if "path" in str(err) or "lora key" in str(err) else "name", "invalid_value") from None
-        return {"object": "lora", **adapter}
+        return {"object": "lora", **_without_path(adapter)}
 
     async def unload_lora(self, name: str):
         try:
@@ -55,6 +79,10 @@ class AdapterApi:
             status, code = (404, "not_found") if "unknown lora" in str(err) else (409, "lora_in_use") if "in use" in str(err) else (400, "invalid_value")
             raise ApiError(status, str(err), "name", code) from None
         return {"object": "lora.deleted", "name": adapter["name"], "deleted": True}
+
+
+def _without_path(adapter: dict) -> dict:
+    return {key: value for key, value in adapter.items() if key != "path"}
 
 
 ADAPTER_ROUTES = [("GET", "/v1/loras", "list_loras"), ("POST", "/v1/loras", "load_lora"), ("DELETE", "/v1/loras/{name}", "unload_lora")]
