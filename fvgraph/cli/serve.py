@@ -53,6 +53,7 @@ def serve(
     retention_s: float = typer.Option(3600.0, help="HTTP: finished videos and their files are deleted this long after they end."),
     drain_timeout: float = typer.Option(30.0, help="HTTP: on SIGTERM, seconds running requests get before they are cancelled."),
     max_body_bytes: int = typer.Option(16 << 20, help="HTTP: larger request bodies get 413."),
+    admin_api_key: Optional[str] = typer.Option(None, envvar="FVGRAPH_ADMIN_API_KEY", help="HTTP: the one key adapter loading and unloading, sleep and wake take (without it: the API key)."),
     lora_dir: Optional[Path] = typer.Option(None, "--lora-dir", help="HTTP: the folder POST /v1/loras loads adapter files from (paths relative to it); without it, loading over HTTP is refused."),
     allowed_hosts: list[str] = typer.Option([], "--allowed-hosts", help="HTTP: a Host name the server answers besides localhost, 127.0.0.1 and [::1] (repeatable); bound elsewhere than loopback, the only names it answers. Without it there, any."),
     allowed_origins: list[str] = typer.Option([], "--allowed-origins", help="HTTP: a web origin (scheme://host[:port]) whose pages may call the API (CORS; repeatable; '*': any). Without it: no CORS headers."),
@@ -108,6 +109,7 @@ def serve(
                 warmup_shapes=[parse_shape(text, "--warmup-shape") for text in warmup_shape], warm_default_shape=cache_dir is not None,
                 model_names=ServedNames.of(engine.card.card_id, served_model_name, choice.checkpoint),
                 allowed_origins=tuple(allowed_origins), allowed_hosts=tuple(allowed_hosts), lora_dir=lora_dir,
+                admin_api_key=admin_api_key,
                 playground=playground,
             )  # fmt: skip
         else:

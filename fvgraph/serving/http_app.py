@@ -79,6 +79,7 @@ class HttpSettings:
     """What `fvgraph serve --port` configures besides the engine."""
 
     api_key: str | None = None  # Bearer key every /v1 and /metrics call must carry; None: open
+    admin_api_key: str | None = None  # the one key of the admin actions (adapters, sleep; http_guard.py); None: the API key
     max_body_bytes: int = 16 << 20  # larger request bodies get 413
     max_prompt_chars: int = 20_000
     retention_s: float = 3600.0  # finished videos and their files are deleted this long after they end
@@ -346,7 +347,7 @@ def create_app(served: AsyncEngine, store: VideoStore, settings: HttpSettings) -
     app = FastAPI(title="fvgraph", lifespan=api.lifespan, exception_handlers=error_handlers(api.metrics))
     app.state.api = api
     app.add_middleware(HttpGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes,
-                       on_reject=api.metrics.reject)  # fmt: skip
+                       on_reject=api.metrics.reject, admin_api_key=settings.admin_api_key)  # fmt: skip
     # Outside the key check: a request for another Host, or a cross-site write to a keyless server, stops first.
     app.add_middleware(SameOriginGuard, allowed_hosts=settings.allowed_hosts, keyless=settings.api_key is None,
                        allowed_origins=settings.allowed_origins)  # fmt: skip

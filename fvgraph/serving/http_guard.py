@@ -1,8 +1,10 @@
-"""What every HTTP request passes before it reaches an endpoint: the API key and the body size limit.
+"""What every HTTP request passes before it reaches an endpoint: the API keys and the body size limit.
 
 With a key set, every path but /health, /ready and / (the playground page, which holds nothing
 and asks the API with the key a person types in) needs `Authorization: Bearer <key>` (compared in
-constant time), else 401. A body larger than `max_body_bytes` gets 413: at once when its
+constant time), else 401. With an admin key set (`--admin-api-key`), the admin actions (loading and
+unloading adapters, sleep and wake) take that key alone, so a key that generates cannot open files or
+put the engine to sleep; without one they take the API key, as every other route. A body larger than `max_body_bytes` gets 413: at once when its
 Content-Length says so, and as soon as the bytes read pass the limit when it does not.
 """
 
@@ -13,6 +15,8 @@ import json
 from collections.abc import Callable
 
 OPEN_PATHS = frozenset({"/health", "/ready", "/"})
+# (method, path prefix) of the admin actions: they change what the engine serves, not one request.
+ADMIN_ROUTES = (("POST", "/v1/loras"), ("DELETE", "/v1/loras/"), ("POST", "/v1/admin/"))
 
 
 class BodyTooLarge(Exception):
@@ -21,11 +25,13 @@ class BodyTooLarge(Exception):
 
 
 class HttpGuard:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_reject: Callable[[str], None]):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, on_reject: Callable[[str], None],
+                 admin_api_key: str | None = None):  # fmt: skip
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes={max_body_bytes} must be positive")
         self.app = app
         self.api_key = api_key.encode() if api_key else None
+        self.admin_api_key = admin_api_key.encode() if admin_api_key else None
         self.max_body_bytes = max_body_bytes
         self.on_reject = on_reject
 
@@ -33,12 +39,17 @@ class HttpGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+        admin = self.admin_api_key is not None and any(
+            scope["method"] == method and (scope["path"] == prefix or prefix.endswith("/") and scope["path"].startswith(prefix))
+            for method, prefix in ADMIN_ROUTES)  # fmt: skip
+        needed = self.admin_api_key if admin else self.api_key
+        if needed is not None and scope["path"] not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             scheme, _, key = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), needed):
                 self.on_reject("unauthorized")
-                message = "missing or wrong API key: send 'Authorization: Bearer <key>' (--api-key or FVGRAPH_API_KEY)"
+                which = "the admin key (--admin-api-key or FVGRAPH_ADMIN_API_KEY)" if admin else "the API key (--api-key or FVGRAPH_API_KEY)"
+                message = f"missing or wrong key: this route takes {which}, sent as 'Authorization: Bearer <key>'"
                 return await _respond(send, 401, message, "invalid_api_key", {b"www-authenticate": b"Bearer"})
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:

@@ -96,7 +96,7 @@ class HttpServer:
                      max_body_bytes: int, warmup_shapes: list[tuple[int, int, int]], warm_default_shape: bool,
                      model_names: ServedNames | None = None, allowed_origins: tuple[str, ...] = (),
                      playground: bool = True, allowed_hosts: tuple[str, ...] = (),
-                     lora_dir: str | Path | None = None) -> HttpServer:  # fmt: skip
+                     lora_dir: str | Path | None = None, admin_api_key: str | None = None) -> HttpServer:  # fmt: skip
         """The server `fvgraph serve --port` builds from its options. `memory_budget` is a size such as
         '60GiB'; with no `warmup_shapes` and `warm_default_shape` (a capture cache was given), the
         card's default shape is warmed before /ready; `model_names` what `model` may name;
@@ -107,7 +107,7 @@ class HttpServer:
         if warm_default_shape and not shapes:
             rules = engine.card.shapes
             shapes = [(rules.default_frames, rules.default_height, rules.default_width)]
-        settings = HttpSettings(api_key=api_key, max_body_bytes=max_body_bytes, retention_s=retention_s,
+        settings = HttpSettings(api_key=api_key, admin_api_key=admin_api_key, max_body_bytes=max_body_bytes, retention_s=retention_s,
                                 drain_timeout_s=drain_timeout_s, warmup=warmup_requests(engine.card, shapes),
                                 model_names=model_names, allowed_origins=tuple(allowed_origins),
                                 playground=playground, allowed_hosts=default_allowed_hosts(host, tuple(allowed_hosts)),
