@@ -3,6 +3,7 @@ and on the CLI (--lora)."""
 
 import base64
 import io
+import time
 
 import numpy as np
 import pytest
@@ -118,3 +119,26 @@ def test_over_http_adapters_load_only_from_the_adapter_directory(lora_paths, tmp
         assert len(set(answers.values())) == 1  # existing or not, outside or missing: the same words
         assert httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "z", "path": "x" * 5000}).status_code == 400
         assert engine.loras() == []
+
+
+def test_a_remix_is_refused_when_its_adapter_name_now_holds_another_file(lora_paths, tmp_path):
+    """Issue 51's fault 13: a video records each adapter's digest; a remix after the name was unloaded
+    and another file loaded under it is a 409 naming the adapter, not a render with the other file."""
+    a, kv = lora_paths
+    folder = kv.parent.parent
+    engine = Engine.from_card("tiny-wan", device="cpu", lora_slots=LoraSlots(2, 8, 2))
+    with live_server(engine, tmp_path, lora_dir=folder) as (_, url):
+        assert httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "style", "path": "kv/lora.safetensors"}).status_code == 200
+        api = client(url)
+        video = api.videos.create_and_poll(prompt="a fox", size="32x32", seconds="1", poll_interval_ms=20,
+                                           extra_body={**QUICK, "loras": {"style": 1.0}})  # fmt: skip
+        assert video.status == "completed", video.error
+        again = httpx.post(url + f"/v1/videos/{video.id}/remix", headers=AUTH, json={"prompt": "a cat"})
+        assert again.status_code == 200, again.text  # the same file under the name: the remix runs
+        while api.videos.retrieve(again.json()["id"]).status in ("queued", "in_progress"):  # unloading waits for no request
+            time.sleep(0.02)
+        assert httpx.delete(url + "/v1/loras/style", headers=AUTH).status_code == 200
+        assert httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "style", "path": "a/lora.safetensors"}).status_code == 200
+        refused = httpx.post(url + f"/v1/videos/{video.id}/remix", headers=AUTH, json={"prompt": "a cat"})
+        assert refused.status_code == 409 and refused.json()["error"]["param"] == "loras"
+        assert "lora 'style'" in refused.json()["error"]["message"]

@@ -359,6 +359,7 @@ class DenoiseLoop:
         return {"card_id": self.card.card_id, "weights_version": state.weights_version, "precision": recipe.precision,
                 "recipe": {"name": recipe.name, "method": recipe.method, "assumes_precision": recipe.assumes_precision or recipe.precision,
                            **self.card.recipe_in_effect()}, "loras": {} if state.adapters is None else dict(state.adapters.scales),
+                "lora_digests": {} if state.adapters is None else dict(state.adapters.digests),
                 "merged_loras": self.adapters.merged()}  # fmt: skip
 
     def _behavior_record(self, state: DenoiseState) -> BehaviorRecord | None:

@@ -170,7 +170,8 @@ class VideoApi(ImageRoutes):
         """Encode and write the files on a worker thread (the event loop keeps serving meanwhile)."""
         frames = event.result.frames
         if item.settings is not None and event.result.seed is not None:  # a remix reuses the seed it ran with
-            self.store.update(item.id, settings=with_seed(item.settings, event.result.seed))
+            digests = event.result.provenance.get("lora_digests", {})
+            self.store.update(item.id, settings=with_seed(item.settings, event.result.seed, digests))
 
         def encode_and_store() -> None:
             content = {"video": encode_mp4(frames, item.fps), "thumbnail": encode_image(frames[0], "jpeg"),
@@ -235,7 +236,9 @@ class VideoApi(ImageRoutes):
     async def remix_video(self, video_id: str, http: HttpRequest):
         source = self._find(video_id)
         body = parse_body(RemixBody, await self._fields(http))
-        parsed = remix_request(source, body, self.names.accepts, self.store.new_id("video"), self.settings.max_prompt_chars)
+        loaded = {a["name"]: a["digest"] for a in await self.served.call(lambda engine: engine.loras())}
+        parsed = remix_request(source, body, self.names.accepts, self.store.new_id("video"), self.settings.max_prompt_chars,
+                               loaded)  # fmt: skip
         return self._start_video(parsed, source.id, source.model)
 
     def _start_video(self, parsed: Parsed, remixed_from: str | None, model: str) -> dict:

@@ -10,7 +10,8 @@ names its source in `remixed_from_video_id` and keeps these settings in turn, so
 
 The source must exist (404) and be completed (409 while queued or running, or when it failed); a
 video made from an input_reference cannot be remixed (409: the image is not kept), nor one made
-before settings were recorded or by another card.
+before settings were recorded or by another card, nor one whose adapter name now holds another file
+than the digest it recorded (409 naming `loras`).
 """
 
 from __future__ import annotations
@@ -43,17 +44,24 @@ def remix_settings(parsed: Parsed) -> dict:
             "seconds": parsed.seconds, "input_reference": request.image is not None}  # fmt: skip
 
 
-def with_seed(settings: dict, seed: int) -> dict:
-    """The settings with the seed the video ran with."""
-    return {**settings, "request": {**settings["request"], "seed": seed}}
+def with_seed(settings: dict, seed: int, lora_digests: dict[str, str]) -> dict:
+    """The settings with the seed the video ran with and the digest of each adapter it used."""
+    return {**settings, "request": {**settings["request"], "seed": seed}, "lora_digests": dict(lora_digests)}
 
 
 def remix_request(source: StoredVideo, body: RemixBody, serves: Callable[[str], bool], request_id: str,
-                  max_prompt_chars: int) -> Parsed:  # fmt: skip
-    """The request of a remix of `source` with `body.prompt`, or an ApiError saying why it cannot be made."""
+                  max_prompt_chars: int, loaded_digests: dict[str, str]) -> Parsed:  # fmt: skip
+    """The request of a remix of `source` with `body.prompt`, or an ApiError saying why it cannot be
+    made. `loaded_digests`: each adapter loaded now, by name; an adapter the source used must still
+    be the same file under its name, or the remix would render with another one."""
     refusal = _refusal(source, serves)
     if refusal is not None:
         raise ApiError(409, f"video {source.id!r} cannot be remixed: {refusal}", "video_id", "remix_unavailable")
+    for name, digest in (source.settings.get("lora_digests") or {}).items():
+        if loaded_digests.get(name) != digest:
+            now = "is not loaded" if name not in loaded_digests else f"now holds another file (digest {loaded_digests[name]})"
+            raise ApiError(409, f"video {source.id!r} cannot be remixed: its lora {name!r} (digest {digest}) {now}; "
+                                "load the adapter it was made with", "loras", "remix_unavailable")  # fmt: skip
     if len(body.prompt) > max_prompt_chars:
         raise RequestRejected("prompt", f"{len(body.prompt)} characters exceed the limit of {max_prompt_chars} this server takes")
     settings = source.settings
