@@ -14,6 +14,7 @@ tile runs through its decoder (or encoder) and what follows the blend.
 
 from __future__ import annotations
 
+import abc
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ def _windows(extent: int, stride: int, size: int, scale: int = 1) -> tuple[slice
     return tuple(slice(i * scale, (i + size) * scale) for i in range(0, extent, stride))
 
 
-class VaeTiling:
+class VaeTiling(abc.ABC):
     """What tiling means for one VAE class; `settings` are its enable_tiling keywords in effect."""
 
     settings: dict[str, int]
@@ -57,21 +58,19 @@ class VaeTiling:
     def __init__(self, vae: nn.Module):
         self.vae = vae
 
-    def decode_grid(self, height: int, width: int) -> TileGrid | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def decode_grid(self, height: int, width: int) -> TileGrid | None: ...
 
-    def decode_tile(self, z: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def decode_tile(self, z: torch.Tensor) -> torch.Tensor: ...
 
     def decoded(self, stitched: torch.Tensor) -> torch.Tensor:
         """What follows the blend in diffusers' tiled decode (unpatchify, clamp), on the stitched output."""
         return stitched
 
     def encode_grid(self, height: int, width: int) -> TileGrid | None:
+        """The encode's tiles (a class that tiles its encode has `encode_tile` too)."""
         raise ValueError(f"{type(self.vae).__name__}: fvgraph tiles its decode only")
-
-    def encode_tile(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
 
     def blend(self, above: torch.Tensor | None, left: torch.Tensor | None, tile: torch.Tensor, grid: TileGrid) -> torch.Tensor:
         """`tile` blended in place with its blended neighbours, by the VAE's own blend functions."""
