@@ -31,7 +31,7 @@ from fvgraph.caching.settings import CacheSettings, NoCache
 from fvgraph.caching.methods import parse_cache_settings
 from fvgraph.contract.model_facts import ModelFacts
 from fvgraph.media_file import write_video
-from fvgraph.request_image import to_rgb_image
+from fvgraph.request_image import to_rgb_frames, to_rgb_image
 
 # Ids are echoed into result lines, logs and file names: bounded, printable.
 MAX_REQUEST_ID_LENGTH = 128
@@ -113,6 +113,16 @@ class Request(BaseModel):
         description="Image-to-video cards: the first frame. A path, PIL image, uint8 array/tensor [H, W, 3] "
         "(tensor also [3, H, W]) or float tensor in [0, 1]; kept as an RGB PIL image, resized to height x width.",
     )
+    video: Any = Field(
+        default=None,
+        description="Wan text-to-video cards: the video to start from (video-to-video). A list of frames (each as "
+        "`image` takes it) or a uint8 array/tensor [T, H, W, 3]; resized to height x width, its frame count is num_frames.",
+    )
+    strength: float | None = Field(
+        default=None, gt=0.0, le=1.0,
+        description="With `video`: how far from the video to go, in (0, 1] (default 0.8, as diffusers): the last "
+        "int(num_inference_steps * strength) steps run, from the video's latents noised to that step.",
+    )
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0.0, le=30.0, description="<= 1 disables CFG, as diffusers.")
     guidance_scale_2: float | None = Field(
@@ -191,6 +201,11 @@ class Request(BaseModel):
     def _valid_image(cls, value):
         return None if value is None else to_rgb_image(value)
 
+    @field_validator("video")
+    @classmethod
+    def _valid_video(cls, value):
+        return None if value is None else to_rgb_frames(value)
+
     @field_validator("cache", mode="before")
     @classmethod
     def _cache_settings(cls, value):
@@ -261,7 +276,8 @@ class Request(BaseModel):
         )
         values["height"] = self.height or shapes.default_height
         values["width"] = self.width or shapes.default_width
-        values["num_frames"] = self.num_frames or shapes.default_frames
+        values["num_frames"] = self.num_frames or (len(self.video) if self.video is not None else shapes.default_frames)
+        _resolve_video(values, self, facts)
         values["seed"] = secrets.randbelow(2**31) if self.seed is None else self.seed
         _resolve_cfg_scale(values, self, card)
         values["max_sequence_length"] = self.max_sequence_length or shapes.text_len
@@ -288,6 +304,25 @@ class Request(BaseModel):
                     f"[seq_len <= {shapes.text_len}, {width}] (the width its weights take)",
                 )
         return Request.model_validate(values)
+
+
+def _resolve_video(values: dict, request: Request, facts: ModelFacts | None) -> None:
+    """A video-to-video request's frames are its num_frames; `strength` comes with a video only."""
+    if request.video is None:
+        if request.strength is not None:
+            raise RequestRejected("strength", "sets how far a video-to-video request goes from its video: pass video=... with it")
+        return
+    frames = len(request.video)
+    if frames != values["num_frames"]:
+        raise RequestRejected("video", f"has {frames} frames, num_frames is {values['num_frames']}: leave num_frames "
+                                       "unset or give a video of that many frames")  # fmt: skip
+    if facts is not None and (frames - 1) % facts.temporal_multiple:
+        raise RequestRejected("video", f"has {frames} frames; the VAE packs {facts.temporal_multiple} frames per latent "
+                                       f"frame, so it must have k*{facts.temporal_multiple}+1")  # fmt: skip
+    values["strength"] = 0.8 if request.strength is None else request.strength  # diffusers' default
+    if int(values["num_inference_steps"] * values["strength"]) < 1:
+        raise RequestRejected("strength", f"{values['strength']} of {values['num_inference_steps']} steps runs none: "
+                                          "int(num_inference_steps * strength) must be at least 1")  # fmt: skip
 
 
 def _resolve_cfg_scale(values: dict, request: Request, card: ModelCard) -> None:

@@ -1,4 +1,5 @@
-"""The `image` of an image-to-video Request: one accepted form in, one RGB PIL image out.
+"""The `image` of an image-to-video Request, and the `video` of a video-to-video one: each accepted
+form in, RGB PIL images out.
 
 Accepted: a path to an image file, a PIL image (any mode: converted to RGB, as diffusers'
 load_image does), a uint8 array or tensor [H, W, 3] (tensors also [3, H, W]), or a float tensor in
@@ -15,6 +16,7 @@ import PIL.Image
 import torch
 
 MAX_SIDE = 8192  # a bigger image is a mistake, not a video frame
+MAX_FRAMES = 1025  # a longer video is past every card's frame limit
 
 
 def to_rgb_image(value: object) -> PIL.Image.Image:
@@ -57,3 +59,29 @@ def _pixels(value: np.ndarray | torch.Tensor) -> np.ndarray:
     if value.dtype != np.uint8:
         raise ValueError(f"image: an array must be uint8 (0..255), got dtype {value.dtype}")
     return np.ascontiguousarray(value)
+
+
+def to_rgb_frames(value: object) -> list[PIL.Image.Image]:
+    """A video: a list (or tuple) of frames, each in a form `to_rgb_image` takes, or a uint8 array or
+    tensor [T, H, W, 3]; every frame the same size. Errors name `video` and the frame."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        if value.ndim != 4:
+            raise ValueError(f"video as an array must be [T, H, W, 3], got shape {list(value.shape)}")
+        value = list(value)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"video must be a list of frames or a uint8 array [T, H, W, 3], got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_FRAMES:
+        raise ValueError(f"video has {len(value)} frames; it must have 1..{MAX_FRAMES}")
+    frames = []
+    for index, frame in enumerate(value):
+        try:
+            frames.append(to_rgb_image(frame))
+        except ValueError as error:
+            raise ValueError(f"video frame {index}: {error}") from None
+        if frames[-1].size != frames[0].size:
+            raise ValueError(f"video frame {index} is {_size(frames[-1])}, frame 0 is {_size(frames[0])}: every frame must be one size")
+    return frames
+
+
+def _size(image: PIL.Image.Image) -> str:
+    return "{}x{}".format(*image.size)

@@ -28,7 +28,7 @@ from fvgraph.loops.denoise_state import DenoiseFacts, DenoiseState, to_device
 from fvgraph.loops.loop_adapters import LoopAdapters
 from fvgraph.loops.loop_parts import FAMILY_FIELDS, FamilyParts, LoopConfig
 from fvgraph.loops.loop_rollouts import SDE_KINDS, LoopRollouts, rollout_step_kinds
-from fvgraph.loops.samplers import SamplerPlan, build_sampler
+from fvgraph.loops.samplers import SamplerPlan, build_sampler, start_step
 from fvgraph.loops.state_check import check_state
 from fvgraph.loops.step_caching import StepCaching
 from fvgraph.loops.taps import TapPoints
@@ -166,8 +166,9 @@ class DenoiseLoop:
 
     # -- init ------------------------------------------------------------------------------------
 
-    def planned(self, num_steps: int, state: Request | DenoiseState) -> SamplerPlan:
-        """The schedule a request (or a saved state) runs: a rollout's SDE schedule, else the family's."""
+    def planned(self, num_steps: int, state: Request | DenoiseState, start: int = 0) -> SamplerPlan:
+        """The schedule a request (or a saved state) runs, steps `start`..`num_steps`-1 of `num_steps`:
+        a rollout's SDE schedule, else the family's."""
         noise_level = _noise_level(state)
         if noise_level is not None:
             return self.rollouts.planned(num_steps, noise_level)
@@ -175,7 +176,7 @@ class DenoiseLoop:
             hw = (state.height // self.spatial_scale, state.width // self.spatial_scale)
         else:
             hw = tuple(state.latents.shape[-2:])
-        return self.latents.planned(self.sampler, num_steps, hw)
+        return self.latents.planned(self.sampler, num_steps, hw, start)
 
     def sampler_of(self, state: Request | DenoiseState):
         """The sampler a request (or its state) runs: the SDE one for a rollout, else the card's."""
@@ -184,7 +185,8 @@ class DenoiseLoop:
     def init(self, request: Request) -> DenoiseState:
         """`request` must already be resolved against this card (defaults filled, rules checked)."""
         device = self.components.device
-        plan, sampler = self.planned(request.num_inference_steps, request), self.sampler_of(request)
+        start = 0 if request.strength is None else start_step(request.num_inference_steps, request.strength)
+        plan, sampler = self.planned(request.num_inference_steps, request, start), self.sampler_of(request)
         generator = torch.Generator("cpu").manual_seed(request.seed)
         latents = to_device(self._initial_noise(request, generator), device)
         media = {} if self.conditioning is None else self.conditioning.init_fields(request, latents)
@@ -199,6 +201,7 @@ class DenoiseLoop:
             step_index=0,
             timesteps=plan.timesteps,
             coeffs=plan.coeffs,
+            schedule_start=start,
             latents=latents,
             carry=list(sampler.initial_carry(latents)),
             prompt_embeds=self.text.given(request.prompt_embeds),

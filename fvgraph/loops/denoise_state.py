@@ -60,6 +60,9 @@ class DenoiseState(SerializableState):
     coeffs: torch.Tensor  # [N, num_coeffs] sampler rows
     latents: torch.Tensor  # [1, C, F, h, w] float32 (F = 1 for an image)
     carry: list[torch.Tensor]  # sampler history
+    # Steps of the sampler's schedule skipped at entry: timesteps are steps start..N-1 of an N-step
+    # schedule (video-to-video's strength, fvgraph/loops/source_video.py); 0 for a request from noise.
+    schedule_start: int = 0
     # A sampler that re-noises (fvgraph/loops/samplers.py FewStepSampler): the current step's draw, and
     # the request's CPU generator state after it, so a saved request draws on where it stopped.
     fresh_noise: torch.Tensor | None = None  # like latents

@@ -27,16 +27,15 @@ from fvgraph.loops.steps import ConcatCondition
 from fvgraph.loops.loop_parts import FamilyParts, LoopConfig
 from fvgraph.loops.t2v_loop import STEP_KINDS as T2V_STEP_KINDS
 from fvgraph.loops.t2v_loop import WAN_DECODER
+from fvgraph.loops.tiled_coding import VAE_ENCODE, VAE_ENCODE_KIND
 from fvgraph.loops.wan_parts import VideoLatents, WanDenoiser, WanText
 from fvgraph.models.components import Components
 from fvgraph.models.wan_projections import apply_projection_cache
 from fvgraph.request import Request, RequestRejected
 
-IMAGE_ENCODE, VAE_ENCODE = "image_encode", "vae_encode"
+IMAGE_ENCODE = "image_encode"
 IMAGE_ENCODE_KIND = StepKind(IMAGE_ENCODE, component="image_encoder", phase="image_encode",
                              inputs={"pixel_values": Role.STEP}, outputs={"image_embeds": Role.RESULT})  # fmt: skip
-VAE_ENCODE_KIND = StepKind(VAE_ENCODE, component="vae", phase="vae_encode", inputs={"image": Role.STEP, "latents": Role.STEP},
-                           outputs={"condition": Role.RESULT})  # fmt: skip
 STEP_KINDS = {**T2V_STEP_KINDS, IMAGE_ENCODE: IMAGE_ENCODE_KIND, VAE_ENCODE: VAE_ENCODE_KIND}
 CACHING_REFUSED = "step caching runs on single-expert text-to-video loops only"
 

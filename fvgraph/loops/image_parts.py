@@ -40,7 +40,9 @@ class ImageLatents:
         if request.num_frames not in (None, 1):
             raise RequestRejected("num_frames", f"{request.num_frames}: card {self.card.card_id!r} makes images (num_frames=1)")
 
-    def planned(self, sampler: Any, num_steps: int, latent_hw: tuple[int, int]) -> SamplerPlan:
+    def planned(self, sampler: Any, num_steps: int, latent_hw: tuple[int, int], start: int = 0) -> SamplerPlan:
+        if start:  # no image loop takes a `strength` (its Request field is refused before this)
+            raise ValueError(f"an image schedule starts at its first step, not step {start}")
         h, w = latent_hw
         return sampler.plan(num_steps, (h // 2) * (w // 2))
 

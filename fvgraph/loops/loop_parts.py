@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 # Request fields that only some families read; a family lists those it reads (FamilyParts.reads) and a
 # request that sets another is refused naming it. The rest of Request is every family's.
 FAMILY_FIELDS = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
-                 "prompt_embeds_mask", "negative_prompt_embeds_mask", "max_sequence_length", "image", "guidance_scale_2")  # fmt: skip
+                 "prompt_embeds_mask", "negative_prompt_embeds_mask", "max_sequence_length", "image", "guidance_scale_2", "video", "strength")  # fmt: skip
 
 
 class TextConditioning(Protocol):
@@ -108,7 +108,8 @@ class Latents(Protocol):
 
     def check(self, request: Request) -> None: ...  # before resolve: the fields that shape the latents
 
-    def planned(self, sampler: Any, num_steps: int, latent_hw: tuple[int, int]) -> SamplerPlan: ...
+    # steps start..num_steps-1 of the num_steps schedule (start > 0: entered part-way, as video-to-video)
+    def planned(self, sampler: Any, num_steps: int, latent_hw: tuple[int, int], start: int = 0) -> SamplerPlan: ...
 
     def warmup_frames(self, num_frames: int) -> dict[str, Any]: ...
 

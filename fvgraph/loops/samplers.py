@@ -48,18 +48,30 @@ class SamplerPlan:
 
 
 class _PlannedSampler(abc.ABC):
-    """Plans are read-only tensors, memoized per step count: every request with N steps shares one."""
+    """Plans are read-only tensors, memoized per (step count, start): every request with N steps shares one.
+
+    `start` > 0 is a schedule entered part-way (video-to-video's `strength`, `start_step`): the plan
+    of steps start..N-1 of the N-step schedule, as a diffusers scheduler runs them when the pipeline
+    hands it `timesteps[start:]`; a multistep sampler then starts its history afresh there."""
 
     def __init__(self) -> None:
-        self._plans: dict[int, SamplerPlan] = {}
+        self._plans: dict[tuple[int, int], SamplerPlan] = {}
 
-    def plan(self, num_steps: int) -> SamplerPlan:
-        if num_steps not in self._plans:
-            self._plans[num_steps] = self._plan(num_steps)
-        return self._plans[num_steps]
+    def plan(self, num_steps: int, start: int = 0) -> SamplerPlan:
+        if not 0 <= start < num_steps:
+            raise ValueError(f"a schedule of {num_steps} steps cannot start at step {start}")
+        if (num_steps, start) not in self._plans:
+            self._plans[num_steps, start] = self._plan(num_steps, start)
+        return self._plans[num_steps, start]
 
     @abc.abstractmethod
-    def _plan(self, num_steps: int) -> SamplerPlan: ...
+    def _plan(self, num_steps: int, start: int) -> SamplerPlan: ...
+
+
+def start_step(num_steps: int, strength: float) -> int:
+    """The steps a `strength` skips, as diffusers' img2img / video2video `get_timesteps`: the last
+    int(N * strength) steps run."""
+    return max(num_steps - min(int(num_steps * strength), num_steps), 0)
 
 
 class FlowEulerSampler(_PlannedSampler):
@@ -73,11 +85,11 @@ class FlowEulerSampler(_PlannedSampler):
         super().__init__()
         self._scheduler = FlowMatchEulerDiscreteScheduler(**config)  # schedule only; never stepped
 
-    def _plan(self, num_steps: int) -> SamplerPlan:
+    def _plan(self, num_steps: int, start: int) -> SamplerPlan:
         self._scheduler.set_timesteps(num_steps, device="cpu")
         sigmas = self._scheduler.sigmas.to(torch.float32)
         coeffs = torch.stack([sigmas[:-1], sigmas[1:] - sigmas[:-1]], dim=1)
-        return SamplerPlan(self._scheduler.timesteps.clone(), coeffs)
+        return SamplerPlan(self._scheduler.timesteps[start:].clone(), coeffs[start:].clone())  # each row stands alone
 
     def initial_carry(self, sample: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return ()
@@ -132,7 +144,9 @@ class FewStepSampler(_PlannedSampler):
         self.draws_noise = spec.draws_noise
         self.final_draw = False  # the last step lands on sigma 0: x0, no noise (the recipes draw none)
 
-    def _plan(self, num_steps: int) -> SamplerPlan:
+    def _plan(self, num_steps: int, start: int) -> SamplerPlan:
+        if start:
+            raise ValueError("a distilled recipe runs its listed timesteps from the first; it cannot start part-way")
         if num_steps != len(self.listed):
             raise ValueError(f"this sampler runs its {len(self.listed)} listed timesteps, not {num_steps} steps")
         s = torch.tensor(self.listed, dtype=torch.float64) / TRAIN_TIMESTEPS
@@ -240,14 +254,16 @@ class UniPCSampler(_PlannedSampler):
         """(x_last, h_0, ..., h_{K-1}); zeros weighted by zero coefficients until filled."""
         return tuple(torch.zeros_like(sample) for _ in range(1 + self.history))
 
-    def _plan(self, num_steps: int) -> SamplerPlan:
+    def _plan(self, num_steps: int, start: int) -> SamplerPlan:
         self._scheduler.set_timesteps(num_steps, device="cpu")
         sigmas = self._scheduler.sigmas.to(torch.float32)
         cfg = self._scheduler.config
+        # From `start` the scheduler has no last sample and no history yet: no corrector at the first
+        # step run, and the order climbs from 1 again (diffusers' lower_order_nums starts at 0).
         rows, this_order, lower_order_nums = [], 0, 0
-        for i in range(num_steps):
+        for i in range(start, num_steps):
             corrector = None
-            if i > 0 and (i - 1) not in cfg.disable_corrector:
+            if i > start and (i - 1) not in cfg.disable_corrector:
                 corrector = self._corrector(sigmas, i, this_order)
             if cfg.lower_order_final:
                 this_order = min(cfg.solver_order, num_steps - i)
@@ -257,7 +273,7 @@ class UniPCSampler(_PlannedSampler):
             predictor = self._predictor(sigmas, i, this_order)
             lower_order_nums = min(lower_order_nums + 1, cfg.solver_order)
             rows.append(self._row(sigmas[i], corrector, predictor))
-        return SamplerPlan(self._scheduler.timesteps.clone(), torch.tensor(rows, dtype=torch.float32))
+        return SamplerPlan(self._scheduler.timesteps[start:].clone(), torch.tensor(rows, dtype=torch.float32))
 
     # -- coefficient planning (host, float32 scalars as diffusers computes them) -------------------
 

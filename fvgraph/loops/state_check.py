@@ -75,10 +75,16 @@ def check_state(state: LoopState, loop: Loop) -> None:
     coeffs = c.tensor("coeffs", dims=2)
     if tuple(coeffs.shape) != (steps, num_coeffs(sampler)):
         c.fail("coeffs", f"must be [{steps}, {num_coeffs(sampler)}] (one sampler row per timestep), got {list(coeffs.shape)}")
-    plan = loop.planned(steps, state)  # what init planned: the schedule is the sampler's, never the state's own
+    start = state.schedule_start
+    if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= 1000:
+        c.fail("schedule_start", f"{start!r} must be an int in [0, 1000]: the steps skipped at entry")
+    try:  # what init planned: the schedule is the sampler's, never the state's own
+        plan = loop.planned(steps + start, state, start)
+    except ValueError as error:
+        c.fail("schedule_start", str(error))
     for name, value, planned in (("timesteps", timesteps, plan.timesteps), ("coeffs", coeffs, plan.coeffs)):
         if value.dtype != planned.dtype or not torch.equal(value.cpu(), planned):
-            c.fail(name, f"is not the card's sampler schedule for {steps} steps (reordered or edited)")
+            c.fail(name, f"is not the card's sampler schedule for {steps} steps from step {start} (reordered or edited)")
     _check_progress(c, state, steps, loop.pre_denoise_phases)
     latents = c.tensor("latents", dims=5)
     if latents.shape[0] != 1 or latents.shape[1] != loop.latent_channels:

@@ -26,7 +26,8 @@ from fvgraph.contract.phase import Phase
 from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.loops.denoise_loop import DenoiseLoop
 from fvgraph.loops.denoise_state import DenoiseState
-from fvgraph.loops.i2v_loop import CACHING_REFUSED, VAE_ENCODE, VAE_ENCODE_KIND
+from fvgraph.loops.i2v_loop import CACHING_REFUSED
+from fvgraph.loops.tiled_coding import VAE_ENCODE, VAE_ENCODE_KIND
 from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
 from fvgraph.loops.i2v_steps import FirstFrameEncodeStep
 from fvgraph.loops.steps import GivenFrames

@@ -29,7 +29,11 @@ VAE_DECODE, VAE_DECODE_TILE = "vae_decode", "vae_decode_tile"
 VAE_ENCODE, VAE_ENCODE_TILE, VAE_ENCODE_END = "vae_encode", "vae_encode_tile", "vae_encode_end"
 VAE_DECODE_TILE_KIND = StepKind(VAE_DECODE_TILE, component="vae", phase="vae_decode", inputs={"latents": Role.STEP},
                                 outputs={"tile": Role.RESULT})  # fmt: skip
-# A media encode's tiles, then the step that turns the stitched moments into what the whole encode returns.
+# A media conditioning's whole encode (Wan I2V's first frame, TI2V's, a video-to-video request's video):
+# `image` is the pixels to encode, `latents` the shape witness, `condition` what the conditioning takes.
+VAE_ENCODE_KIND = StepKind(VAE_ENCODE, component="vae", phase="vae_encode", inputs={"image": Role.STEP, "latents": Role.STEP},
+                           outputs={"condition": Role.RESULT})  # fmt: skip
+# Its tiles, then the step that turns the stitched moments into what the whole encode returns.
 VAE_ENCODE_TILE_KIND = StepKind(VAE_ENCODE_TILE, component="vae", phase="vae_encode",
                                 inputs={"image": Role.STEP, "latents": Role.STEP}, outputs={"moments": Role.RESULT})  # fmt: skip
 VAE_ENCODE_END_KIND = StepKind(VAE_ENCODE_END, component="vae", phase="vae_encode",

@@ -197,8 +197,8 @@ class VideoLatents:
     def check(self, request: Request) -> None:
         pass
 
-    def planned(self, sampler: Any, num_steps: int, latent_hw: tuple[int, int]) -> SamplerPlan:
-        return sampler.plan(num_steps)
+    def planned(self, sampler: Any, num_steps: int, latent_hw: tuple[int, int], start: int = 0) -> SamplerPlan:
+        return sampler.plan(num_steps, start)
 
     def warmup_frames(self, num_frames: int) -> dict[str, Any]:
         return {"num_frames": num_frames}
