@@ -53,6 +53,7 @@ from fvgraph.serving.model_names import MODEL_ROUTES, ModelsApi, ServedNames
 from fvgraph.serving.openai_requests import (
     Parsed,
     VideoBody,
+    MAX_REFERENCE_PIXELS,
     check_input_reference,
     json_fields,
     nested_form_fields,
@@ -64,6 +65,7 @@ from fvgraph.serving.request_events import RequestEvent
 from fvgraph.serving.serving_metrics import ServingMetrics
 from fvgraph.serving.video_remix import RemixBody, remix_request, remix_settings, with_seed
 from fvgraph.serving.video_store import StoredVideo, VideoStore
+from fvgraph.serving.video_upload import decode_video_upload, is_video_upload
 
 log = logging.getLogger(__name__)
 CONTENT_TYPES = {"video": "video/mp4", "thumbnail": "image/jpeg", "spritesheet": "image/jpeg"}  # ?variant=
@@ -219,18 +221,28 @@ class VideoApi(ImageRoutes):
 
     async def create_video(self, http: HttpRequest):
         fields = await self._fields(http)
-        reference, image = fields.pop("input_reference", None), None
+        reference, image, video, cut = fields.pop("input_reference", None), None, None, None
         body = parse_body(VideoBody, fields)
         self.names.check(body.model)
         if body.user is not None:
             log.info("video for user %r (user is accepted and only logged)", body.user)
         if reference is not None:
             if not isinstance(reference, bytes):  # a URL or file id: fetching what a client names is not done here
-                raise RequestRejected("input_reference", "must be the image itself, uploaded as a file in a multipart "
-                                                         "form; this server fetches no URLs or file ids")  # fmt: skip
-            image = check_input_reference(reference, self.card, "image" in self.served.engine.loop.reads)
+                raise RequestRejected("input_reference", "must be the image or video itself, uploaded as a file in a "
+                                                         "multipart form; this server fetches no URLs or file ids")  # fmt: skip
+            reads = self.served.engine.loop.reads
+            if is_video_upload(reference):
+                if "video" not in reads:
+                    raise RequestRejected("input_reference", f"card {self.card.card_id!r} takes no video; serve a Wan "
+                                                             "text-to-video card for video-to-video")  # fmt: skip
+                video, cut = await asyncio.to_thread(decode_video_upload, reference, self.card.shapes.max_frames,
+                                                     MAX_REFERENCE_PIXELS, self.facts.temporal_multiple)  # fmt: skip
+            else:
+                image = check_input_reference(reference, self.card, "image" in reads)
         parsed = video_request(body, self.card, self.store.new_id("video"), self.settings.max_prompt_chars,
-                               self.facts.temporal_multiple, image)  # fmt: skip
+                               self.facts.temporal_multiple, image, video)  # fmt: skip
+        if cut is not None:
+            parsed.notes["video"] = cut
         return self._start_video(parsed, None, body.model or self.card.card_id)
 
     async def remix_video(self, video_id: str, http: HttpRequest):

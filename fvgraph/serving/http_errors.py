@@ -26,8 +26,9 @@ from fvgraph.serving.http_guard import BodyTooLarge
 from fvgraph.serving.serving_metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
-# Request fields whose name is not the API's: the loop checks `image`, the client sends `input_reference`.
-API_NAMES = {"image": "input_reference"}
+# Request fields whose name is not the API's: the loop checks `image` (or a video-to-video request's
+# `video`), the client sends `input_reference`.
+API_NAMES = {"image": "input_reference", "video": "input_reference"}
 CODES = {404: "not_found", 405: "method_not_allowed"}
 
 

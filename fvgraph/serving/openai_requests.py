@@ -75,8 +75,10 @@ class VideoBody(_Body):
     fps: float | None = Field(default=None, ge=MIN_FPS, le=MAX_FPS, description="Frames per second of the mp4.")
     num_frames: int | None = Field(default=None, ge=1, le=100_000, description="Rounded to the nearest the card allows.")
     n: int | None = Field(default=None, description="vLLM-Omni's video count: 1 (one video per call).")
+    strength: float | None = Field(default=None, gt=0.0, le=1.0, description="With a video input_reference: how far "
+                                   "from it to go, in (0, 1] (default 0.8), as Request.strength.")  # fmt: skip
 
-    _numbers_not_booleans = field_validator("seconds", "fps", "num_frames", "n", mode="before")(refuse_boolean)
+    _numbers_not_booleans = field_validator("seconds", "fps", "num_frames", "n", "strength", mode="before")(refuse_boolean)
 
     @field_validator("n")
     @classmethod
@@ -287,12 +289,16 @@ def frames_for(seconds: float, fps: float, temporal_multiple: int) -> int:
     return nearest_frame_count(seconds * fps, temporal_multiple)
 
 
-def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_chars: int,
-                  temporal_multiple: int, image: Image.Image | None = None) -> Parsed:  # fmt: skip
+def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_chars: int, temporal_multiple: int,
+                  image: Image.Image | None = None, video: list[Image.Image] | None = None) -> Parsed:  # fmt: skip
+    """A /v1/videos request; `image` an image-to-video reference, `video` a video-to-video one, whose
+    frames are the request's unless the client also sent a frame count (which must then agree)."""
     width, height, sent = _shape_sent_as(body, card)
     notes: dict[str, str] = {}
     fps = body.fps or DEFAULT_FPS
-    if body.num_frames is not None:
+    if video is not None and body.num_frames is None and body.seconds is None:
+        frames = len(video)
+    elif body.num_frames is not None:
         frames = nearest_frame_count(body.num_frames, temporal_multiple)  # vLLM-Omni sends 32 or 80
         sent["num_frames"] = body._sent.get("num_frames", "num_frames")
         if frames != body.num_frames:
@@ -305,6 +311,11 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
         frames = card.shapes.default_frames
     seconds = f"{frames / float(mp4_rate(fps)):g}"  # what is rendered and written, not what was asked
     shape = dict(height=height, width=width, num_frames=frames, **({} if image is None else {"image": image}))
+    if video is not None:
+        shape.update(video=video, strength=body.strength)
+    elif body.strength is not None:
+        raise RequestRejected("strength", "sets how far a video-to-video request goes from its video: upload the video "
+                                          "as input_reference with it")  # fmt: skip
     request = _request(body, card, request_id, max_prompt_chars, sent, notes, **shape)
     return Parsed(request, f"{width}x{height}", seconds, fps, body.timeout, sent, notes)
 

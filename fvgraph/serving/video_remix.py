@@ -9,7 +9,7 @@ and the fps, size and seconds it reports. The card is the one that made it. The 
 names its source in `remixed_from_video_id` and keeps these settings in turn, so it can be remixed.
 
 The source must exist (404) and be completed (409 while queued or running, or when it failed); a
-video made from an input_reference cannot be remixed (409: the image is not kept), nor one made
+video made from an input_reference cannot be remixed (409: the image or video is not kept), nor one made
 before settings were recorded or by another card, nor one whose adapter name now holds another file
 than the digest it recorded (409 naming `loras`).
 """
@@ -41,7 +41,7 @@ def remix_settings(parsed: Parsed) -> dict:
     """What a remix of the video `parsed` describes will reuse (JSON, for its record)."""
     request = parsed.request
     return {"request": request.model_dump(mode="json", include=set(REUSED)), "fps": parsed.fps, "size": parsed.size,
-            "seconds": parsed.seconds, "input_reference": request.image is not None}  # fmt: skip
+            "seconds": parsed.seconds, "input_reference": request.image is not None or request.video is not None}  # fmt: skip
 
 
 def with_seed(settings: dict, seed: int, lora_digests: dict[str, str]) -> dict:
@@ -80,7 +80,7 @@ def _refusal(source: StoredVideo, serves: Callable[[str], bool]) -> str | None:
     if source.settings is None:
         return "it was made before this server recorded the settings a remix reuses; create a new video instead"
     if source.settings.get("input_reference"):
-        return "it was made from an input_reference, which is not kept; create a new video with the image instead"
+        return "it was made from an input_reference, which is not kept; create a new video with the image or video instead"
     if not serves(source.model):
         return f"it was made as model {source.model!r}, which this server does not serve"
     return None
