@@ -111,3 +111,28 @@ def kohya_flux_lora(path: Path, seed: int, transformer, rank: int = 4, alpha: fl
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
+
+
+def xlabs_flux_lora(path: Path, seed: int, transformer, rank: int = 4) -> Path:
+    """A random LoRA in XLabs' FLUX layout (`double_blocks.{i}.processor.qkv_lora1.down.weight`: fused
+    q/k/v per stream, whose shared down factor diffusers' converter copies to each of q, k and v, and
+    `proj_lora1` / `proj_lora2`; the single blocks' `qkv_lora` and `proj_lora`), for `transformer`'s
+    sizes. XLabs files carry no alpha: each module's scaling is 1."""
+    dim = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    mlp = transformer.single_transformer_blocks[0].proj_mlp.out_features
+    shapes = {}
+    for i in range(len(transformer.transformer_blocks)):
+        for n in ("1", "2"):  # 1: the image stream, 2: the text stream
+            shapes[f"double_blocks.{i}.processor.qkv_lora{n}"] = (dim, 3 * dim)
+            shapes[f"double_blocks.{i}.processor.proj_lora{n}"] = (dim, dim)
+    for i in range(len(transformer.single_transformer_blocks)):
+        shapes[f"single_blocks.{i}.processor.qkv_lora"] = (dim, 3 * dim)
+        shapes[f"single_blocks.{i}.processor.proj_lora"] = (dim + mlp, dim)
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for module, (fan_in, fan_out) in shapes.items():
+        state[f"{module}.down.weight"] = torch.randn(rank, fan_in, generator=g) * 0.2
+        state[f"{module}.up.weight"] = torch.randn(fan_out, rank, generator=g) * 0.2
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path

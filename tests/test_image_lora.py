@@ -2,8 +2,8 @@
 on untouched weights: each family's pipeline with `load_lora_weights` + `set_adapters`, built from
 its own copy of the seeded weights. The files are written by diffusers and peft (the pipeline's
 `save_lora_weights`, LoraConfig as metadata), in peft keys with kohya-style `.alpha` keys (no
-metadata), which diffusers' FLUX loader reads as network alphas, and in kohya sd-scripts' FLUX
-layout (fused q/k/v), which it converts.
+metadata), which diffusers' FLUX loader reads as network alphas, and in kohya sd-scripts' and XLabs'
+FLUX layouts (fused q/k/v), which it converts.
 """
 
 import inspect
@@ -22,7 +22,7 @@ from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
 from safetensors.torch import save_file
 
-from lora_files import ATTENTION, alpha_keyed_lora, fresh_transformer, kohya_flux_lora, peft_lora
+from lora_files import ATTENTION, alpha_keyed_lora, fresh_transformer, kohya_flux_lora, peft_lora, xlabs_flux_lora
 from reference_helpers import assert_matches_reference
 
 SLOTS = LoraSlots(max_loras=4, max_lora_rank=8, max_loras_per_request=2)
@@ -42,6 +42,7 @@ def files(tmp_path_factory):
         "b": alpha_keyed_lora(d / "b.safetensors", 2, ["context_embedder", "x_embedder", "to_q", "proj_out"], rank=4, alpha=2.0),
         "qwen": peft_lora(d / "qwen", 3, [*JOINT, "txt_in", "img_mod.1"], rank=4, alpha=4.0, card="tiny-qwen-image"),
         "kohya": kohya_flux_lora(d / "kohya.safetensors", 5, fresh_transformer("tiny-flux")),
+        "xlabs": xlabs_flux_lora(d / "xlabs.safetensors", 6, fresh_transformer("tiny-flux")),
         "wan": peft_lora(d / "wan", 4, ["attn2.to_k"], rank=4, alpha=4.0),
     }
 
@@ -72,11 +73,13 @@ def _latents(engine, *requests):
 
 
 def test_flux_adapters_at_their_scales_equal_flux_pipeline_load_lora_weights_and_set_adapters(files):
-    engine = Engine.from_card("tiny-flux", device="cpu", loras={name: files[name] for name in ("a", "b", "kohya")}, lora_slots=SLOTS)
-    mix = [(None, FLUX), ({"a": 0.7}, FLUX), ({"a": 0.7, "b": 0.5}, FLUX), ({"b": 1.0}, FLUX_TRUE_CFG), ({"kohya": 0.9}, FLUX)]
+    engine = Engine.from_card("tiny-flux", device="cpu", loras={name: files[name] for name in ("a", "b", "kohya", "xlabs")},
+                              lora_slots=SLOTS)  # fmt: skip
+    mix = [(None, FLUX), ({"a": 0.7}, FLUX), ({"a": 0.7, "b": 0.5}, FLUX), ({"b": 1.0}, FLUX_TRUE_CFG), ({"kohya": 0.9}, FLUX),
+           ({"xlabs": 0.8}, FLUX)]  # fmt: skip
     results = engine.generate([Request(seed=7, output_type="latent", loras=loras, **args) for loras, args in mix])
     assert all(r.ok for r in results), [r.error for r in results]
-    assert [r.provenance["loras"] for r in results] == [{}, {"a": 0.7}, {"a": 0.7, "b": 0.5}, {"b": 1.0}, {"kohya": 0.9}]
+    assert [r.provenance["loras"] for r in results] == [{}, {"a": 0.7}, {"a": 0.7, "b": 0.5}, {"b": 1.0}, {"kohya": 0.9}, {"xlabs": 0.8}]
     base = results[0].latents
     assert_matches_reference(base, _flux_reference(files, {}, 7, FLUX))
     for (loras, args), result in zip(mix[1:], results[1:]):
@@ -85,6 +88,7 @@ def test_flux_adapters_at_their_scales_equal_flux_pipeline_load_lora_weights_and
     assert (results[1].latents - base).abs().max() > 0.1  # the adapter moves the result far beyond the tolerance
     assert (results[2].latents - results[1].latents).abs().max() > 0.1  # so does the alpha-keyed one beside it
     assert (results[4].latents - base).abs().max() > 0.1  # and the kohya one
+    assert (results[5].latents - base).abs().max() > 0.1  # and the XLabs one
 
 
 def test_a_compiled_flux_batch_of_mixed_adapters_equals_each_request_alone_and_compiles_nothing_new(files):
@@ -146,3 +150,13 @@ def test_a_saved_flux_state_keeps_its_adapters_and_resumes_only_where_they_are(f
     with pytest.raises(ValueError, match="adapters: request .*lora 'a' is not loaded"):
         other.resume(type(state).load(tmp_path / "state.pt"))
     assert torch.equal(engine.finish(engine.resume(type(state).load(tmp_path / "state.pt"))).latents, uninterrupted)
+
+
+def test_a_flux_file_on_a_wan_card_is_refused_naming_its_first_key_and_nothing_is_loaded(files):
+    engine = Engine.from_card("tiny-wan", device="cpu", loras={"wan": files["wan"]}, lora_slots=SLOTS)
+    refusals = {"kohya": r"WanPipeline\.lora_state_dict cannot read it: .*the file's first key is 'lora_unet_double_blocks_0",
+                "xlabs": r"lora key 'double_blocks\.0\.processor\..*is not the denoiser's.*another model family"}  # fmt: skip
+    for name, refusal in refusals.items():
+        with pytest.raises(AdapterError, match=refusal):
+            engine.load_lora(name, files[name])
+    assert [a["name"] for a in engine.loras()] == ["wan"]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import diffusers
 import torch
+from safetensors import safe_open
 from torch import nn
 
 DENOISER_PREFIX = "transformer."
@@ -66,6 +67,11 @@ class LoraWeights:
         return max(m.rank for m in self.modules.values())
 
 
+def _first_key(path: Path) -> str | None:
+    with safe_open(str(path), framework="pt") as f:
+        return min(f.keys(), default=None)
+
+
 def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> LoraWeights:
     """Read and check a local LoRA file (`.safetensors`, any key format diffusers converts for this family)."""
     path = Path(path)
@@ -77,13 +83,16 @@ def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> 
     try:
         loaded = pipeline.lora_state_dict(str(path), return_lora_metadata=True, **({"return_alphas": True} if with_alphas else {}))
     except Exception as err:  # unreadable, not safetensors, or a layout no converter knows
+        # a converter's bare assert has no message; the file's first key says whose layout it is
         raise AdapterError(f"lora {str(path)!r}: diffusers' {pipeline_class}.lora_state_dict cannot read it: "
-                           f"{type(err).__name__}: {err}") from None  # a converter's bare assert has no message
+                           f"{type(err).__name__}: {err} (the file's first key is {_first_key(path)!r}: an adapter for "
+                           "another model family, or a layout diffusers does not convert for this one)") from None  # fmt: skip
     state_dict, alphas, metadata = loaded if with_alphas else (loaded[0], None, loaded[1])
     others = sorted(k for k in state_dict if not k.startswith(DENOISER_PREFIX))
     if others:
         raise AdapterError(f"lora key {others[0]!r} ({len(others)} such keys) is not the denoiser's: adapters apply "
-                           "to the transformer only (a text encoder's LoRA is not supported)")  # fmt: skip
+                           f"to the transformer only (a text encoder's LoRA is not supported), in a layout "
+                           f"{pipeline_class}.lora_state_dict converts (is it an adapter for another model family?)")  # fmt: skip
     state_dict = {k.removeprefix(DENOISER_PREFIX): v for k, v in state_dict.items()}
     bad = sorted(k for k in state_dict if ".lora_A." not in k and ".lora_B." not in k)
     if bad:
