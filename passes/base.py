@@ -6,7 +6,6 @@ import abc
 import contextlib
 import hashlib
 import inspect
-import logging
 import operator
 from dataclasses import dataclass, field
 
@@ -46,6 +45,11 @@ class FxPass(abc.ABC):
 
     @abc.abstractmethod
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule: ...
+
+    def tracing(self, step: nn.Module) -> contextlib.AbstractContextManager:
+        """What the pass sets on the step while dynamo traces it, before `run` sees the graph (CFG
+        fusion: both branches as one call). Most passes rewrite the captured graph alone."""
+        return contextlib.nullcontext()
 
     def uuid(self) -> str:
         """Changes whenever the pass's code does (its whole file, helpers included, and this base file
@@ -93,36 +97,3 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
 
 def step_parameters(step: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(step.named_parameters()), **dict(step.named_buffers())}
-
-
-def export_graph(fn, args: list[torch.Tensor]) -> fx.GraphModule:
-    """One dynamo graph of `fn(*args)` whose placeholders are exactly `args`, returning a tuple."""
-    with torch.no_grad(), _quiet_dim_suggestions():
-        gm, _ = torch._dynamo.export(fn)(*args)
-    # export's pytree codegen pins forward's signature to the original arguments; passes add
-    # placeholders (hoisted values), so use the plain codegen: arguments = placeholders.
-    gm.graph._codegen = fx.graph.CodeGen()
-    gm.recompile()
-    return gm
-
-
-class _DimSuggestionFailure(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "Failed to reduce inequalities"
-
-
-@contextlib.contextmanager
-def _quiet_dim_suggestions():
-    """After tracing, export solves the shape guards for dynamic-dim suggestions; a guard holding the
-    square root of a size makes that solver's printer fail, and it logs a traceback per capture
-    (torch 2.13, wan-cpu-bench's steps). Where: `DimConstraints.solve` in
-    torch/fx/experimental/symbolic_shapes.py catches the printer's NotImplementedError / AssertionError
-    and logs "Failed to reduce inequalities" with its traceback, then keeps the unreduced expressions;
-    no upstream issue tracks it that we know of. The graph and its guards are unaffected and no
-    suggestion is wanted, so only that record is dropped, only while exporting."""
-    logger, quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes"), _DimSuggestionFailure()
-    logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        logger.removeFilter(quiet)

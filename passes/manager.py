@@ -8,11 +8,12 @@ built without that change.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 from dataclasses import dataclass
 
-from torch import fx
+from torch import fx, nn
 
 from fvgraph.passes.base import FxPass, PassContext
 from fvgraph.passes.cfg_fusion import CfgFusionPass
@@ -88,6 +89,14 @@ class PassManager:
         gm = self.last(gm, ctx)
         log.debug("passes changed nodes: %s", ctx.changed)
         return gm
+
+    @contextlib.contextmanager
+    def tracing(self, step: nn.Module):
+        """Hold what each pass sets on `step` while it is traced (`FxPass.tracing`)."""
+        with contextlib.ExitStack() as stack:
+            for fx_pass in self.passes:
+                stack.enter_context(fx_pass.tracing(step))
+            yield
 
     def uuid(self) -> str:
         return self._uuid

@@ -1,8 +1,6 @@
-"""The cached denoise kinds carry CFG-branch markers: the fusion pass runs their two denoiser calls as
-one at twice the batch (keep: the blocks once; reuse: the embedders and output head once), with the
-same numbers as the unfused graph."""
-
-import copy
+"""The cached denoise kinds carry CFG-branch markers: traced with the fusion pass, their two denoiser
+calls are one at twice the batch (keep: the blocks once; reuse: the embedders and output head once),
+with the same numbers as the unfused graph."""
 
 import pytest
 import torch
@@ -19,6 +17,15 @@ CACHE = {"method": "magcache", "threshold": 0.5, "max_skip_steps": 2, "mag_ratio
 
 def _count(gm, target) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is target)
+
+
+def _fused(step, plan_kind, cap):
+    """The step traced under CFG fusion at the unfused capture's inputs, and the pass run on it."""
+    fusion = CfgFusionPass()
+    with fusion.tracing(step):
+        traced = capture_step(plan_kind, step, dict(zip(cap.input_names, cap.example_args[cap.num_params :])))
+    ctx = PassContext(root=step, example_args=traced.example_args, num_params=traced.num_params)
+    return fusion(traced.gm, ctx), ctx
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +49,8 @@ def test_cfg_fusion_fuses_the_cached_kinds(captured, tiny_card, kind, target, pe
     before = _count(cap.gm, target)
     markers = marker_nodes(cap.gm.graph, torch.ops.fvgraph.branch_output)
     assert sorted((n.args[1], n.args[3]) for n in markers) == [("cond", 0), ("cond", 1), ("uncond", 0), ("uncond", 1)]
-    ctx = PassContext(root=step, example_args=cap.example_args, num_params=cap.num_params)
-    fused = CfgFusionPass()(copy.deepcopy(cap.gm), ctx)  # the pass rewrites in place
-    assert ctx.changed["cfg_fusion"] > 0
+    fused, ctx = _fused(step, kind, cap)
+    assert ctx.changed["cfg_fusion"] == 2  # one fused call, its two outputs (noise, residual) split back
     assert before > 0 and _count(fused, target) == before // 2  # one denoiser call's worth of `per_call` ops
     tol = tiny_card.parity.tolerance("fp32", "component")
     with torch.no_grad():
@@ -64,8 +70,7 @@ def test_cfg_fusion_fuses_taylorseers_keep_kind(tiny_engine, tiny_card):
     step = tiny_engine.executor.steps[plan.kind]
     cap = capture_step(plan.kind, step, plan.inputs)
     before = _count(cap.gm, F.scaled_dot_product_attention)
-    ctx = PassContext(root=step, example_args=cap.example_args, num_params=cap.num_params)
-    fused = CfgFusionPass()(copy.deepcopy(cap.gm), ctx)
+    fused, _ = _fused(step, plan.kind, cap)
     assert before > 0 and _count(fused, F.scaled_dot_product_attention) == before // 2
     tol = tiny_card.parity.tolerance("fp32", "component")
     with torch.no_grad():

@@ -159,8 +159,8 @@ def test_ulysses_eager_equals_single_process(single_process):
 def test_ulysses_compiled_equals_single_process(single_process):
     engine = Engine.from_card(CARD, device="cpu", parallel=ParallelConfig(ulysses=2), **COMPILED)
     try:
-        # Without guidance: one denoiser call to trace (the CFG kind traces two, and the CFG fusion
-        # pass traces the fused call again), and Ulysses' context-parallel hooks make tracing slow.
+        # Without guidance: Ulysses' context-parallel hooks make tracing slow, and the guided kind traces
+        # the same denoiser, once, at twice the batch (its branches fused before tracing).
         _check_equal_to_single_process(engine, "unguided", single_process["unguided"])
         _check_compiled(engine, "denoise", "_c10d_functional.all_to_all_single")
     finally:

@@ -19,6 +19,7 @@ from fvgraph.passes.manager import PassConfig, PassManager
 from fvgraph.passes.quantize import FP8_LINEAR, FP8_LINEAR_PREQUANT, NORM_MODULATE_QUANT, QuantizePass
 from fvgraph.request import Request
 from fvgraph.compile.step_capture import capture_step
+from fvgraph.passes.cfg_fusion import CfgFusionPass
 from fvgraph.passes.base import step_parameters
 
 QUANTIZE = PassConfig(enabled=("quantize",))
@@ -73,7 +74,8 @@ def wan(tiny_card):
         engine.step(state)
     plan = engine.loop.next(state)
     step = engine.executor.steps[plan.kind]
-    cap = capture_step(plan.kind, step, plan.inputs)
+    with CfgFusionPass().tracing(step):  # as the compiler traces it with the default passes
+        cap = capture_step(plan.kind, step, plan.inputs)
     reference = _run_pipeline(PassConfig(), step, cap)
     rewritten = _run_pipeline(QUANTIZE, step, cap)
     return dict(card=card, transformer=transformer, quantized=quantized, step=step, cap=cap, plan=plan,

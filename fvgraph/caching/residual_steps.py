@@ -67,11 +67,8 @@ class ResidualStep(SectionsStep):
     ) -> dict[str, torch.Tensor]:
         # 1. each branch: blocks computed (residual kept) or skipped (residual reused)
         model_input = latents.to(inputs["prompt_embeds"].dtype)
-        noises, residuals = [], []
-        for b in range(len(self.branches)):
-            noise, residual = self.branch_call(b, model_input, timestep, inputs, inputs[f"kept_{b}"] if self.reuse else None)
-            noises.append(noise)
-            residuals.append(residual)
+        kept = [inputs[f"kept_{b}"] for b in range(len(self.branches))] if self.reuse else None
+        noises, residuals = (list(each) for each in zip(*self.branch_calls(model_input, timestep, inputs, kept)))
         # 2. the guidance combine and the sampler update
         out = self.finish(latents, noises, guidance_scale, inputs, coeffs)
         if not self.reuse:

@@ -14,7 +14,8 @@ from torch import nn
 
 from fvgraph.contract.denoise_update import Sampler, guided, sampler_update
 from fvgraph.contract.denoiser_sections import DenoiserSections
-from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.contract.cfg_branches import call_branches
+from fvgraph.contract.markers import mark_request_constant
 
 BRANCHES = ("cond", "uncond")
 UPDATE_INPUTS = ("coeffs", "guidance_scale", "fresh_noise")  # with the sampler's history: read by the update only
@@ -66,6 +67,7 @@ class SectionsStep(nn.Module):
         self.sampler = sampler
         self.cfg = cfg
         self.branches = BRANCHES[: 2 if cfg else 1]
+        self.fuse_branches = False  # CFG fusion (passes/cfg_fusion.py) sets it while the step is traced
 
     def branch_conditions(self, inputs: Mapping[str, torch.Tensor], branch: int) -> dict[str, torch.Tensor]:
         """What the sections' `embed` takes for CFG branch `branch` besides latents and timestep, each
@@ -73,15 +75,18 @@ class SectionsStep(nn.Module):
         conditions = self.sections.conditions(inputs, branch)
         return {name: mark_request_constant(t) for name, t in conditions.items() if t is not None}
 
-    def branch_call(self, b: int, hidden_states: torch.Tensor, timestep: torch.Tensor, inputs: Mapping[str, torch.Tensor],
-                    kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """CFG branch b's call of the step's `denoiser` (a SectionsForward) between branch markers, so
-        at -O1 the fusion pass runs the branches as one call: (noise prediction, residual), marked."""
-        branch = self.branches[b]
-        call = dict(hidden_states=hidden_states, timestep=timestep, **({} if kept is None else {"kept": kept}),
-                    **self.branch_conditions(inputs, b))  # fmt: skip
-        noise, residual = self.denoiser(**dict(zip(call, mark_branch_inputs(branch, "denoiser", **call))))
-        return mark_branch_output(branch, "denoiser", noise, 0), mark_branch_output(branch, "denoiser", residual, 1)
+    def branch_calls(self, hidden_states: torch.Tensor, timestep: torch.Tensor, inputs: Mapping[str, torch.Tensor],
+                     kept: list[torch.Tensor] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """Each CFG branch's call of the step's `denoiser` (a SectionsForward) between branch markers,
+        `kept[b]` the residual branch b reuses: [(noise prediction, residual)] per branch, marked, and
+        fused into one call while the step is traced with CFG fusion (fvgraph/contract/cfg_branches.py)."""
+        calls = {
+            branch: dict(hidden_states=hidden_states, timestep=timestep, **({} if kept is None else {"kept": kept[b]}),
+                         **self.branch_conditions(inputs, b))
+            for b, branch in enumerate(self.branches)
+        }  # fmt: skip
+        outputs = call_branches("denoiser", self.denoiser, calls, self.fuse_branches)
+        return [outputs[branch] for branch in self.branches]
 
     def finish(self, latents: torch.Tensor, noises: list[torch.Tensor], guidance_scale: torch.Tensor | None,
                carry: Mapping[str, torch.Tensor], coeffs: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip

@@ -72,12 +72,11 @@ class TaylorStep(SectionsStep):
     ) -> dict[str, torch.Tensor]:
         # 1. each branch's noise prediction: the denoiser, or the Taylor series of its factors
         dtype = inputs["prompt_embeds"].dtype  # the denoiser's compute dtype (its input is cast to it)
-        noises = []
-        for b in range(len(self.branches)):
-            if self.forecast:
-                noises.append(self._series([inputs[f"taylor_{b}_{k}"] for k in range(taylor_coeffs.shape[1])], taylor_coeffs, dtype))
-            else:  # the residual is unused: the fusion pass splits both outputs
-                noises.append(self.branch_call(b, latents.to(dtype), timestep, inputs)[0])
+        if self.forecast:
+            noises = [self._series([inputs[f"taylor_{b}_{k}"] for k in range(taylor_coeffs.shape[1])], taylor_coeffs, dtype)
+                      for b in range(len(self.branches))]  # fmt: skip
+        else:  # the residual is unused (dead code once traced)
+            noises = [noise for noise, _ in self.branch_calls(latents.to(dtype), timestep, inputs)]
         # 2. the guidance combine and the sampler update
         out = self.finish(latents, noises, guidance_scale, inputs, coeffs)
         if not self.forecast:

@@ -209,7 +209,8 @@ class StepCompiler:
 
     def _build(self, step: nn.Module, plan: WorkPlan, signature: StepSignature) -> CompiledStep:
         began = time.perf_counter()
-        captured = capture_step(plan.kind, step, plan.inputs)
+        with self.pass_manager.tracing(step):  # what a pass needs of the step while it is traced (CFG fusion)
+            captured = capture_step(plan.kind, step, plan.inputs)
         ctx = PassContext(root=step, example_args=captured.example_args, num_params=captured.num_params,
                           batch=signature.batch)
         gm = self.pass_manager(captured.gm, ctx)

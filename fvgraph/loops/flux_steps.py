@@ -84,13 +84,14 @@ class FluxDenoiseStep(ImageDenoiseStep):
         if guidance is not None:
             side["guidance"] = mark_request_constant(guidance)
         taps = {}
-        noise = self.branch("cond", hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
-                            pooled_projections=mark_request_constant(pooled_prompt_embeds), **side)  # fmt: skip
+        cond = dict(hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
+                    pooled_projections=mark_request_constant(pooled_prompt_embeds), **side)  # fmt: skip
+        uncond = None if not self.cfg else dict(
+            hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(negative_prompt_embeds),
+            pooled_projections=mark_request_constant(negative_pooled_prompt_embeds), **side)  # fmt: skip
+        noise, uncond = self.branches(cond, uncond)
         taps["tap.noise.cond"] = noise
         if self.cfg:
-            uncond = self.branch("uncond", hidden_states=model_input, timestep=t,
-                                 encoder_hidden_states=mark_request_constant(negative_prompt_embeds),
-                                 pooled_projections=mark_request_constant(negative_pooled_prompt_embeds), **side)  # fmt: skip
             noise = guided(noise, uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = uncond, noise
         return self.with_taps(sampler_update(self.sampler, latents, noise, carry, coeffs), taps)

@@ -1,5 +1,5 @@
 """What the image loops' denoise steps share (FLUX, Qwen-Image): a `denoiser` submodule called once
-per CFG branch between branch markers (so the CFG-fusion pass runs both as one call), the adapter
+per CFG branch between branch markers (both as one call when traced with CFG fusion), the adapter
 rows it passes on to the transformer, the joint attention's shape, and the tap outputs of a parity run."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.contract.cfg_branches import call_branches
+from fvgraph.contract.markers import mark_request_constant
 from fvgraph.loops.samplers import FlowEulerSampler
 from fvgraph.loops.taps import TapPoints
 from fvgraph.models.flux_sections import packed_attention_shape
@@ -26,11 +27,18 @@ class ImageDenoiseStep(nn.Module):
         self.vae_spatial = vae_spatial
         self.tap_points = tap_points  # parity runs only: block outputs as "tap.*" outputs
         self.cfg_split = None  # no CFG-parallel plan for the image loops
+        self.fuse_branches = False  # CFG fusion (passes/cfg_fusion.py) sets it while the step is traced
 
-    def branch(self, branch: str, **inputs: torch.Tensor) -> torch.Tensor:
-        """One denoiser call on `branch` ("cond" / "uncond"), marked for the fusion pass (markers vanish in eager)."""
-        marked = dict(zip(inputs, mark_branch_inputs(branch, "denoiser", **inputs)))
-        return mark_branch_output(branch, "denoiser", self.denoiser(**marked, return_dict=False)[0])
+    def branches(self, cond: dict[str, torch.Tensor], uncond: dict[str, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(cond noise, uncond noise or None): the denoiser on each branch's keyword inputs, marked as
+        CFG branches (markers vanish in eager), fused into one call while the step is traced with CFG
+        fusion (fvgraph/contract/cfg_branches.py)."""
+        calls = {"cond": cond, **({} if uncond is None else {"uncond": uncond})}
+        outputs = call_branches("denoiser", self._denoiser, calls, self.fuse_branches)
+        return outputs["cond"][0], outputs["uncond"][0] if uncond is not None else None
+
+    def _denoiser(self, **inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.denoiser(**inputs, return_dict=False)[0],)
 
     @staticmethod
     def adapter_rows(lora_index: torch.Tensor | None, lora_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:

@@ -83,13 +83,14 @@ class QwenImageDenoiseStep(ImageDenoiseStep):
         t = timestep.to(dtype) / 1000  # t.expand(B).to(latents.dtype), passed as timestep / 1000
         side = self.adapter_rows(lora_index, lora_scale)
         taps = {}
-        noise = self.branch("cond", hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
-                            encoder_hidden_states_mask=mark_request_constant(prompt_embeds_mask), **side)  # fmt: skip
+        cond = dict(hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
+                    encoder_hidden_states_mask=mark_request_constant(prompt_embeds_mask), **side)  # fmt: skip
+        uncond = None if not self.cfg else dict(
+            hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(negative_prompt_embeds),
+            encoder_hidden_states_mask=mark_request_constant(negative_prompt_embeds_mask), **side)  # fmt: skip
+        noise, uncond = self.branches(cond, uncond)
         taps["tap.noise.cond"] = noise
         if self.cfg:
-            uncond = self.branch("uncond", hidden_states=model_input, timestep=t,
-                                 encoder_hidden_states=mark_request_constant(negative_prompt_embeds),
-                                 encoder_hidden_states_mask=mark_request_constant(negative_prompt_embeds_mask), **side)  # fmt: skip
             combined = guided(noise, uncond, guidance_scale)
             cond_norm = torch.norm(noise, dim=-1, keepdim=True)
             noise_norm = torch.norm(combined, dim=-1, keepdim=True)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from fvgraph.contract.denoise_update import guided, sampler_update
-from fvgraph.contract.markers import mark_branch_inputs, mark_branch_output, mark_request_constant
+from fvgraph.contract.cfg_branches import call_branches
+from fvgraph.contract.markers import mark_request_constant
 from fvgraph.models.wan_sections import wan_attention_shape
 from fvgraph.loops.taps import TapPoints
 from fvgraph.loops.samplers import FewStepSampler, FlowEulerSampler, UniPCSampler
@@ -49,6 +50,7 @@ class DenoiseStep(nn.Module):
         self.media = media  # how a request's image enters the denoiser (ConcatCondition, GivenFrames), or None
         # CFG-parallel (fvgraph/parallel/cfg_split.py): this rank runs one branch and gathers the other.
         self.cfg_split = None
+        self.fuse_branches = False  # CFG fusion (passes/cfg_fusion.py) sets it while the step is traced
 
     def forward(
         self,
@@ -65,7 +67,7 @@ class DenoiseStep(nn.Module):
         and scales (lora_index [B, K] int64, lora_scale [B, K]: fvgraph/adapters/slots.py); the media
         part's (`media.inputs`)."""
         taps = {}
-        # 1. the denoiser on the conditional branch
+        # 1. the model input (with the request's media) and what each branch's call takes besides its text
         model_input, side = latents, {}
         if self.media is not None:
             model_input, timestep, side = self.media(latents, timestep, **{n: inputs[n] for n in self.media.inputs if n in inputs})
@@ -74,19 +76,19 @@ class DenoiseStep(nn.Module):
             side.update(lora_index=mark_request_constant(inputs["lora_index"]), lora_scale=mark_request_constant(inputs["lora_scale"]))
         if self.cfg and self.cfg_split is not None:  # one branch here, the other on the CFG peer rank
             noise, noise_uncond = self.cfg_split.both_branches(
-                lambda branch, embeds: self._denoise(branch, model_input, timestep, mark_request_constant(embeds), **side),
+                lambda branch, embeds: self._denoise({branch: embeds}, model_input, timestep, side)[branch],
                 prompt_embeds, negative_prompt_embeds,
             )  # fmt: skip
-        else:
-            noise = self._denoise("cond", model_input, timestep, mark_request_constant(prompt_embeds), **side)
+        else:  # 2. the conditional branch and the unconditional one (when cfg), fused while traced so
+            texts = {"cond": prompt_embeds, **({"uncond": negative_prompt_embeds} if self.cfg else {})}
+            noises = self._denoise(texts, model_input, timestep, side)
+            noise, noise_uncond = noises["cond"], noises.get("uncond")
         taps["tap.noise.cond"] = noise
-        # 2. the unconditional branch and the guidance combine
+        # 3. the guidance combine
         if self.cfg:
-            if self.cfg_split is None:
-                noise_uncond = self._denoise("uncond", model_input, timestep, mark_request_constant(negative_prompt_embeds), **side)
             noise = guided(noise, noise_uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = noise_uncond, noise
-        # 3. the sampler update, with this request's coefficients and history
+        # 4. the sampler update, with this request's coefficients and history
         out = sampler_update(self.sampler, latents, noise, inputs, coeffs, inputs.get("fresh_noise"))
         if self.tap_points is not None:
             out.update(taps)
@@ -97,12 +99,18 @@ class DenoiseStep(nn.Module):
         """(tokens, head_dim, dtype) of the denoiser's self-attention (fvgraph.kernels.attention)."""
         return wan_attention_shape(self.transformer, inputs)
 
-    def _denoise(self, branch: str, hidden_states, timestep, encoder_hidden_states, **extra) -> torch.Tensor:
-        """One denoiser call, marked as a CFG branch for the fusion pass (markers vanish in eager)."""
-        inputs = dict(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=encoder_hidden_states, **extra)
-        marked = dict(zip(inputs, mark_branch_inputs(branch, "transformer", **inputs)))
-        noise = self.transformer(**marked, return_dict=False)[0]
-        return mark_branch_output(branch, "transformer", noise)
+    def _denoise(self, texts: dict[str, torch.Tensor], hidden_states, timestep, extra: dict) -> dict[str, torch.Tensor]:
+        """{branch: noise} for each branch's text, each call marked as a CFG branch (markers vanish in
+        eager); fused into one call while the step is traced with CFG fusion (contract/cfg_branches.py)."""
+        branches = {
+            branch: dict(hidden_states=hidden_states, timestep=timestep, encoder_hidden_states=mark_request_constant(text), **extra)
+            for branch, text in texts.items()
+        }  # fmt: skip
+        outputs = call_branches("transformer", self._transformer, branches, self.fuse_branches)
+        return {branch: out[0] for branch, out in outputs.items()}
+
+    def _transformer(self, **inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.transformer(**inputs, return_dict=False)[0],)
 
 
 def masked_frames(latents: torch.Tensor, timestep: torch.Tensor, first_frame: torch.Tensor, frame_mask: torch.Tensor,

@@ -7,7 +7,8 @@ the model's `_cp_plan` hooks split the rotary embedding and the first block's to
 Ulysses ranks and gather the tokens again at `proj_out`, and the attention dispatcher's Ulysses path
 swaps token sharding for head sharding with `all_to_all_single` (functional collectives) around each
 attention. Those hooks and collectives trace into fvgraph's fullgraph step capture
-(`torch._dynamo.export`), so every collective is a node of the compiled step graph.
+(fvgraph/compile/step_capture.py; their logging calls trace as no-ops), so every collective is a
+node of the compiled step graph.
 
 What this file adds is only the setup `ModelMixin.enable_parallelism` does, for a mesh fvgraph
 builds: `enable_parallelism` picks its device as `rank % torch.accelerator.device_count()`, which
