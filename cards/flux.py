@@ -53,8 +53,8 @@ def _components(dit: dict | None, vae: dict | None, clip: dict | None, t5: dict 
 
 
 def _recipe(name: str, sampler: SamplerSpec, steps: int, guidance: float, precision: str = "bf16",
-            teacache: TeaCacheCoefficients | None = None) -> RecipeSpec:  # fmt: skip
-    return RecipeSpec(method="base", name=name, assumes_loop="flux", sampler=sampler, default_steps=steps, allowed_steps=(1, 100),
+            teacache: TeaCacheCoefficients | None = None, loop: str = "flux") -> RecipeSpec:  # fmt: skip
+    return RecipeSpec(method="base", name=name, assumes_loop=loop, sampler=sampler, default_steps=steps, allowed_steps=(1, 100),
                       precision=precision, default_guidance_scale=guidance, cfg_scale="true_cfg_scale",
                       teacache_coefficients=teacache)  # fmt: skip
 
@@ -62,8 +62,9 @@ def _recipe(name: str, sampler: SamplerSpec, steps: int, guidance: float, precis
 IMAGE_SHAPES = dict(max_height=2048, max_width=2048, max_frames=1, default_height=1024, default_width=1024, default_frames=1)
 
 
-def _released(card_id: str, recipe: RecipeSpec, text_len: int, hub_repo: str) -> ModelCard:
-    return ModelCard(card_id=card_id, hub_repos=(hub_repo,), family="flux", pipeline_class="FluxPipeline", loops=("flux",), recipe=recipe, parity=PARITY,
+def _released(card_id: str, recipe: RecipeSpec, text_len: int, hub_repo: str, pipeline_class: str = "FluxPipeline") -> ModelCard:
+    return ModelCard(card_id=card_id, hub_repos=(hub_repo,), family="flux", pipeline_class=pipeline_class, loops=(recipe.assumes_loop,),
+                     recipe=recipe, parity=PARITY,
                      components=_components(None, None, None, None, None, None, "bf16"),
                      shapes=ShapeRules(text_len=text_len, **IMAGE_SHAPES),
                      quantization=_fp8_exclusions(FLUX_DEV_TRANSFORMER["num_layers"], FLUX_DEV_TRANSFORMER["num_single_layers"]))  # fmt: skip
@@ -73,6 +74,10 @@ FLUX_1_DEV = _released("flux.1-dev", _recipe("flux.1-dev", DEV_SCHEDULER, 28, 3.
                        hub_repo="black-forest-labs/FLUX.1-dev")
 FLUX_1_SCHNELL = _released("flux.1-schnell", _recipe("flux.1-schnell", SCHNELL_SCHEDULER, 4, 0.0), text_len=256,
                            hub_repo="black-forest-labs/FLUX.1-schnell")
+# FLUX.1 Kontext [dev]: image editing (fvgraph/loops/flux_kontext_loop.py) on FLUX.1-dev's architecture,
+# 28 steps at embedded guidance 2.5, as the release's model card runs it.
+FLUX_1_KONTEXT_DEV = _released("flux.1-kontext-dev", _recipe("flux.1-kontext-dev", DEV_SCHEDULER, 28, 2.5, loop="flux_kontext"),
+                               text_len=512, hub_repo="black-forest-labs/FLUX.1-Kontext-dev", pipeline_class="FluxKontextPipeline")
 
 TINY_TEXT_LEN = 32
 TINY_TRANSFORMER = {**FLUX_DEV_TRANSFORMER, "in_channels": 64, "num_layers": 2, "num_single_layers": 2, "attention_head_dim": 16,
@@ -97,6 +102,12 @@ TINY_FLUX = ModelCard(
     shapes=ShapeRules(text_len=TINY_TEXT_LEN, max_height=256, max_width=256, max_frames=1, default_height=64, default_width=64,
                       default_frames=1),
     quantization=QuantizationSpec(fp8_exclude=("x_embedder", "context_embedder", "time_text_embed.*", "norm_out.*", "proj_out")),
+)  # fmt: skip
+
+# tiny-flux's seeded weights run as an editor: Kontext is FLUX.1-dev's architecture.
+TINY_FLUX_KONTEXT = ModelCard.model_validate(
+    {**TINY_FLUX.model_dump(), "card_id": "tiny-flux-kontext", "pipeline_class": "FluxKontextPipeline", "loops": ("flux_kontext",),
+     "recipe": _recipe("flux.1-kontext-dev", DEV_SCHEDULER, 8, 2.5, precision="fp32", loop="flux_kontext")}
 )  # fmt: skip
 
 # The default CPU workload of perf/bench_step.py for this family: FLUX's blocks at wan-cpu-bench's width
@@ -136,4 +147,4 @@ FLUX_1_DEV_BENCH = ModelCard.model_validate(
     }
 )  # fmt: skip
 
-CARDS = (TINY_FLUX, FLUX_1_DEV, FLUX_1_SCHNELL, FLUX_CPU_BENCH, FLUX_1_DEV_BENCH)
+CARDS = (TINY_FLUX, FLUX_1_DEV, FLUX_1_SCHNELL, FLUX_CPU_BENCH, FLUX_1_DEV_BENCH, FLUX_1_KONTEXT_DEV, TINY_FLUX_KONTEXT)

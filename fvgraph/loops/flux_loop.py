@@ -32,13 +32,13 @@ from fvgraph.models.flux_sections import FluxSections
 from fvgraph.request import Request, RequestRejected
 
 
-def flux_denoise_kind(name: str, cfg: bool) -> StepKind:
-    """Latents, timestep and Euler row per step; the texts, pooled texts, embedded guidance and the
-    true-CFG scale constant for the request."""
+def flux_denoise_kind(name: str, cfg: bool, media: tuple[str, ...] = ()) -> StepKind:
+    """Latents, timestep and Euler row per step; the texts, pooled texts, embedded guidance, the
+    true-CFG scale and `media` (Kontext's image latents) constant for the request."""
     texts = ("prompt_embeds", "pooled_prompt_embeds", "guidance")
     if cfg:
         texts += ("negative_prompt_embeds", "negative_pooled_prompt_embeds", "guidance_scale")
-    return image_denoise_kind(name, texts)
+    return image_denoise_kind(name, texts + media)
 
 
 DENOISE_KINDS = {False: flux_denoise_kind(DENOISE, cfg=False), True: flux_denoise_kind(DENOISE_CFG, cfg=True)}
@@ -179,7 +179,7 @@ class FluxDenoising:
 
     def steps(self, components: Components, sampler: Any, tap_points: Callable[[nn.Module], TapPoints | None]) -> dict[str, nn.Module]:
         taps = tap_points(components.transformer)
-        return {kind.name: self.step(components.transformer, sampler, cfg, taps) for cfg, kind in DENOISE_KINDS.items()}
+        return {kind.name: self.step(components.transformer, sampler, cfg, taps) for cfg, kind in self.kinds.items()}
 
     def sections(self, transformer: nn.Module) -> DenoiserSections:
         return FluxSections(transformer, self.spatial)

@@ -46,12 +46,20 @@ class FluxDenoiser(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 pooled_projections: torch.Tensor, guidance: torch.Tensor | None = None, return_dict: bool = False,
-                **adapter_rows: torch.Tensor):  # fmt: skip
+                condition: torch.Tensor | None = None, **adapter_rows: torch.Tensor):  # fmt: skip
+        """`condition` [B, C, 1, hc, wc]: an edited image's latents (FLUX.1 Kontext), joined after the
+        latents' tokens with position ids whose first axis is 1, as FluxKontextPipeline joins them; the
+        prediction is read from the latents' tokens only."""
         packed, img_ids, txt_ids = pack(hidden_states, encoder_hidden_states)
+        tokens = packed.shape[1]
+        if condition is not None:
+            joined, condition_ids, _ = pack(condition.to(packed.dtype), encoder_hidden_states)
+            condition_ids[..., 0] = 1
+            packed, img_ids = torch.cat([packed, joined], dim=1), torch.cat([img_ids, condition_ids], dim=0)
         out = self.transformer(hidden_states=packed, timestep=timestep, guidance=guidance, pooled_projections=pooled_projections,
                                encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
                                return_dict=False, **adapter_rows)[0]  # fmt: skip
-        return (unpack(out, tuple(hidden_states.shape[-2:]), self.vae_spatial),)
+        return (unpack(out[:, :tokens], tuple(hidden_states.shape[-2:]), self.vae_spatial),)
 
 
 class FluxDenoiseStep(ImageDenoiseStep):
@@ -75,6 +83,7 @@ class FluxDenoiseStep(ImageDenoiseStep):
         guidance: torch.Tensor | None = None,  # [B] float32 the embedded guidance, where the weights take it
         lora_index: torch.Tensor | None = None,  # [B, K] int64 each row's adapter slots, on an engine with them
         lora_scale: torch.Tensor | None = None,  # [B, K] float32 their scales (0 where unused)
+        condition: torch.Tensor | None = None,  # [B, C, 1, hc, wc] an edit's image latents (FLUX.1 Kontext)
         **carry: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         dtype = prompt_embeds.dtype
@@ -83,6 +92,8 @@ class FluxDenoiseStep(ImageDenoiseStep):
         side = self.adapter_rows(lora_index, lora_scale)
         if guidance is not None:
             side["guidance"] = mark_request_constant(guidance)
+        if condition is not None:  # the same image in both branches
+            side["condition"] = mark_request_constant(condition)
         taps = {}
         cond = dict(hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
                     pooled_projections=mark_request_constant(pooled_prompt_embeds), **side)  # fmt: skip

@@ -21,6 +21,7 @@ LOOPS: dict[str, str] = {
     "i2v_two_expert": "fvgraph.loops.expert_loop:TwoExpertImageToVideoLoop",
     "ti2v": "fvgraph.loops.ti2v_loop:TextImageToVideoLoop",
     "flux": "fvgraph.loops.flux_loop:FluxLoop",
+    "flux_kontext": "fvgraph.loops.flux_kontext_loop:FluxKontextLoop",
     "qwen_image": "fvgraph.loops.qwen_image_loop:QwenImageLoop",
 }
 

@@ -1,0 +1,90 @@
+"""FLUX.1 Kontext editing (card flux.1-kontext-dev, embedded tiny-flux-kontext): equal to diffusers'
+FluxKontextPipeline on a checkpoint it wrote itself, with a conditioning image of another size than the
+output (resized to its Kontext resolution), embedded guidance and true CFG; edits interleave and a
+second wave compiles nothing; an edit card refuses a request without an image, naming it."""
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+from diffusers import FluxKontextPipeline
+
+from fvgraph.cards import get_card
+from fvgraph.compile.compiler import CompileConfig
+from fvgraph.engine.engine import Engine
+from fvgraph.models.components import diffusers_scheduler, load_components
+from fvgraph.request import Request
+from fvgraph.runtime.buckets import BucketSpec
+from reference_helpers import REFERENCE_TOLERANCE, assert_matches_reference, assert_shares_no_storage, reference_pipeline, saved_pipeline
+
+
+def _image(seed: int, h: int, w: int) -> PIL.Image.Image:
+    return PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+@pytest.fixture(scope="module")
+def kontext_checkpoint(tmp_path_factory):
+    """tiny-flux-kontext's seeded weights written by FluxKontextPipeline.save_pretrained."""
+    card = get_card("tiny-flux-kontext")
+    c = load_components(card, None, torch.device("cpu"))
+    return saved_pipeline(FluxKontextPipeline, c, tmp_path_factory.mktemp("tiny-kontext"), scheduler=diffusers_scheduler(card.recipe.sampler))
+
+
+CASES = {
+    # a wide image: the Kontext resolution nearest its aspect ratio is 1392 x 752
+    "embedded guidance": dict(prompt="make it winter", guidance_scale=2.5, num_inference_steps=3, height=48, width=64, image=(1, 300, 560)),
+    "true cfg, a tall image": dict(prompt="make it winter", negative_prompt="blurry", true_cfg_scale=3.0, guidance_scale=2.0,
+                                   num_inference_steps=2, height=64, width=32, image=(2, 500, 260)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kontext_on_a_diffusers_checkpoint_matches_flux_kontext_pipeline(kontext_checkpoint, case):
+    engine = Engine.from_card("flux.1-kontext-dev", checkpoint=kontext_checkpoint, device="cpu", dtype="fp32")  # a bf16 release
+    pipe = reference_pipeline(FluxKontextPipeline, kontext_checkpoint)
+    assert_shares_no_storage(engine, pipe)
+    args = dict(CASES[case])
+    image = _image(*args.pop("image"))
+    # max_area = the output's own: the pipeline rescales the output to max_area, fvgraph keeps the request's size.
+    packed = pipe(image=image, generator=torch.Generator().manual_seed(7), output_type="latent", max_area=args["height"] * args["width"],
+                  **args).images  # fmt: skip
+    reference = FluxKontextPipeline._unpack_latents(packed, args["height"], args["width"], pipe.vae_scale_factor).unsqueeze(2)
+    [result] = engine.generate([Request(image=image, seed=7, output_type="latent", **args)])
+    assert result.ok, result.error
+    assert_matches_reference(result.latents, reference)
+    [other] = engine.generate([Request(image=_image(9, 300, 560), seed=7, output_type="latent", **args)])
+    # Another image moves the result (by 3.7e-3 on the first case: tiny random weights attend little
+    # to it), two orders of magnitude past the reference tolerance: an edit that ignored it would fail.
+    assert (other.latents - result.latents).abs().max() > 100 * REFERENCE_TOLERANCE.atol
+
+
+def _requests(steps: int = 2, guidance: float = 2.5):
+    return [Request(prompt="add a hat", image=_image(3, 64, 96), seed=1, num_inference_steps=steps, guidance_scale=guidance,
+                    height=32, width=48, output_type="latent"),
+            Request(prompt="make it night", image=_image(4, 80, 80), seed=2, num_inference_steps=steps, guidance_scale=guidance,
+                    height=32, width=48, output_type="latent")]  # fmt: skip
+
+
+def test_interleaved_edits_equal_each_alone_and_a_second_wave_compiles_nothing():
+    eager = Engine.from_card("tiny-flux-kontext", device="cpu")
+    alone = [eager.generate([r])[0].latents for r in _requests()]
+    together = [r.latents for r in eager.generate(_requests())]
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))
+    compiled = Engine.from_card("tiny-flux-kontext", device="cpu", opt_level=1, compile_config=CompileConfig(backend="aot_eager"),
+                                buckets=BucketSpec(batch_sizes=(2,)))  # fmt: skip
+    first = compiled.generate(_requests())
+    assert all(r.ok for r in first), [r.error for r in first]
+    compiles = compiled.counters.compiles
+    tolerance = compiled.card.parity.tolerance("fp32")
+    for ours, reference in zip(first, alone):
+        torch.testing.assert_close(ours.latents, reference, atol=tolerance.atol, rtol=tolerance.rtol)
+    second = compiled.generate(_requests(steps=3, guidance=4.0))  # other steps, guidance, seeds: the same graph
+    assert all(r.ok for r in second) and compiled.counters.compiles == compiles
+
+
+def test_an_edit_card_refuses_a_request_without_an_image_and_others_refuse_its_fields():
+    engine = Engine.from_card("tiny-flux-kontext", device="cpu")
+    [result] = engine.generate([Request(prompt="a fox", num_inference_steps=2)])
+    assert result.status == "rejected" and result.error.startswith("image:") and "edits an image" in result.error
+    [cached] = engine.generate([Request(prompt="a fox", image=_image(0, 32, 32), num_inference_steps=2, cache="fbcache")])
+    assert cached.status == "rejected" and cached.error.startswith("cache:"), cached.error
