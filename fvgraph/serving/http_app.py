@@ -9,6 +9,7 @@
     GET    /v1/videos/{id}/events         Server-Sent Events: started, one per step, the end, the final Video
     DELETE /v1/videos/{id}                cancel at the next step boundary and delete the content
     POST   /v1/images/generations         one frame through the same engine; b64_json or a URL
+    POST   /v1/images/edits               the same from an uploaded image, on an image-editing card
     GET    /v1/images/{id}/content        the PNG (JPEG, WebP) behind such a URL
     GET    /v1/models, /v1/models/{name}  the names `model` may give (fvgraph/serving/model_names.py)
     GET/POST /v1/loras, DELETE /v1/loras/{name}   the LoRA adapters (fvgraph/serving/http_adapters.py)
@@ -351,7 +352,7 @@ ROUTES = [
     ("GET", "/v1/videos/{video_id}", "get_video"), ("GET", "/v1/videos/{video_id}/content", "video_content"),
     ("GET", "/v1/videos/{video_id}/events", "video_events"), ("DELETE", "/v1/videos/{video_id}", "delete_video"),
     ("POST", "/v1/videos/{video_id}/remix", "remix_video"),
-    ("POST", "/v1/images/generations", "generate_images"), ("GET", "/v1/images/{image_id}/content", "image_content"),
+    ("POST", "/v1/images/generations", "generate_images"), ("POST", "/v1/images/edits", "edit_images"), ("GET", "/v1/images/{image_id}/content", "image_content"),
     ("GET", "/health", "health"), ("GET", "/ready", "readiness"), ("GET", "/metrics", "prometheus"),
 ]  # fmt: skip
 

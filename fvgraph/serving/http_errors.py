@@ -26,9 +26,10 @@ from fvgraph.serving.http_guard import BodyTooLarge
 from fvgraph.serving.serving_metrics import ServingMetrics
 
 log = logging.getLogger(__name__)
-# Request fields whose name is not the API's: the loop checks `image` (or a video-to-video request's
-# `video`), the client sends `input_reference`.
+# Request fields whose name is not the API's: on /v1/videos the loop checks `image` (or a
+# video-to-video request's `video`), the client sends `input_reference` (/v1/images/edits sends `image`).
 API_NAMES = {"image": "input_reference", "video": "input_reference"}
+RENAMED_UNDER = "/v1/videos"
 CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
@@ -44,10 +45,10 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def api_param(field: str) -> str:
-    """The field a client sent for a RequestRejected's field (`cache.mag_ratios` was sent as `cache`)."""
+def api_param(field: str, path: str = RENAMED_UNDER) -> str:
+    """The field a client sent to `path` for a RequestRejected's field (`cache.mag_ratios` was sent as `cache`)."""
     top = field.split(".")[0]
-    return API_NAMES.get(top, top)
+    return API_NAMES.get(top, top) if path.startswith(RENAMED_UNDER) else top
 
 
 def routed_methods(http: HttpRequest) -> str:
@@ -72,9 +73,9 @@ def error_handlers(metrics: ServingMetrics) -> dict:
 
         return handle
 
-    async def rejected(_, err: RequestRejected):
+    async def rejected(http: HttpRequest, err: RequestRejected):
         metrics.reject("memory" if err.field == "memory_budget" else "invalid")
-        param = api_param(err.field)
+        param = api_param(err.field, http.url.path)
         rule = str(err)[len(err.field) + 2 :]  # RequestRejected's text is "FIELD: RULE"
         message = str(err) if param == err.field.split(".")[0] else f"{param} (the request's {err.field}): {rule}"
         return JSONResponse(error_body(message, 400, param, "invalid_value"), 400)

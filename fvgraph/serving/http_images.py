@@ -1,6 +1,8 @@
 """The images endpoints of the HTTP API (fvgraph/serving/http_app.py's VideoApi serves them):
 POST /v1/images/generations runs `n` one-frame requests through the same engine and answers when all
-have ended (b64_json, or a URL to GET /v1/images/{id}/content); a client that hangs up cancels them."""
+have ended (b64_json, or a URL to GET /v1/images/{id}/content); a client that hangs up cancels them.
+POST /v1/images/edits does the same from an uploaded `image` (the openai SDK's `images.edit`), on a
+card that edits images (FLUX.1 Kontext)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ import time
 from collections.abc import Coroutine
 
 from fastapi import Request as HttpRequest
+from PIL import Image
 from starlette.requests import ClientDisconnect
 
 from fvgraph.request import RequestRejected
 from fvgraph.serving.http_content import etag, file_download
 from fvgraph.serving.http_errors import ApiError
 from fvgraph.serving.media_encode import IMAGE_MEDIA_TYPES, encode_image
-from fvgraph.serving.openai_requests import ImageBody, image_request, parse_body
+from fvgraph.serving.openai_requests import ImageBody, check_input_reference, image_request, parse_body
 from fvgraph.serving.video_store import IMAGE_VARIANTS, StoredVideo
 
 log = logging.getLogger(__name__)
@@ -27,7 +30,25 @@ class ImageRoutes:
     """Reads the API's card, names, served engine, store, settings, `_fields` and `_accept`."""
 
     async def generate_images(self, http: HttpRequest):
-        body = parse_body(ImageBody, await self._fields(http))
+        return await self._images(http, await self._fields(http), None)
+
+    async def edit_images(self, http: HttpRequest):
+        fields = await self._fields(http)
+        upload = fields.pop("image", None)
+        if fields.pop("mask", None) is not None:
+            raise RequestRejected("mask", "this server edits the whole image: leave mask out")
+        if upload is None:
+            raise RequestRejected("image", "upload the image to edit as a file in a multipart form")
+        if isinstance(upload, list):
+            raise RequestRejected("image", f"{len(upload)} images: card {self.card.card_id!r} edits one image at a time")
+        if not isinstance(upload, bytes):  # a URL or file id: fetching what a client names is not done here
+            raise RequestRejected("image", "must be the image itself, uploaded as a file; this server fetches no URLs or file ids")
+        edits = "image" in self.served.engine.loop.reads and self.card.shapes.max_frames == 1
+        image = check_input_reference(upload, self.card, edits, field="image", serve="an image-editing card (FLUX.1 Kontext)")
+        return await self._images(http, fields, image)
+
+    async def _images(self, http: HttpRequest, fields: dict, image: Image.Image | None):
+        body = parse_body(ImageBody, fields)
         self.names.check(body.model)
         if body.n > self.served.admission.max_queue:  # its requests are queued together: it would always get 429
             raise RequestRejected("n", f"{body.n} images are more than this server queues at once "
@@ -35,7 +56,7 @@ class ImageRoutes:
         if body.not_applied:
             log.info("images: %s accepted and not applied (the served card renders as it does)", body.not_applied)
         base = self.store.new_id("image")
-        parsed = [image_request(body, self.card, f"{base}-{i}" if body.n > 1 else base, self.settings.max_prompt_chars, i)
+        parsed = [image_request(body, self.card, f"{base}-{i}" if body.n > 1 else base, self.settings.max_prompt_chars, i, image)
                   for i in range(body.n)]  # fmt: skip
         subscriptions = [(one.request.request_id, self.served.subscribe(one.request.request_id)) for one in parsed]
         try:

@@ -320,11 +320,13 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
     return Parsed(request, f"{width}x{height}", seconds, fps, body.timeout, sent, notes)
 
 
-def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_chars: int, index: int) -> Parsed:
+def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_chars: int, index: int,
+                  image: Image.Image | None = None) -> Parsed:  # fmt: skip
+    """Image `index` of a /v1/images call; `image` the image an edit starts from."""
     width, height, sent = _shape_sent_as(body, card)
     seed = None if body.seed is None else (body.seed + index) % SEED_RANGE  # every valid seed works for any n
     request = _request(body.model_copy(update={"seed": seed}), card, request_id, max_prompt_chars, sent, {},
-                       height=height, width=width, num_frames=1)  # fmt: skip
+                       height=height, width=width, num_frames=1, **({} if image is None else {"image": image}))  # fmt: skip
     return Parsed(request, f"{width}x{height}", "0", DEFAULT_FPS, body.timeout, sent)
 
 
@@ -335,21 +337,23 @@ def _shape_sent_as(body: _Body, card: ModelCard) -> tuple[int, int, SentAs]:
     return width, height, {**body._sent, **origin}
 
 
-def check_input_reference(data: bytes, card: ModelCard, takes_image: bool) -> Image.Image:
-    """An image-to-video reference. The served loop must take one (`Loop.takes_image`), checked
-    before the upload is looked at; then it must be a PNG, JPEG or WebP (no other PIL plugin sees
-    it) of at most MAX_REFERENCE_PIXELS pixels. Returns it as RGB, for `Request(image=...)`."""
+def check_input_reference(data: bytes, card: ModelCard, takes_image: bool, field: str = "input_reference",
+                          serve: str = "an image-to-video card") -> Image.Image:  # fmt: skip
+    """An uploaded image (`field`: a video's input_reference, an edit's image). The served loop must
+    take one (`Loop.takes_image`), checked before the upload is looked at; then it must be a PNG, JPEG
+    or WebP (no other PIL plugin sees it) of at most MAX_REFERENCE_PIXELS pixels. Returns it as RGB,
+    for `Request(image=...)`."""
     if not takes_image:
-        raise RequestRejected("input_reference", f"card {card.card_id!r} generates from text only and takes no image; "
-                                                 "serve an image-to-video card to use input_reference")  # fmt: skip
+        raise RequestRejected(field, f"card {card.card_id!r} generates from text only and takes no image; "
+                                     f"serve {serve} to use {field}")  # fmt: skip
     try:
         image = Image.open(io.BytesIO(data), formats=REFERENCE_FORMATS)  # reads the header only
         if image.width * image.height <= MAX_REFERENCE_PIXELS:
             image.load()
             return image.convert("RGB")
     except _UNDECODABLE as err:
-        raise RequestRejected("input_reference", f"is not a decodable image (PNG, JPEG, WebP): {err}") from None
-    raise RequestRejected("input_reference", f"{image.width}x{image.height} has more than {MAX_REFERENCE_PIXELS} pixels")
+        raise RequestRejected(field, f"is not a decodable image (PNG, JPEG, WebP): {err}") from None
+    raise RequestRejected(field, f"{image.width}x{image.height} has more than {MAX_REFERENCE_PIXELS} pixels")
 
 
 # What PIL raises for bytes it cannot open or decode (SyntaxError and EOFError from some truncated files).

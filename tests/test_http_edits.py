@@ -1,0 +1,65 @@
+"""POST /v1/images/edits through the official openai client's `images.edit`, against a live server of
+the tiny-flux-kontext card: the PNG it returns equals the engine's image for the same request; bad
+uploads and fields are 400s naming them, and a card that edits no images refuses the upload unopened."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from http_helpers import KEY, client, httpx, live_server, openai
+from PIL import Image
+
+from fvgraph.engine.engine import Engine
+from fvgraph.request import Request
+
+EDIT = {"num_inference_steps": 2, "seed": 3, "guidance_scale": 2.5}
+
+
+def _png(seed: int, size: tuple[int, int] = (40, 24)) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with live_server(Engine.from_card("tiny-flux-kontext", device="cpu"), tmp_path_factory.mktemp("edits")) as running:
+        yield running
+
+
+def test_images_edit_returns_the_engines_edit_as_a_png(served):
+    _, url = served
+    upload = _png(1)
+    answer = client(url).images.edit(model="tiny-flux-kontext", image=("in.png", upload, "image/png"), prompt="add a hat",
+                                     size="48x32", extra_body=EDIT)  # fmt: skip
+    served_image = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))))
+    engine = Engine.from_card("tiny-flux-kontext", device="cpu")  # the server drives its own
+    [direct] = engine.generate([Request(prompt="add a hat", image=Image.open(io.BytesIO(upload)), height=32, width=48, **EDIT)])
+    assert direct.ok and served_image.shape == (32, 48, 3)
+    assert (served_image == direct.images[0]).all()  # PNG is lossless: the same pixels
+
+
+def test_bad_edit_uploads_and_fields_are_400s_naming_them(served):
+    srv, url = served
+    headers = {"Authorization": f"Bearer {KEY}"}
+    before = len(srv.store)
+    cases = [
+        ({"prompt": "x"}, None, "image", "upload the image to edit"),
+        ({"prompt": "x"}, {"image": ("in.png", b"not an image", "image/png")}, "image", "not a decodable image"),
+        ({"prompt": "x"}, {"image": ("in.png", _png(2), "image/png"), "mask": ("m.png", _png(3), "image/png")}, "mask", "leave mask out"),
+        ({"prompt": "x", "n": "0"}, {"image": ("in.png", _png(2), "image/png")}, "n", "greater than or equal to 1"),
+    ]
+    for data, files, field, rule in cases:
+        response = httpx.post(url + "/v1/images/edits", headers=headers, data=data, files=files, timeout=60)
+        error = response.json()["error"]
+        assert response.status_code == 400, (field, error)
+        assert error["param"] == field and rule in error["message"], (field, error)
+    assert len(srv.store) == before
+
+
+def test_a_card_that_edits_no_images_refuses_the_upload(tiny_engine, tmp_path):
+    with live_server(tiny_engine, tmp_path) as (_, url):
+        with pytest.raises(openai.BadRequestError, match="image: card 'tiny-wan' generates from text only"):
+            client(url).images.edit(image=("in.png", _png(0), "image/png"), prompt="x")
