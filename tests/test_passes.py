@@ -48,6 +48,8 @@ def test_cfg_fusion_runs_the_denoiser_once(captured, tiny_card):
     with fusion.tracing(step):
         traced = capture_step("denoise_cfg", step, dict(zip(cap.input_names, cap.example_args[cap.num_params :])))
     assert step.fuse_branches is False
+    # the weights are arguments of the graph, never constants baked in (a weight sync reuses it)
+    assert not [n for n in traced.gm.graph.nodes if n.op == "get_attr"]
     ctx = _context(step, traced)
     fused = fusion(traced.gm, ctx)
     assert _count(fused, F.scaled_dot_product_attention) == 2 * layers  # one forward's worth

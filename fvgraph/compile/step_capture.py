@@ -65,12 +65,11 @@ def capture_step(kind: str, step: nn.Module, inputs: dict[str, torch.Tensor]) ->
 def trace_graph(fn, args: list[torch.Tensor]) -> fx.GraphModule:
     """One dynamo graph of `fn(*args)` (a tuple of tensors) whose placeholders are exactly `args`."""
     kept: dict = {}
-    # Static shapes (one graph per signature); tensors that are neither arguments nor parameters
-    # installed as graph attributes rather than lifted to inputs, as the graph must take `args` alone;
-    # logging calls traced as no-ops (diffusers' context-parallel hooks warn from inside the step,
-    # fvgraph/parallel/ulysses.py), which would otherwise break the graph.
+    # Static shapes (one graph per signature); logging calls traced as no-ops (diffusers'
+    # context-parallel hooks warn from inside the step, fvgraph/parallel/ulysses.py), which would
+    # otherwise break the graph. Parameters stay placeholders (functional_call reads them from `args`).
     quiet = _logger_methods()
-    with torch._dynamo.config.patch(install_free_tensors=True, ignore_logging_functions=quiet), torch.no_grad():
+    with torch._dynamo.config.patch(ignore_logging_functions=quiet), torch.no_grad():
         try:
             result = torch.compile(fn, backend=_keep_graph(kept), fullgraph=True, dynamic=False)(*args)
         finally:
@@ -117,11 +116,16 @@ def _flat_signature(gm: fx.GraphModule, graph_inputs, graph_outputs, args: list[
         new = [graph.placeholder(f"arg_{i}") for i in range(len(args))]
     for i, node in enumerate(new):
         node.meta["example_value"] = torch.empty_strided(args[i].shape, args[i].stride(), dtype=args[i].dtype, device="meta")
-    for node, value in zip(old, graph_inputs, strict=True):
-        if id(value) not in position:
-            raise GraphBreakError(f"captured graph input {node.name} is none of the step's arguments")
-        new[position[id(value)]].meta = dict(node.meta)
-        node.replace_all_uses_with(new[position[id(value)]])
+    for j, (node, value) in enumerate(zip(old, graph_inputs, strict=True)):
+        if id(value) in position:
+            new[position[id(value)]].meta = dict(node.meta)
+            replacement = new[position[id(value)]]
+        else:  # a tensor the step reads that is no parameter, buffer or input: a constant of the graph
+            gm.register_buffer(f"_constant_{j}", value)
+            with graph.inserting_before(node):
+                replacement = graph.get_attr(f"_constant_{j}")
+            replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
         graph.erase_node(node)
     output = next(n for n in graph.nodes if n.op == "output")
     computed = {id(t): node for t, node in zip(graph_outputs, output.args[0], strict=True)}
