@@ -6,14 +6,28 @@
     parallel = fvgraph.Engine.from_card("tiny-wan", parallel=fvgraph.ParallelConfig(cfg=2))  # docs/parallel.md
 """
 
-from fvgraph.torchvision_notes import drop_torchvision_fallback_notes
+from __future__ import annotations
 
-drop_torchvision_fallback_notes()  # before the imports below raise them  # noqa: E402
-from fvgraph.card import ModelCard  # noqa: E402
-from fvgraph.cards import card_names, get_card  # noqa: E402
-from fvgraph.engine.engine import Engine  # noqa: E402
-from fvgraph.parallel.config import ParallelConfig  # noqa: E402
-from fvgraph.request import Request, RequestRejected, Result  # noqa: E402
+from typing import TYPE_CHECKING
+
+from fvgraph.card import ModelCard
+from fvgraph.cards import card_names, get_card
+from fvgraph.parallel.config import ParallelConfig
+from fvgraph.request import Request, RequestRejected, Result
+
+if TYPE_CHECKING:
+    from fvgraph.engine.engine import Engine
 
 __all__ = ["Engine", "ModelCard", "ParallelConfig", "Request", "RequestRejected", "Result", "card_names", "get_card"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> type:
+    """`fvgraph.Engine`, imported on first use: the engine brings the compiler (dynamo, inductor) and
+    diffusers' model and scheduler code, which `import fvgraph` and `fvgraph --help` should not load
+    (tests/test_light_import.py). Making an engine is the point where they are used."""
+    if name == "Engine":
+        from fvgraph.engine.engine import Engine
+
+        return Engine
+    raise AttributeError(f"module 'fvgraph' has no attribute {name!r}")

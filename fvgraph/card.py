@@ -20,6 +20,7 @@ from fvgraph.caching.settings import CacheSettings
 
 from fvgraph.caching.methods import parse_cache_settings
 from fvgraph.recipe import Precision, RecipeSpec, SamplerSpec, TeaCacheCoefficients, _Spec
+from fvgraph.torchvision_notes import drop_torchvision_fallback_notes
 
 __all__ = ["ComponentSpec", "ModelCard", "ParitySpec", "Precision", "QuantizationSpec", "RecipeSpec", "SamplerSpec",
            "ShapeRules", "TeaCacheCoefficients", "Tolerance"]  # fmt: skip
@@ -46,7 +47,9 @@ class ComponentSpec(_Spec):
         return value
 
     def resolve_class(self) -> type:
+        """The component's class, its module imported here: where a card's heavy code loads."""
         module, _, name = self.cls.rpartition(".")
+        drop_torchvision_fallback_notes()  # before an image processor's module raises them
         return getattr(importlib.import_module(module), name)
 
 

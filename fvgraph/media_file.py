@@ -14,7 +14,6 @@ from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
-from diffusers.utils import export_to_gif
 from PIL import Image
 
 VIDEO_SUFFIXES = (".gif", ".mp4")
@@ -61,6 +60,10 @@ def write_video(frames: np.ndarray, path: str | Path, fps: int = 8) -> Path:
     if path.suffix.lower() in IMAGE_SUFFIXES:
         Image.fromarray(frames[0]).save(path)
     elif path.suffix.lower() == ".gif":
+        # Imported where a GIF is written: `import diffusers` loads dynamo and inductor, which
+        # `import fvgraph` (this module comes with Request) should not pay for.
+        from diffusers.utils import export_to_gif
+
         export_to_gif([Image.fromarray(frame) for frame in frames], str(path), fps=fps)
     else:
         write_mp4(frames, path, fps, _mp4_codec())

@@ -1,8 +1,10 @@
 """transformers 5 says, when an image processor class is first imported, that it "requires torchvision
-(not installed); falling back to ..." PIL. fvgraph needs no torchvision, and the FLUX helper it imports
-from diffusers (diffusers.pipelines.flux.pipeline_flux) imports two such classes, so without this every
-`import fvgraph` and every command began with two lines of noise. Only those notes are dropped; its
-other warnings (weights not loaded, say) still show."""
+(not installed); falling back to ..." PIL. fvgraph needs no torchvision, and the modules a card loads
+import such classes (diffusers' FLUX and Qwen-Image pipeline modules, an image-to-video card's image
+processor), so without this every command that builds those cards began with lines of noise. The filter
+goes in where a card's modules load (ComponentSpec.resolve_class, the loop registry), not at `import
+fvgraph`: it imports transformers, which a light import leaves out. Only those notes are dropped;
+transformers' other warnings (weights not loaded, say) still show."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ case is a whole request's denoise loop (every step, both CFG branches, no text e
     diffusers_<baseline>_none, diffusers_<baseline>_<method>
                                                       WanPipeline on its own untouched copy of the
                                                       weights, with `transformer.enable_cache(...)`
-                                                      (the method's `diffusers_config`) where diffusers
+                                                      (perf/diffusers_cache_configs.py) where diffusers
                                                       has the method; baselines: eager, compile_repeated_blocks
                                                       (fullgraph=False with hooks on: they disable compile
                                                       around the blocks' forwards)
@@ -41,6 +41,7 @@ from fvgraph.caching.settings import CacheSettings, parse_cache_text
 from fvgraph.caching.methods import METHODS, parse_cache_settings
 from fvgraph.models.components import diffusers_scheduler
 from fvgraph.perf.diffusers_baselines import baseline_transformer, untouched_components
+from fvgraph.perf.diffusers_cache_configs import diffusers_cache_config
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
@@ -132,7 +133,7 @@ def bench(args: argparse.Namespace, device: torch.device) -> dict:
     version, sampler, errors = engine.loop.components.weights_version, engine.card.recipe.sampler, {}
     for baseline in args.baselines.split(",") if args.baselines else ():
         for m, s in {"none": None, **settings}.items():
-            config = None if s is None else s.diffusers_config(args.steps)
+            config = None if s is None else diffusers_cache_config(s, args.steps)
             if s is not None and config is None:
                 continue  # diffusers has no such method
             name = f"diffusers_{baseline}_{m}"

@@ -5,12 +5,13 @@ import pytest
 import torch
 from diffusers import WanPipeline
 from diffusers.hooks import MagCacheConfig
+from diffusers.hooks.mag_cache import nearest_interp as diffusers_nearest_interp
 from pydantic import ValidationError
 
 from fvgraph.cards import get_card
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
-from fvgraph.caching.mag_cache import MagCache, MagCacheSettings
+from fvgraph.caching.mag_cache import MagCache, MagCacheSettings, nearest_interp
 from fvgraph.models.components import diffusers_scheduler
 from fvgraph.loops.t2v_loop import T2VState
 from fvgraph.request import Request, RequestRejected
@@ -43,6 +44,11 @@ def _calls(result) -> dict:
     """What Result.cache says about denoiser calls (FLOPs aside: tests/test_step_flops.py)."""
     return {key: result.cache[key] for key in ("method", "computed", "reused")}
 
+
+@pytest.mark.parametrize("length, steps", [(10, 10), (10, 4), (4, 10), (7, 1), (1, 5), (50, 13)])
+def test_nearest_interp_equals_diffusers(length, steps):
+    ratios = torch.linspace(1.2, 0.8, length)
+    assert torch.equal(nearest_interp(ratios, steps), diffusers_nearest_interp(ratios, steps))
 
 
 def test_cache_settings_are_validated_naming_the_field(tiny_card):

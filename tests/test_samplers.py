@@ -3,9 +3,10 @@
 import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift as diffusers_calculate_shift
 
 from fvgraph.card import SamplerSpec
-from fvgraph.loops.samplers import build_sampler, num_coeffs
+from fvgraph.loops.samplers import build_sampler, calculate_shift, num_coeffs
 
 UNIPC = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
 
@@ -70,3 +71,9 @@ def test_rows_of_one_batch_can_sit_at_different_steps():
 def test_unsupported_unipc_config_is_rejected_with_reason():
     with pytest.raises(ValueError, match="use_flow_sigmas"):
         build_sampler(SamplerSpec(name="unipc", config={"prediction_type": "epsilon"}))
+
+
+@pytest.mark.parametrize("image_seq_len", [16, 256, 1024, 4096, 8192])
+@pytest.mark.parametrize("config", [{}, {"base_seq_len": 64, "max_seq_len": 1024, "base_shift": 0.3, "max_shift": 2.0}])
+def test_calculate_shift_equals_diffusers(image_seq_len, config):
+    assert calculate_shift(image_seq_len, **config) == diffusers_calculate_shift(image_seq_len, **config)

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 
 import torch
-from diffusers.hooks import FirstBlockCacheConfig
 from pydantic import Field
 
 from fvgraph.caching.fb_cache_steps import FirstBlockState
@@ -45,9 +44,6 @@ class FirstBlockCacheSettings(CacheSettings):
 
     def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> FirstBlockCache:
         return FirstBlockCache(self, None if context is None else context.sections)
-
-    def diffusers_config(self, num_inference_steps: int) -> FirstBlockCacheConfig:
-        return FirstBlockCacheConfig(threshold=self.threshold)
 
 
 class FirstBlockCache:

@@ -29,8 +29,6 @@ from typing import Annotated, Any, ClassVar, Literal
 
 import numpy as np
 import torch
-from diffusers.hooks import MagCacheConfig
-from diffusers.hooks.mag_cache import nearest_interp
 from pydantic import Field
 
 from fvgraph.caching.residual_steps import RESIDUAL_KINDS, ResidualState
@@ -60,10 +58,6 @@ class MagCacheSettings(CacheSettings):
     def missing_calibration(self) -> tuple[str, ...]:
         return ("mag_ratios",) if self.mag_ratios is None else ()
 
-    def diffusers_config(self, num_inference_steps: int) -> MagCacheConfig:
-        return MagCacheConfig(threshold=self.threshold, max_skip_steps=self.max_skip_steps, retention_ratio=self.retention_ratio,
-                              num_inference_steps=num_inference_steps, mag_ratios=list(self.mag_ratios))  # fmt: skip
-
     @classmethod
     def calibration(cls) -> MagCacheCalibration:
         return MagCacheCalibration()
@@ -76,6 +70,16 @@ class MagCacheSettings(CacheSettings):
 
     def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> MagCache:
         return MagCache(self, num_inference_steps)
+
+
+def nearest_interp(ratios: torch.Tensor, steps: int) -> torch.Tensor:
+    """`ratios` resampled to `steps` entries by nearest index; equals diffusers'
+    `diffusers.hooks.mag_cache.nearest_interp` (0.42.1; tests/test_mag_cache.py compares them)."""
+    if steps == 1:
+        return ratios[-1:]
+    scale = (len(ratios) - 1) / (steps - 1)
+    grid = torch.arange(steps, device=ratios.device, dtype=torch.float32)
+    return ratios[torch.round(grid * scale).long()]
 
 
 class MagCache(ScheduledPolicy):

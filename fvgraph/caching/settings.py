@@ -127,11 +127,6 @@ class CacheSettings(BaseModel):
         missing = {name: values[name] for name in self.missing_calibration() if name in values}
         return type(self).model_validate({**self.model_dump(), **missing}) if missing else self
 
-    def diffusers_config(self, num_inference_steps: int) -> Any | None:
-        """The same settings as the diffusers hook config `transformer.enable_cache()` takes (for
-        comparisons with diffusers), or None where diffusers has no such method."""
-        return None
-
     @classmethod
     def calibration(cls) -> Calibration | None:
         """How `fvgraph calibrate` measures this method's calibrated fields; None: it has none."""

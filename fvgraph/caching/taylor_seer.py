@@ -29,7 +29,6 @@ import math
 from typing import ClassVar, Literal
 
 import torch
-from diffusers.hooks import TaylorSeerCacheConfig
 from pydantic import Field, model_validator
 
 from fvgraph.caching.settings import CacheSettings, PolicyContext, ScheduledPolicy
@@ -61,12 +60,6 @@ class TaylorSeerSettings(CacheSettings):
             raise ValueError(f"disable_cache_after_step={after} must be >= disable_cache_before_step="
                              f"{self.disable_cache_before_step}, or None")  # fmt: skip
         return self
-
-    def diffusers_config(self, num_inference_steps: int) -> TaylorSeerCacheConfig:
-        """Its lite mode: the one that acts on Wan (the module docstring says why)."""
-        return TaylorSeerCacheConfig(cache_interval=self.cache_interval, disable_cache_before_step=self.disable_cache_before_step,
-                                     disable_cache_after_step=self.disable_cache_after_step, max_order=self.max_order,
-                                     taylor_factors_dtype=getattr(torch, self.taylor_factors_dtype), use_lite_mode=True)  # fmt: skip
 
     def policy(self, num_inference_steps: int, context: PolicyContext | None = None) -> TaylorSeer:
         device = None if context is None else next(context.transformer.parameters()).device

@@ -13,6 +13,7 @@ from fvgraph.card import ModelCard
 from fvgraph.models.components import Components
 from fvgraph.contract.loop import Loop
 from fvgraph.loops.loop_parts import LoopConfig
+from fvgraph.torchvision_notes import drop_torchvision_fallback_notes
 
 LOOPS: dict[str, str] = {
     "t2v": "fvgraph.loops.t2v_loop:TextToVideoLoop",
@@ -31,6 +32,7 @@ def loop_class(loop_id: str) -> type:
     if path is None:
         raise ValueError(f"loop {loop_id!r} is not registered; known loops: {', '.join(sorted(LOOPS))} (fvgraph/loops/registry.py)")
     module, _, name = path.partition(":")
+    drop_torchvision_fallback_notes()  # the family's module may import a pipeline's image processor classes
     return getattr(importlib.import_module(module), name)
 
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from fvgraph.recipe import TRAIN_TIMESTEPS, SamplerSpec
 
@@ -98,6 +97,17 @@ class FlowEulerSampler(_PlannedSampler):
     def update(sample, model_output, carry, coeffs):
         dt = _per_row(coeffs[:, 1], sample)
         return sample + dt * model_output.to(sample.dtype), ()
+
+
+def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5,
+                    max_shift: float = 1.15) -> float:
+    """The schedule shift `mu` for an image of `image_seq_len` tokens: linear in the token count, from
+    `base_shift` at `base_seq_len` to `max_shift` at `max_seq_len`. Equals diffusers'
+    `diffusers.pipelines.flux.pipeline_flux.calculate_shift` (0.42.1; tests/test_samplers.py compares
+    them), written out here so that importing the samplers loads no diffusers pipeline module."""
+    m = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    b = base_shift - m * base_seq_len
+    return image_seq_len * m + b
 
 
 class ImageFlowEulerSampler(FlowEulerSampler):

@@ -11,11 +11,12 @@ different stages batch with their own expert; a request switches once, its sampl
 
 from __future__ import annotations
 
+import html
 from collections.abc import Callable
 from typing import Any
 
+import regex  # diffusers' Wan pipeline cleans prompts with `regex` (its \s differs from `re`'s on a few characters)
 import torch
-from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from torch import nn
 
 from fvgraph.adapters.slots import ROW_INPUTS
@@ -33,6 +34,11 @@ from fvgraph.loops.taps import TapPoints
 from fvgraph.models.components import Components
 from fvgraph.models.wan_sections import WanSections
 from fvgraph.request import Request
+
+try:
+    import ftfy  # optional, as in diffusers: where it is installed, prompts are fixed with it first
+except ImportError:
+    ftfy = None
 
 DENOISE_2, DENOISE_CFG_2 = "denoise_2", "denoise_cfg_2"  # the low-noise expert's kinds
 LOW_NOISE_KIND = {DENOISE: DENOISE_2, DENOISE_CFG: DENOISE_CFG_2}
@@ -61,6 +67,17 @@ SECOND_EXPERT_KINDS = {
 TEXT_ENCODE_KIND = StepKind(TEXT_ENCODE, component="text_encoder", phase="text_encode",
                             inputs={"input_ids": Role.STEP, "attention_mask": Role.STEP}, outputs={"embeds": Role.RESULT})  # fmt: skip
 
+
+
+def prompt_clean(text: str) -> str:
+    """A prompt as WanPipeline cleans it before tokenizing: ftfy's fixes (where installed), HTML
+    entities unescaped twice, runs of whitespace made one space, stripped. Equals diffusers'
+    `diffusers.pipelines.wan.pipeline_wan.prompt_clean` (0.42.1; tests/test_wan_prompt_clean.py compares
+    them), written out here so that loading Wan's parts loads no diffusers pipeline module."""
+    if ftfy is not None:
+        text = ftfy.fix_text(text)
+    text = html.unescape(html.unescape(text)).strip()
+    return regex.sub(r"\s+", " ", text).strip()
 
 class WanText:
     """UMT5: one encoder, its sequence zero-padded to the card's text length."""

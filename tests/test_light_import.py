@@ -1,0 +1,54 @@
+"""`import fvgraph` and `fvgraph --help` load none of the heavy code a card brings: no diffusers
+pipeline or hook module, no peft, no transformers model code. Those load when a card is built or an
+engine is made (docs/architecture.md, "What loads when"). Each check runs in a fresh interpreter, so
+nothing this test session imported counts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# What must stay out of sys.modules: whole packages (the name and everything under it).
+HEAVY = ("peft", "diffusers.hooks", "diffusers.pipelines", "transformers.models")
+
+LOADED_HEAVY = textwrap.dedent(f"""
+    import json, sys
+    heavy = {HEAVY!r}
+    print(json.dumps(sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in heavy))))
+""")
+
+IMPORT = "import fvgraph\n" + LOADED_HEAVY
+# What `fvgraph --help` runs (the console script calls fvgraph.cli's app), then the check.
+HELP = textwrap.dedent("""
+    import contextlib, io, sys
+    sys.argv = ["fvgraph", "--help"]
+    from fvgraph.cli import app
+    with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
+        app(prog_name="fvgraph")
+    assert "Usage: fvgraph" in out.getvalue(), out.getvalue()
+""") + LOADED_HEAVY
+MODULE_HELP = HELP.replace("from fvgraph.cli import app", "import runpy").replace(
+    'app(prog_name="fvgraph")', 'runpy.run_module("fvgraph", run_name="__main__")'
+)
+
+
+def _heavy_modules_after(code: str) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("code", [IMPORT, HELP, MODULE_HELP], ids=["import fvgraph", "fvgraph --help", "python -m fvgraph --help"])
+def test_loads_no_pipeline_hook_peft_or_transformers_model_code(code):
+    assert _heavy_modules_after(code) == []
+
+
+def test_building_a_card_still_loads_what_it_needs():
+    """The check itself sees heavy modules when they are loaded: making tiny-wan's engine brings
+    diffusers' model code, whose loader imports the hooks."""
+    code = "import fvgraph\nfvgraph.Engine.from_card('tiny-wan', device='cpu')\n" + LOADED_HEAVY
+    assert "diffusers.hooks" in _heavy_modules_after(code)
