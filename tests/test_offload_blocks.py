@@ -47,7 +47,7 @@ def three_block_wan() -> ModelCard:
     return card.model_copy(update={"card_id": "tiny-wan-3-blocks", "components": components})
 
 
-def test_block_size_check():
+def test_a_tiny_wan_block_is_27_tensors_of_52096_bytes():
     plain = Engine.from_card("tiny-wan", device="cpu")
     block = plain.loop.components.transformer.blocks[0]
     tensors = [*block.parameters(), *block.buffers()]
