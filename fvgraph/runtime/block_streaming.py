@@ -106,16 +106,12 @@ class StreamedBlocks(nn.Module):
         blocks = self.group_blocks(group)
         return f"blocks.{blocks[0]}" if len(blocks) == 1 else f"blocks.{blocks[0]}-{blocks[-1]}"
 
-    @property
-    def host_nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for block in self._blocks for _, t in _named_tensors(block))
-
 
 class _StreamedForward:
     """A block's forward run from its slot: installed as the block's instance `forward`."""
 
     def __init__(self, streamed: StreamedBlocks, index: int, block: nn.Module, names: tuple[str, ...]):
-        self.streamed, self.index, self.names = streamed, index, names
+        self.streamed, self.names = streamed, names
         self.group, self.position = streamed.group_of(index)
         self.original = type(block).forward.__get__(block)
         self.block = block
