@@ -119,6 +119,21 @@ def test_compiled_blocks_offload_equals_compiled_without_and_serves_without_reco
     )
 
 
+def test_update_weights_writes_the_host_copies_that_the_next_step_streams():
+    request = _request(steps=2)
+    plain = Engine.from_card("tiny-wan", device="cpu")
+    offloaded = Engine.from_card("tiny-wan", device="cpu", offload="blocks:1")
+    noise = torch.Generator().manual_seed(0)
+    weights = {k: v + 0.01 * torch.randn(v.shape, generator=noise)
+               for k, v in plain.loop.components.transformer.state_dict().items()}  # fmt: skip
+    [before] = plain.generate([request])
+    plain.update_weights(weights, "v2")
+    offloaded.update_weights(weights, "v2")
+    [want], [got] = plain.generate([request]), offloaded.generate([request])
+    assert not torch.equal(before.latents, want.latents)  # the new weights change the result
+    assert torch.equal(want.latents, got.latents)
+
+
 @pytest.mark.parametrize("value", ["blocks:0", "blocks:-1", "components,blocks:1", "blocks:1.5"])
 def test_bad_block_counts_are_refused_naming_offload(value):
     with pytest.raises(ValueError, match=r"offload=.*must be None, \"components\", or \"blocks:N\" with N a whole number >= 1"):
