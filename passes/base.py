@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx, nn
 
+from fvgraph.contract import block_copies  # noqa: F401  (registers the block copy ops the DCE knows)
+
 
 @dataclass
 class PassContext:
@@ -71,7 +73,8 @@ _ALLOCATING = {torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_l
 
 
 def eliminate_dead_code(graph: fx.Graph) -> int:
-    """fx's DCE, plus writes into freshly allocated tensors that nothing reads any more.
+    """fx's DCE, plus writes into freshly allocated tensors that nothing reads any more, and block
+    offload's copies into a slot that nothing reads before the slot is written again (with their waits).
 
     Models fill buffers in place (`out = empty_like(x); out[..., 0::2] = ...`); fx keeps every
     `setitem` as a side effect, and with it the whole computation feeding it. A write whose target
@@ -89,6 +92,7 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
             and node.args[0].target in _ALLOCATING
             and all(user.target is operator.setitem and user.args[0] is node.args[0] for user in node.args[0].users)
         ]
+        dead_writes += _unread_block_copies(graph)
         if not dead_writes:
             return before - len(graph.nodes)
         for node in dead_writes:
@@ -97,3 +101,28 @@ def eliminate_dead_code(graph: fx.Graph) -> int:
 
 def step_parameters(step: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(step.named_parameters()), **dict(step.named_buffers())}
+
+
+_BLOCK_COPY_OPS = (torch.ops.fvgraph.fetch_group, torch.ops.fvgraph.wait_group)
+_BLOCK_COPIES = {*_BLOCK_COPY_OPS, *(op.default for op in _BLOCK_COPY_OPS)}
+
+
+def _unread_block_copies(graph: fx.Graph) -> list[fx.Node]:
+    """`fvgraph::fetch_group` nodes (fvgraph/contract/block_copies.py) whose slot no node reads before
+    the next fetch into it, and the waits on that slot in between. The op is impure, so fx keeps it
+    where the blocks that read the copy were removed: a CFG step's unfused branches after fusion, a
+    prologue that keeps only the cross-attention K/V of the blocks."""
+    nodes = list(graph.nodes)
+    fetches = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.target in (torch.ops.fvgraph.fetch_group,
+               torch.ops.fvgraph.fetch_group.default)]  # fmt: skip
+    dead = []
+    for k, i in enumerate(fetches):
+        slot = set(nodes[i].args[0])
+        end = next((j for j in fetches[k + 1 :] if slot & set(nodes[j].args[0])), len(nodes))
+        between = nodes[i + 1 : end]
+        readers = {u for s in slot for u in s.users if u.target not in _BLOCK_COPIES}
+        if not readers.intersection(between):
+            dead.append(nodes[i])
+            dead += [n for n in between if n.target in _BLOCK_COPIES and slot & set(n.args[0]) and n.target not in
+                     (torch.ops.fvgraph.fetch_group, torch.ops.fvgraph.fetch_group.default)]  # fmt: skip
+    return dead

@@ -17,7 +17,8 @@ tiled / whole.
 GPU (`--gpu`): one process; the Wan 2.2 T2V A14B transformer config twice (two experts, seeded bf16,
 28 GB each), a one-layer text encoder of UMT5's width and the released VAE config, under
 `torch.cuda.set_per_process_memory_fraction` set to 80 GB, as on an 80 GB card. Cases: everything
-resident, and one expert resident with tiled decode (`offload="components"`, `vae_tiling=True`).
+resident, one expert resident with tiled decode (`offload="components"`, `vae_tiling=True`), and both
+experts' blocks streamed four at a time with tiled decode (`offload="blocks:4"`).
 Each: the request's peak allocated memory, its seconds per denoise step and for the decode, or the
 out-of-memory error where it does not fit.
 """
@@ -142,7 +143,8 @@ def measure_case(card, device: torch.device, options: dict, shape: tuple[int, in
             "decode_s": round(decode_s, 3)}  # fmt: skip
 
 
-GPU_CASES = {"everything_resident": {}, "one_expert_tiled": {"offload": "components", "vae_tiling": True}}
+GPU_CASES = {"everything_resident": {}, "one_expert_tiled": {"offload": "components", "vae_tiling": True},
+             "blocks_tiled": {"offload": "blocks:4", "vae_tiling": True}}  # fmt: skip
 
 
 def run_gpu(shape: tuple[int, int, int], steps: int, budget_gb: float, cases: list[str]) -> dict:

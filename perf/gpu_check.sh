@@ -26,15 +26,17 @@
 #   FVGRAPH_GPU_PART=run_ahead   bash perf/gpu_check.sh  # device idle between replays, serial vs run-ahead: Wan 1.3B config, 256x256x17, -O2, buckets 4, 8 (bucket 1 measured 2026-12-04; FVGRAPH_IDLE_BUCKETS); est. 400 s
 #   FVGRAPH_GPU_PART=memory      bash perf/gpu_check.sh  # bench_memory: Wan 2.2 A14B's config (seeded, bf16) at 720x1280x81 under an 80 GB cap, one expert resident + tiled decode; est. 450 s (two 14B seeded inits)
 #   FVGRAPH_GPU_PART=memory_resident bash perf/gpu_check.sh  # the same with everything resident (expected: out of memory under the cap); est. 400 s
+#   FVGRAPH_GPU_PART=memory_blocks bash perf/gpu_check.sh  # the same with offload="blocks:4" (both experts' blocks streamed) + tiled decode; est. 450 s
+#   FVGRAPH_GPU_PART=offload_blocks bash perf/gpu_check.sh  # tests/test_offload_blocks.py's gpu test: -O2 CUDA-graph replay with streamed blocks; est. 120 s
 #   FVGRAPH_GPU_PART=all         bash perf/gpu_check.sh  # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
-case " probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead memory memory_resident all " in
+case " probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all " in
   *" $PART "*) ;;
-  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead memory memory_resident all" >&2; exit 2 ;;
+  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all" >&2; exit 2 ;;
 esac
 # Before anything else: without the carried wheels every test stops at `import diffusers` (docs/gpu.md).
 if ! compgen -G "wheels/*.whl" >/dev/null; then
@@ -111,5 +113,7 @@ part parallel && run generate_parallel 120 python3 -m fvgraph generate --cfg-par
 # Two 14B experts initialized from a seed on the host each time (about 2-4 min): one case per part.
 part memory && run bench_memory 570 python3 "$REPO"/perf/bench_memory.py --gpu --case one_expert_tiled
 part memory_resident && run bench_memory_resident 570 python3 "$REPO"/perf/bench_memory.py --gpu --case everything_resident
+part memory_blocks && run bench_memory_blocks 570 python3 "$REPO"/perf/bench_memory.py --gpu --case blocks_tiled
+part offload_blocks && run pytest_gpu_offload_blocks 300 "${PYTEST[@]}" "$REPO/tests/test_offload_blocks.py"
 cat "$OUT"/bench_*.log "$OUT"/tf32_probe.log 2>/dev/null | grep -h '^{' >"$OUT/results.jsonl"
 echo "results in $OUT"

@@ -182,10 +182,8 @@ def test_offload_values_are_checked_naming_offload_and_the_rule(value):
         OffloadPolicy.parse(value)
 
 
-def test_blocks_offload_is_refused_until_built():
+def test_blocks_offload_parses():  # built and tested in tests/test_offload_blocks.py
     assert OffloadPolicy.parse("blocks:2") == OffloadPolicy("blocks", 2)
-    with pytest.raises(ValueError, match=r"offload='blocks:2': block offload is not built yet"):
-        Engine.from_card("tiny-wan", device="cpu", offload="blocks:2")
 
 
 def test_generate_offloads_with_the_flag_and_names_it_in_errors(tmp_path):

@@ -156,7 +156,7 @@ def compile_config(compile_backend: str, disable_pass: list[str], compile_steps:
 VAE_TILING_OPTION = typer.Option(None, "--vae-tiling", help="Decode (and encode) in tiles, one step each: 'on' for diffusers' defaults, or KEY=VALUE,... of the VAE's enable_tiling (docs/memory.md).")
 
 
-OFFLOAD_OPTION = typer.Option(None, "--offload", help="'components': each component (text encoder, transformer or expert, VAE) on the device only while its steps run (docs/memory.md).")
+OFFLOAD_OPTION = typer.Option(None, "--offload", help="'components': each component (text encoder, transformer or expert, VAE) on the device only while its steps run; 'blocks:N': a Wan transformer's blocks streamed from host memory N at a time through two fixed device slots (docs/memory.md).")
 
 
 def parse_vae_tiling(text: Optional[str]) -> bool | dict | None:

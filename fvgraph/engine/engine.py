@@ -59,6 +59,7 @@ from fvgraph.parallel.config import ParallelConfig
 from fvgraph.parallel.workers import WorkersLost
 from fvgraph.contract.model_facts import ModelFacts
 from fvgraph.models.hub_checkpoint import local_checkpoint
+from fvgraph.runtime.block_streaming import BlockStreaming
 from fvgraph.runtime.component_residency import ComponentResidency
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 from fvgraph.runtime.residency_order import ResidentFirst
@@ -73,11 +74,13 @@ class Engine:
     def __init__(self, card: ModelCard, loop: Loop, executor: EagerExecutor | CompiledExecutor, opt_level: int,
                  counters: Counters, buckets: BucketSpec, max_running: int, run_ahead: bool = False,
                  projection_cache: ExactProjectionCache | None = None, adapters: AdapterRegistry | None = None,
-                 residency: ComponentResidency | None = None):  # fmt: skip
+                 residency: ComponentResidency | BlockStreaming | None = None):  # fmt: skip
         self.card = card
         self.buckets = buckets
         self.max_running = max_running
-        self._scheduler = Scheduler(loop, buckets, max_running, None if residency is None else ResidentFirst(residency))
+        # Component offload orders a tick by what is resident; block offload streams within each step.
+        order = ResidentFirst(residency) if isinstance(residency, ComponentResidency) else None
+        self._scheduler = Scheduler(loop, buckets, max_running, order)
         self.residency = None if residency is None else residency.ledger  # offload's ResidencyLedger (docs/memory.md)
         self._in_flight: dict[str, float] = {}  # submitted, not yet handed back: id -> submit time
         self._outbox: list[Result] = []  # ended, not yet handed back
@@ -177,7 +180,8 @@ class Engine:
         one, with the same results as the serial order (fvgraph/engine/run_ahead.py). `vae_tiling`: True tiles
         the VAE's decode and encode with diffusers' defaults for its class, a dict with the keywords of its
         `enable_tiling(...)`; each tile is a step of its own (docs/memory.md). `offload="components"`: each
-        component on the device only while its steps run, counted in `engine.residency` (docs/memory.md).
+        component on the device only while its steps run; `offload="blocks:N"`: the transformers' blocks
+        streamed from host memory N at a time; both counted in `engine.residency` (docs/memory.md).
         """
         folder = None if checkpoint is None else local_checkpoint(checkpoint)
         if card is None and folder is None:

@@ -28,6 +28,7 @@ from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.models.components import load_components
 from fvgraph.contract.counters import Counters
 from fvgraph.runtime.checkpoint_recipe import warn_recipe_differences
+from fvgraph.runtime.block_streaming import BlockStreaming
 from fvgraph.runtime.component_residency import ComponentResidency
 from fvgraph.runtime.offload import OffloadPolicy, ResidencyLedger
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
@@ -85,7 +86,7 @@ class EngineParts:
     projection_cache: ExactProjectionCache | None
     parallel: RankSetup | None = None  # this rank's share of a parallel engine
     adapters: AdapterRegistry | None = None  # the engine's LoRA adapters
-    residency: ComponentResidency | None = None  # component offload (None: every component stays on the device)
+    residency: ComponentResidency | BlockStreaming | None = None  # offload (None: every component stays on the device)
 
 
 def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int, device: str | torch.device | None,
@@ -116,7 +117,7 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     parallel = None
     if switches.parallel is not None:
         parallel = setup_rank(switches.parallel, steps, loop.step_kinds, components, rank, init_method, device)
-    residency = _offload(switches, components, steps, loop, effective, device)
+    residency = _offload(switches, card, components, steps, loop, effective, device)
     executor = EagerExecutor(steps, counters, residency=residency)
     if effective.compiled:
         config = compile_config_for(switches.compile_config or CompileConfig(), effective, switches.taps)
@@ -136,23 +137,28 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
         log.warning("cache_dir=%s is unused: nothing is compiled at opt_level 0 or with enforce_eager", switches.capture_cache_dir)
     projection_cache = None  # per process: on a parallel engine the ranks would have to agree on each hit
     layout = loop.projection_layout  # None: the family declares no projection layout
-    if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None and layout is not None:
+    streamed = isinstance(residency, BlockStreaming)  # its K/V weights are rewritten every step: no hit could hold
+    if effective.eager and switches.projection_cache_bytes and not switches.taps and parallel is None and layout is not None \
+            and not streamed:  # fmt: skip
         projection_cache = ExactProjectionCache(max_bytes=switches.projection_cache_bytes)
         layout(components.transformer, projection_cache)
     return EngineParts(card, loop, executor, effective, counters, projection_cache, parallel, adapters, residency)
 
 
-def _offload(switches: EngineSwitches, components, steps: dict, loop: Loop, level: OptLevel,
-             device: torch.device) -> ComponentResidency | None:  # fmt: skip
-    """Component offload applied to the built steps' components (fvgraph/runtime/component_residency.py)."""
+def _offload(switches: EngineSwitches, card: ModelCard, components, steps: dict, loop: Loop, level: OptLevel,
+             device: torch.device) -> ComponentResidency | BlockStreaming | None:  # fmt: skip
+    """Offload applied to the built steps' components: whole components (fvgraph/runtime/component_residency.py)
+    or the transformers' blocks in groups (fvgraph/runtime/block_streaming.py)."""
     policy = switches.offload
     if policy is None:
         return None
-    if policy.mode == "blocks":
-        raise ValueError(f"offload={str(policy)!r}: block offload is not built yet (docs/memory.md says what it lacks); "
-                         'offload="components" moves whole components')  # fmt: skip
     if switches.parallel is not None:
         raise ValueError("offload does not run on a parallel engine yet: build it without `parallel`")
+    if policy.mode == "blocks":
+        if switches.adapters is not None:
+            raise ValueError(f"offload={str(policy)!r} with LoRA adapters is not built yet: build it without `loras`, "
+                             'or with offload="components"')  # fmt: skip
+        return BlockStreaming(components.modules(), device, policy.blocks, ResidencyLedger(), card.card_id)
     graphed = level.compiled and level.cuda_graphs and switches.cuda_graphs and device.type == "cuda"
     # The kinds compiled by default: on a graphed engine their components' device storage stays put.
     captured = frozenset(kind for kind, declared in loop.step_kinds.items() if declared.compiled) if graphed else frozenset()

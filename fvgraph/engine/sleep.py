@@ -47,6 +47,7 @@ from fvgraph.contract.loop import Loop, LoopState
 from fvgraph.engine.in_flight import settle_in_flight
 from fvgraph.models.components import load_component
 from fvgraph.parallel.executor import ParallelExecutor
+from fvgraph.runtime.block_streaming import BlockStreaming
 from fvgraph.runtime.component_residency import ComponentResidency
 from fvgraph.runtime.executor import CompiledExecutor, EagerExecutor
 from fvgraph.runtime.projection_cache import ExactProjectionCache
@@ -71,7 +72,7 @@ class EngineSleep:
 
     def __init__(self, card: ModelCard, loop: Loop, executor: EagerExecutor | CompiledExecutor | ParallelExecutor,
                  projection_cache: ExactProjectionCache | None, scheduler: Scheduler,
-                 residency: ComponentResidency | None, adapters: AdapterRegistry | None,
+                 residency: ComponentResidency | BlockStreaming | None, adapters: AdapterRegistry | None,
                  live_states: Callable[[], list[LoopState]], refuse_in_tick: Callable[[str, str], None],
                  cancel: Callable[[str], bool], tick: Callable[[str], None], drain: Callable[[], None]):  # fmt: skip
         self._card, self._loop, self._executor, self._projection_cache = card, loop, executor, projection_cache

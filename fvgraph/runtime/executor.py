@@ -6,8 +6,9 @@ other requests happen to be in flight, unless it is given batch buckets (`padded
 plans run as one padded batch, as the compiled executor runs them, which is how the parity diff
 measures an eager side's batch-composition noise floor (fvgraph/parity.py).
 
-With component offload both executors run each group inside `residency.around(kind)`
-(fvgraph/runtime/component_residency.py): the components the kind reads are on the device while it runs.
+With offload both executors run each group inside `residency.around(kind)`: the components the kind
+reads are on the device while it runs (fvgraph/runtime/component_residency.py), or the block groups it
+copies are counted (fvgraph/runtime/block_streaming.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.runtime.batch_results import request_rows
+from fvgraph.runtime.block_streaming import BlockStreaming
 from fvgraph.runtime.component_residency import ComponentResidency
 from fvgraph.runtime.graph_runner import GraphRunner
 from fvgraph.compile.compiler import StepCompiler
@@ -43,11 +45,11 @@ class EagerExecutor:
         """Release what the executor holds beyond memory (nothing, here)."""
 
     def __init__(self, steps: dict[str, nn.Module], counters: Counters, padded: BucketSpec | None = None,
-                 residency: ComponentResidency | None = None):  # fmt: skip
+                 residency: ComponentResidency | BlockStreaming | None = None):  # fmt: skip
         self.steps = steps
         self.counters = counters
         self.padded = padded  # None: one plan at a time; buckets: compatible plans as one padded batch
-        self.residency = residency  # component offload (None: every component stays on the device)
+        self.residency = residency  # offload (None: every component stays on the device)
 
     def resident(self, kind: str) -> contextlib.AbstractContextManager:
         """Around a group of `kind`: its components on the device (component offload), else nothing."""

@@ -8,9 +8,9 @@ the ledger of what was resident and what moved at every step.
 
 `offload="components"`: a component (a text encoder, the transformer, each expert, the VAE) is on the
 device only while its steps run (fvgraph/runtime/component_residency.py moves it; the scheduler
-prefers the resident component's steps, fvgraph/runtime/residency_order.py). `"blocks:N"` (groups
-of N transformer blocks streamed from host memory) is accepted by the syntax and refused at build:
-it is not built yet (docs/memory.md says what it lacks).
+prefers the resident component's steps, fvgraph/runtime/residency_order.py). `"blocks:N"`: a Wan
+transformer's blocks stay in host memory and run from two fixed device slots of N blocks, the next
+group copied in while one runs (fvgraph/runtime/block_streaming.py); the other weights stay resident.
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ class StepResidency:
     resident: dict[str, int]  # component -> bytes on the device while the step ran
     moved_in: dict[str, int] = field(default_factory=dict)  # component -> bytes copied host -> device for it
     moved_out: dict[str, int] = field(default_factory=dict)  # component -> device bytes given up for it
+    tensors_in: dict[str, int] = field(default_factory=dict)  # block offload: block group -> tensors copied for it
 
 
 @dataclass
@@ -77,20 +78,24 @@ class ResidencyLedger:
     planned_peak: int = 0  # the most it can hold, bounded from the plan (ComponentResidency.planned_peak_bytes)
     _pending_in: dict[str, int] = field(default_factory=dict, repr=False)
     _pending_out: dict[str, int] = field(default_factory=dict, repr=False)
+    _pending_tensors: dict[str, int] = field(default_factory=dict, repr=False)
 
-    def moved(self, component: str, nbytes: int, into_device: bool) -> None:
-        """Record one move of `component` (in: copied onto the device; out: its device copy given up)."""
-        moves, total, pending = (self.moves_in, self.bytes_in, self._pending_in) if into_device else \
+    def moved(self, component: str, nbytes: int, into_device: bool, moves: int = 1, tensors: int = 0) -> None:
+        """Record `moves` moves of `component` (in: copied onto the device; out: its device copy given
+        up), `nbytes` in all; block offload's component is a block group, and it counts `tensors` too."""
+        counter, total, pending = (self.moves_in, self.bytes_in, self._pending_in) if into_device else \
             (self.moves_out, self.bytes_out, self._pending_out)  # fmt: skip
-        moves[component] += 1
+        counter[component] += moves
         total[component] += nbytes
         pending[component] = pending.get(component, 0) + nbytes
+        if tensors:
+            self._pending_tensors[component] = self._pending_tensors.get(component, 0) + tensors
 
     def step(self, kind: str, resident: dict[str, int]) -> None:
         """Record a step of `kind` about to run with `resident` on the device; the moves since the last
         step are its own."""
-        self.steps.append(StepResidency(kind, dict(resident), self._pending_in, self._pending_out))
-        self._pending_in, self._pending_out = {}, {}
+        self.steps.append(StepResidency(kind, dict(resident), self._pending_in, self._pending_out, self._pending_tensors))
+        self._pending_in, self._pending_out, self._pending_tensors = {}, {}, {}
         self.peak_resident = max(self.peak_resident, sum(resident.values()))
 
     def clear(self) -> None:
@@ -99,4 +104,4 @@ class ResidencyLedger:
         for counter in (self.moves_in, self.bytes_in, self.moves_out, self.bytes_out, self.written_back):
             counter.clear()
         self.peak_resident = 0
-        self._pending_in, self._pending_out = {}, {}
+        self._pending_in, self._pending_out, self._pending_tensors = {}, {}, {}
