@@ -71,3 +71,20 @@ def test_building_a_card_still_loads_what_it_needs():
     diffusers' model code, whose loader imports the hooks."""
     code = "import fvgraph\nfvgraph.Engine.from_card('tiny-wan', device='cpu')\n" + LOADED_HEAVY
     assert "diffusers.hooks" in _heavy_modules_after(code)
+
+
+def test_every_public_name_loads_from_its_module_on_first_use():
+    import fvgraph
+    from fvgraph.card import ModelCard
+    from fvgraph.cards import card_names, get_card
+    from fvgraph.engine.engine import Engine
+    from fvgraph.parallel.config import ParallelConfig
+    from fvgraph.request import Request, RequestRejected, Result
+
+    homes = {"Engine": Engine, "ModelCard": ModelCard, "ParallelConfig": ParallelConfig, "Request": Request,
+             "RequestRejected": RequestRejected, "Result": Result, "card_names": card_names, "get_card": get_card}  # fmt: skip
+    assert set(fvgraph.__all__) == set(homes)
+    assert all(getattr(fvgraph, name) is value for name, value in homes.items())
+    assert set(fvgraph.__all__) <= set(dir(fvgraph))
+    with pytest.raises(AttributeError, match="no attribute 'Engines'"):
+        fvgraph.Engines  # noqa: B018
