@@ -10,24 +10,38 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fvgraph.card import ModelCard
-from fvgraph.cards import card_names, get_card
-from fvgraph.parallel.config import ParallelConfig
-from fvgraph.request import Request, RequestRejected, Result
-
 if TYPE_CHECKING:
+    from fvgraph.card import ModelCard
+    from fvgraph.cards import card_names, get_card
     from fvgraph.engine.engine import Engine
+    from fvgraph.parallel.config import ParallelConfig
+    from fvgraph.request import Request, RequestRejected, Result
 
 __all__ = ["Engine", "ModelCard", "ParallelConfig", "Request", "RequestRejected", "Result", "card_names", "get_card"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> type:
-    """`fvgraph.Engine`, imported on first use: the engine brings the compiler (dynamo, inductor) and
-    diffusers' model and scheduler code, which `import fvgraph` and `fvgraph --help` should not load
-    (tests/test_light_import.py). Making an engine is the point where they are used."""
+def __getattr__(name: str) -> object:
+    """`fvgraph.ModelCard`, `fvgraph.Engine`, ...: imported from their module on first use (PEP 562), then
+    kept. The package is the parent of every fvgraph module, the `fvgraph` command's included, so what
+    it imports every command pays, `fvgraph --help` too: the card and request schemas hold tensors
+    (torch), the engine brings the compiler and diffusers' model code (docs/architecture.md, "What
+    loads when"; tests/test_light_import.py)."""
     if name == "Engine":
-        from fvgraph.engine.engine import Engine
+        from fvgraph.engine import engine as home
+    elif name == "ModelCard":
+        from fvgraph import card as home
+    elif name == "ParallelConfig":
+        from fvgraph.parallel import config as home
+    elif name in ("Request", "RequestRejected", "Result"):
+        from fvgraph import request as home
+    elif name in ("card_names", "get_card"):
+        from fvgraph import cards as home
+    else:
+        raise AttributeError(f"module 'fvgraph' has no attribute {name!r}")
+    value = globals()[name] = getattr(home, name)
+    return value
 
-        return Engine
-    raise AttributeError(f"module 'fvgraph' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -8,13 +8,18 @@ round (with --against-commit, each measure on both trees; SHA's tree is importab
 perf/commit_tree.py builds it, first on PYTHONPATH):
 
     import          `python -X importtime -c "import fvgraph"`: from its report, the cumulative time of
-                    the `fvgraph` import (total), of the `torch` import inside it (torch), and their
-                    difference (fvgraph: what the package itself costs on top of torch)
+                    the `fvgraph` import (total), of the `torch` import inside it (torch; 0 when it
+                    loads none, as the package's names load on first use), and their difference
+                    (fvgraph: what the package itself costs on top of torch)
+    import_request  the same of `import fvgraph; fvgraph.Request`, what a program that makes requests
+                    pays: the request and card schemas, torch with them (total: the package's
+                    import and the one `fvgraph.Request` starts, the report's outermost lines)
     help            wall time of `fvgraph --help` (the console script)
     module_help     wall time of `python -m fvgraph --help`
 
 Prints one JSON line per tree and measure (provenance first, fvgraph.perf.method), every figure in
-seconds as min / median / max over the rounds, then one line per tree naming the heavy modules a
+seconds as min / median / max over the rounds (and the 1-minute load average before and after the
+rounds: other jobs on the machine slow every figure), then one line per tree naming the heavy modules a
 plain `import fvgraph` leaves in sys.modules (diffusers' pipelines and hooks, peft, transformers'
 model code; tests/test_light_import.py holds this tree to none).
 """
@@ -42,20 +47,21 @@ HEAVY_PROBE = (
     "import sys, fvgraph; print(fvgraph.__file__); "
     f"print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[0] == 'peft' or m.startswith({HEAVY_PREFIXES!r}))))"
 )
-COMMANDS = {"import": 'python -X importtime -c "import fvgraph"', "help": "fvgraph --help", "module_help": "python -m fvgraph --help"}
+COMMANDS = {"import": 'python -X importtime -c "import fvgraph"',
+            "import_request": 'python -X importtime -c "import fvgraph; fvgraph.Request"',
+            "help": "fvgraph --help", "module_help": "python -m fvgraph --help"}  # fmt: skip
 
 
 def import_seconds(stderr: str) -> dict[str, float]:
-    """{"total", "torch", "fvgraph"} seconds from one `-X importtime` report of `import fvgraph`."""
-    cumulative: dict[str, int] = {}
-    for line in stderr.splitlines():
-        match = IMPORTTIME_LINE.match(line)
-        if match and match[4] in ("fvgraph", "torch") and match[4] not in cumulative:
-            cumulative[match[4]] = int(match[2])
-    missing = {"fvgraph", "torch"} - set(cumulative)
-    if missing:
-        raise RuntimeError(f"the importtime report names no import of {sorted(missing)}")
-    total, torch_seconds = cumulative["fvgraph"] / 1e6, cumulative["torch"] / 1e6
+    """{"total", "torch", "fvgraph"} seconds from one `-X importtime` report of an fvgraph import: total
+    is the cumulative time of the report's outermost fvgraph imports (the package, and a module its
+    first use imports after it), torch the first `torch` import's (0 when there is none)."""
+    lines = [(len(m[3]), m[4], int(m[2])) for m in map(IMPORTTIME_LINE.match, stderr.splitlines()) if m]
+    if not any(name == "fvgraph" for _, name, _ in lines):
+        raise RuntimeError("the importtime report names no import of ['fvgraph']")
+    outermost = min(indent for indent, _, _ in lines)
+    total = sum(us for indent, name, us in lines if indent == outermost and name.split(".")[0] == "fvgraph") / 1e6
+    torch_seconds = next((us for _, name, us in lines if name == "torch"), 0) / 1e6
     return {"total": total, "torch": torch_seconds, "fvgraph": total - torch_seconds}
 
 
@@ -77,8 +83,9 @@ class Tree:
         return done
 
     def measure(self, name: str) -> dict[str, float]:
-        if name == "import":
-            return import_seconds(self.run([sys.executable, "-X", "importtime", "-c", "import fvgraph"]).stderr)
+        if name.startswith("import"):
+            code = COMMANDS[name].split(" -c ")[1].strip('"')
+            return import_seconds(self.run([sys.executable, "-X", "importtime", "-c", code]).stderr)
         command = {"help": [str(Path(sys.executable).parent / "fvgraph"), "--help"],
                    "module_help": [sys.executable, "-m", "fvgraph", "--help"]}[name]  # fmt: skip
         began = time.perf_counter()
@@ -116,11 +123,13 @@ def main() -> None:
             sha = commit_tree.resolve_commit(args.against_commit)
             trees.insert(0, Tree("base", commit_tree.materialize(sha, Path(tmp))))
             commits["base"] = sha[:12]
+        load_before = os.getloadavg()[0]
         samples = measure_trees(trees, args.repeats)
+        load = {"load_average_1min": {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}}
         for (tree, name), runs in samples.items():
             figures = {key: spread([run[key] for run in runs]) for key in runs[0]}
             emit({**head, "tree": tree, "tree_commit": commits[tree], "measure": name, "command": COMMANDS[name],
-                  "seconds": figures})  # fmt: skip
+                  "seconds": figures, **load})  # fmt: skip
         for tree in trees:
             loaded_from, heavy = tree.heavy_modules()
             if tree.root.resolve() not in Path(loaded_from).resolve().parents:

@@ -22,10 +22,10 @@ LOADED_HEAVY = textwrap.dedent(f"""
 """)
 
 IMPORT = "import fvgraph\n" + LOADED_HEAVY
-# What `fvgraph --help` runs (the console script calls fvgraph.cli's app), then the check.
+# What `fvgraph ARGS` runs (the console script calls fvgraph.cli's app), then the check.
 HELP = textwrap.dedent("""
     import contextlib, io, sys
-    sys.argv = ["fvgraph", "--help"]
+    sys.argv = ["fvgraph", *ARGS]
     from fvgraph.cli import app
     with contextlib.redirect_stdout(io.StringIO()) as out, contextlib.suppress(SystemExit):
         app(prog_name="fvgraph")
@@ -34,6 +34,13 @@ HELP = textwrap.dedent("""
 MODULE_HELP = HELP.replace("from fvgraph.cli import app", "import runpy").replace(
     'app(prog_name="fvgraph")', 'runpy.run_module("fvgraph", run_name="__main__")'
 )
+# A command's help is read from its options alone: no card, request schema or tensor library behind them.
+HELP_ONLY_LOADS_NO = ("torch", "numpy")
+
+
+def _help(args: list[str], code: str = HELP) -> str:
+    """`code` (HELP or MODULE_HELP) run as `fvgraph *args`."""
+    return code.replace("*ARGS", ", ".join(map(repr, args)))
 
 
 def _heavy_modules_after(code: str) -> list[str]:
@@ -42,9 +49,21 @@ def _heavy_modules_after(code: str) -> list[str]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("code", [IMPORT, HELP, MODULE_HELP], ids=["import fvgraph", "fvgraph --help", "python -m fvgraph --help"])
+@pytest.mark.parametrize("code", [IMPORT, _help(["--help"]), _help(["--help"], MODULE_HELP)],
+                         ids=["import fvgraph", "fvgraph --help", "python -m fvgraph --help"])  # fmt: skip
 def test_loads_no_pipeline_hook_peft_or_transformers_model_code(code):
     assert _heavy_modules_after(code) == []
+
+
+@pytest.mark.parametrize("args, code", [(["--help"], HELP), (["--help"], MODULE_HELP), (["generate", "--help"], HELP),
+                                        (["serve", "--help"], HELP), (["cache", "ls", "--help"], HELP)],
+                         ids=["fvgraph --help", "python -m fvgraph --help", "fvgraph generate --help",
+                              "fvgraph serve --help", "fvgraph cache ls --help"])  # fmt: skip
+def test_help_loads_no_torch_or_numpy(args, code):
+    """Help is the commands' options and words: torch's import alone (seconds on a loaded CPU) would be
+    most of its time (issue 50: `fvgraph --help` under 1.5 s)."""
+    check = f"print(json.dumps(sorted(m for m in {HELP_ONLY_LOADS_NO!r} if m in sys.modules)))"
+    assert _heavy_modules_after(_help(args, code) + check) == []
 
 
 def test_building_a_card_still_loads_what_it_needs():
@@ -52,3 +71,20 @@ def test_building_a_card_still_loads_what_it_needs():
     diffusers' model code, whose loader imports the hooks."""
     code = "import fvgraph\nfvgraph.Engine.from_card('tiny-wan', device='cpu')\n" + LOADED_HEAVY
     assert "diffusers.hooks" in _heavy_modules_after(code)
+
+
+def test_every_public_name_loads_from_its_module_on_first_use():
+    import fvgraph
+    from fvgraph.card import ModelCard
+    from fvgraph.cards import card_names, get_card
+    from fvgraph.engine.engine import Engine
+    from fvgraph.parallel.config import ParallelConfig
+    from fvgraph.request import Request, RequestRejected, Result
+
+    homes = {"Engine": Engine, "ModelCard": ModelCard, "ParallelConfig": ParallelConfig, "Request": Request,
+             "RequestRejected": RequestRejected, "Result": Result, "card_names": card_names, "get_card": get_card}  # fmt: skip
+    assert set(fvgraph.__all__) == set(homes)
+    assert all(getattr(fvgraph, name) is value for name, value in homes.items())
+    assert set(fvgraph.__all__) <= set(dir(fvgraph))
+    with pytest.raises(AttributeError, match="no attribute 'Engines'"):
+        fvgraph.Engines  # noqa: B018

@@ -12,8 +12,6 @@ import re
 
 from pydantic import ValidationError
 
-from fvgraph.request import RequestRejected
-
 # Request's fields -> the flags of `fvgraph generate` that set them.
 REQUEST_FLAGS = {
     "prompt": "--prompt", "negative_prompt": "--negative-prompt", "num_inference_steps": "--steps",
@@ -34,6 +32,10 @@ def in_flag_words(text: str, flags: dict[str, str] = REQUEST_FLAGS) -> str:
 
 def flag_error(err: BaseException, flags: dict[str, str] = REQUEST_FLAGS) -> str:
     """One line for a user of the command line: which flag, what rule."""
+    # Imported where an error is worded, not at the top: the request schema brings torch, which
+    # `fvgraph --help` must not load (issue 50; tests/test_light_import.py).
+    from fvgraph.request import RequestRejected
+
     if isinstance(err, ValidationError):
         errors = err.errors(include_url=False)
         first = errors[0]

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
-from fvgraph.card import ModelCard
+if TYPE_CHECKING:  # the card schema brings torch, which `fvgraph --help` must not load
+    from fvgraph.card import ModelCard
 
 MODEL_ARGUMENT = typer.Argument(None, metavar="MODEL", show_default=False,
                                 help="A card name, a Hub repo id or a local diffusers folder (default: tiny-wan).")  # fmt: skip
