@@ -53,6 +53,13 @@ class LoopAdapters:
         except AdapterError as err:  # unloaded or replaced since the request started (Engine.step by hand)
             raise RequestRejected("loras", f"request {state.request_id}: {err}") from None
 
+    def places(self, state: DenoiseState) -> int | None:
+        """How many places of its adapter rows the request uses (WorkPlan.adapter_places); None where
+        its steps take no rows (an engine without slots, a cached request)."""
+        if self.registry is None or self.registry.store is None or state.caching is not None:
+            return None
+        return 0 if state.adapters is None else len(state.adapters.scales)
+
     def merged(self) -> dict[str, float]:
         """The adapters fused into the weights (a recipe's), by scale: every request runs them."""
         return {} if self.registry is None else {a.name: a.scale for a in self.registry.adapters.values() if a.slot is None}
