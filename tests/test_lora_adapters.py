@@ -229,7 +229,7 @@ def test_bad_adapters_and_choices_are_refused_naming_the_key_or_field(files, eng
     with pytest.raises(AdapterError, match="all max_loras=1 slots hold adapters"):
         full.load_lora("b", files["b"])
     [cached] = engine.generate([_request(loras={"a": 1.0}, shape=SMALL, cache="teacache")])
-    assert cached.status == "rejected" and "step caching" in cached.error
+    assert cached.ok, cached.error  # step caching runs with adapters: tests/test_lora_caching.py
     [plain] = Engine.from_card("tiny-wan", device="cpu").generate([_request(loras={"a": 1.0}, shape=SMALL)])
     assert plain.status == "rejected" and "serves no LoRA adapters" in plain.error
 
