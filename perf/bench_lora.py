@@ -1,22 +1,26 @@
 """Per denoise step with LoRA adapters, interleaved in one process (fvgraph.perf.method): fvgraph's slot
-path at each adapter rank against the same engine without adapters and against the adapter merged
-into the weights, beside diffusers eager with the adapter loaded by peft (unmerged, as
+path at each adapter rank against the same engine without adapters, beside (unless --no-references)
+the adapter merged into the weights and diffusers eager with the adapter loaded by peft (unmerged, as
 `load_lora_weights` leaves it).
 
-    python perf/bench_lora.py                      # wan-cpu-bench on the CPU, -O1, ranks 32 and 128, batch 1
-    python perf/bench_lora.py --gpu --batch 4      # Wan 1.3B config, bf16, 480x832x33
+    python perf/bench_lora.py --batch 4 --no-references   # wan-cpu-bench on the CPU, -O1, ranks 32 and 128
+    python perf/bench_lora.py --gpu --batch 4             # Wan 1.3B config, bf16, 480x832x33
 
 Cases per rank R (the adapter is a random LoRA of rank R on every attention projection and FFN linear,
-written by peft and read through diffusers' loader):
+written by peft and read through diffusers' loader), each a batch of `--batch` requests:
 
     fvgraph_base              no adapter slots at all (the step without any LoRA machinery)
+    fvgraph_slots_rR_unused   an engine with slots of rank R (4 slots, 2 per request), no row choosing an adapter
+    fvgraph_slots_rR          the same engine, every row choosing the adapter at scale 1
+    fvgraph_slots_rR_one      the same engine, the first row choosing it and the others none (batch > 1)
     fvgraph_merged_rR         the adapter fused into the weights (what --merge-lora serves)
-    fvgraph_slots_rR_unused   an engine with slots of rank R, the request choosing no adapter
-    fvgraph_slots_rR          the same engine, the request choosing the adapter at scale 1
     diffusers_peft_rR         diffusers eager with the adapter loaded by peft
 
-Prints one JSON line: per-step ms (min / median / max over the rounds) per case, and per round the
-ratio of each slot case to fvgraph_base and to the merged case.
+Prints one JSON line: per-step ms (min / median / max over the rounds) per case; per round the ratio
+of each slot case to fvgraph_base (and to the merged case); and per rank the low-rank share of the
+step's FLOPs: (FLOPs of the step with every row choosing the adapter - FLOPs without) / FLOPs
+without, counted by torch's flop counter on a data-free twin of the denoiser with the same slots.
+The bar the slot path is held to with every row choosing the adapter is 1 + 1.5 x that share.
 """
 
 from __future__ import annotations
@@ -29,10 +33,13 @@ import torch
 from diffusers import WanPipeline
 from peft import LoraConfig, get_peft_model_state_dict
 
-from fvgraph.adapters.slots import LoraSlots
+from fvgraph.adapters.slots import ROW_INPUTS, LoraSlots, install_slots
+from fvgraph.contract.flops import flop_counter
+from fvgraph.loops.step_flops import meta_twin
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.perf.bench_step import GUIDANCE, fvgraph_case
+from fvgraph.perf.method import Case
 from fvgraph.perf.diffusers_baselines import diffusers_step_case, untouched_components
 from fvgraph.perf.method import add_workload_options, emit, interleaved, paired_ratio, provenance, spread, workload
 from fvgraph.models.components import diffusers_scheduler
@@ -57,8 +64,56 @@ def random_lora(card: str, device: torch.device, rank: int, folder: Path) -> Pat
     return folder / f"r{rank}.safetensors"
 
 
+def low_rank_share(engine: Engine, request: Request, batch: int, slots: LoraSlots) -> float:
+    """The adapter's share of the step's FLOPs: the step on a data-free twin of the denoiser whose
+    TARGETS linears have these slots, every row choosing slot 0 at scale 1 (one place), against the same
+    step without rows. (The engine's slot path runs every linear's slots; the adapter adapts TARGETS.)"""
+    twin = meta_twin(engine.loop.components.transformer)
+    install_slots(twin, slots)
+    for name, module in twin.named_modules():
+        if "forward" in module.__dict__ and not name.endswith(tuple(TARGETS)):
+            del module.forward  # the base linear alone: no adapter reaches it
+    state = engine.loop.init(request.resolve(engine.card, engine.facts))
+    plan = engine.loop.next(state)  # the first denoise step (the request brings its text embeddings)
+    step = engine.loop.denoiser.step(twin, engine.loop.sampler, state.cfg, None)
+    inputs = {name: t.to("meta").expand(batch, *t.shape[1:]) for name, t in plan.inputs.items() if name not in ROW_INPUTS}
+    rows = {"lora_index": torch.zeros(batch, 1, dtype=torch.long, device="meta"), "lora_scale": torch.ones(batch, 1, device="meta")}
+    counts = []
+    for extra in ({}, rows):
+        with flop_counter() as counter, torch.no_grad():
+            step(**inputs, **extra)
+        counts.append(counter.get_total_flops())
+    return (counts[1] - counts[0]) / counts[0]
+
+
+def batch_case(name: str, engine: Engine, requests: list[Request]) -> Case:
+    """fvgraph_case's run with these requests as the batch (one tick per run, admission and the last
+    step untimed)."""
+    state = {"left": 0, "round": 0}
+    steps = requests[0].num_inference_steps
+
+    def before():
+        if state["left"] > 0:
+            return
+        while engine.has_work():
+            for result in engine.tick():
+                assert result.ok, result.error
+        state["round"] += 1
+        for i, request in enumerate(requests):
+            engine.submit(request.model_copy(update={"seed": i, "request_id": f"{name}-{state['round']}-{i}"}))
+        engine.tick()
+        state["left"] = steps - 2
+
+    def run():
+        done = engine.tick()
+        assert not done, [r.error for r in done]
+        state["left"] -= 1
+
+    return Case(name, run, before)
+
+
 def bench(card: str, device: torch.device, shape: tuple[int, int, int], ranks: tuple[int, ...], level: int, batch: int,
-          repeats: int, warmup: int) -> dict:  # fmt: skip
+          repeats: int, warmup: int, references: bool) -> dict:  # fmt: skip
     height, width, frames = shape
     steps = min(warmup + repeats + 2, 50)
     folder = Path(tempfile.mkdtemp(prefix="fvgraph-bench-lora-"))
@@ -74,14 +129,21 @@ def bench(card: str, device: torch.device, shape: tuple[int, int, int], ranks: t
     latents = torch.cat([base.loop.init(request.resolve(base.card, base.facts).model_copy(update={"seed": i})).latents
                          for i in range(batch)])  # fmt: skip
     dtype = base.loop.components.transformer.dtype
+    shares = {}
     for r in ranks:
         # one engine per case: a case drains its engine between batches, which would end another's requests
-        merged = Engine.from_card(card, loras={"x": files[r]}, merge_loras={"x": 1.0}, **common)
-        unused, slots = (Engine.from_card(card, loras={"x": files[r]}, lora_slots=LoraSlots(4, r, 2), **common) for _ in range(2))
+        slots = LoraSlots(4, r, 2)
         adapted = request.model_copy(update={"loras": {"x": 1.0}})
-        cases += [fvgraph_case(f"fvgraph_merged_r{r}", merged, adapted, batch),
-                  fvgraph_case(f"fvgraph_slots_r{r}_unused", unused, request, batch),
-                  fvgraph_case(f"fvgraph_slots_r{r}", slots, adapted, batch)]
+        engines = {k: Engine.from_card(card, loras={"x": files[r]}, lora_slots=slots, **common) for k in ("unused", "all", "one")}
+        shares[f"r{r}"] = round(low_rank_share(engines["all"], request, batch, slots), 4)
+        cases += [fvgraph_case(f"fvgraph_slots_r{r}_unused", engines["unused"], request, batch),
+                  fvgraph_case(f"fvgraph_slots_r{r}", engines["all"], adapted, batch)]
+        if batch > 1:
+            cases.append(batch_case(f"fvgraph_slots_r{r}_one", engines["one"], [adapted] + [request] * (batch - 1)))
+        if not references:
+            continue
+        merged = Engine.from_card(card, loras={"x": files[r]}, merge_loras={"x": 1.0}, **common)
+        cases.append(fvgraph_case(f"fvgraph_merged_r{r}", merged, adapted, batch))
         c = untouched_components(card, device)
         pipe = WanPipeline(tokenizer=c.tokenizer, text_encoder=c.text_encoder, vae=c.vae, transformer=c.transformer,
                            scheduler=diffusers_scheduler(base.card.recipe.sampler))  # fmt: skip
@@ -89,10 +151,9 @@ def bench(card: str, device: torch.device, shape: tuple[int, int, int], ranks: t
         cases.append(diffusers_step_case(f"diffusers_peft_r{r}", pipe.transformer, base.card.recipe.sampler, latents,
                                          pe[None].to(device, dtype), ne[None].to(device, dtype), GUIDANCE, steps))  # fmt: skip
     samples, warm = interleaved(cases, repeats, warmup, device)
-    ratios = {}
-    for r in ranks:
-        for case in (f"fvgraph_slots_r{r}", f"fvgraph_slots_r{r}_unused", f"fvgraph_merged_r{r}"):
-            ratios[f"{case}_vs_base"] = paired_ratio(samples[case], samples["fvgraph_base"])
+    ratios = {f"{case}_vs_base": paired_ratio(samples[case], samples["fvgraph_base"])
+              for case in samples if case.startswith(("fvgraph_slots", "fvgraph_merged"))}  # fmt: skip
+    for r in ranks if references else ():
         ratios[f"fvgraph_slots_r{r}_vs_merged"] = paired_ratio(samples[f"fvgraph_slots_r{r}"], samples[f"fvgraph_merged_r{r}"])
         ratios[f"diffusers_peft_r{r}_vs_fvgraph_slots"] = paired_ratio(samples[f"diffusers_peft_r{r}"], samples[f"fvgraph_slots_r{r}"])
     return {
@@ -100,6 +161,8 @@ def bench(card: str, device: torch.device, shape: tuple[int, int, int], ranks: t
         "shape": {"height": height, "width": width, "frames": frames}, "dtype": str(dtype).removeprefix("torch."),
         "per_step_ms": {name: spread(s, 1e3) for name, s in samples.items()},
         "time_ratio_per_round": ratios,  # > 1: the first case is slower
+        "low_rank_flop_share": shares,  # per rank; the all-rows bar is 1 + 1.5 x this
+        "all_rows_bar": {k: round(1 + 1.5 * v, 4) for k, v in shares.items()},
         "warmup_s_including_compile": {k: round(v, 2) for k, v in warm.items()},
     }  # fmt: skip
 
@@ -112,11 +175,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 8 CPU, 20 GPU)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-references", action="store_true", help="skip the merged and diffusers + peft cases")
     args = parser.parse_args(argv)
     card, device, shape = workload(args)
     level = args.opt_level if args.opt_level is not None else (2 if args.gpu else 1)
     ranks = tuple(int(v) for v in args.ranks.split(","))
-    emit(bench(card, device, shape, ranks, level, args.batch, args.repeats or (20 if args.gpu else 8), args.warmup))
+    emit(bench(card, device, shape, ranks, level, args.batch, args.repeats or (20 if args.gpu else 8), args.warmup, not args.no_references))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@
 #   FVGRAPH_GPU_PART=http        bash perf/gpu_check.sh  # bench_http: engine vs fvgraph serve --port at -O2, one round; est. 480 s
 #   FVGRAPH_GPU_PART=interceptors bash perf/gpu_check.sh  # bench_interceptors: Wan 1.3B config, 480x832x17, 50 steps, -O2; est. 480 s
 #   FVGRAPH_GPU_PART=parallel    bash perf/gpu_check.sh  # the parallel engine at degree 1 (NCCL group of one, -O2 CUDA graphs); est. 200 s
-#   FVGRAPH_GPU_PART=lora        bash perf/gpu_check.sh  # bench_lora: the slot path at rank 32 vs no adapter, merged and peft; est. 480 s
+#   FVGRAPH_GPU_PART=lora        bash perf/gpu_check.sh  # bench_lora, batch 4, rank 32: no adapter row / all rows / one row vs no slots; est. 480 s
+#   FVGRAPH_GPU_PART=lora_r128   bash perf/gpu_check.sh  # the same at rank 128; est. 480 s
 #   FVGRAPH_GPU_PART=distilled   bash perf/gpu_check.sh  # bench_distilled: s per request, 4-step distilled vs 50-step CFG base, 480x832x81, -O1, one round; est. 450 s (2 compiles + 2 base requests)
 #   FVGRAPH_GPU_PART=rollouts    bash perf/gpu_check.sh  # bench_rollouts: samples/s of engine.rollout K=8 vs a per-sample loop, 480x832x33, 10 CFG steps, -O2; est. 400 s (1 compile + 6 groups of 8)
 #   FVGRAPH_GPU_PART=flux_step   bash perf/gpu_check.sh  # bench_step on FLUX.1-dev's config (seeded, bf16), 1024x1024, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 500 s (12B seeded init + 2 compiles)
@@ -34,9 +35,9 @@ cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
-case " probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all " in
+case " probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all " in
   *" $PART "*) ;;
-  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all" >&2; exit 2 ;;
+  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all" >&2; exit 2 ;;
 esac
 # Before anything else: without the carried wheels every test stops at `import diffusers` (docs/gpu.md).
 if ! compgen -G "wheels/*.whl" >/dev/null; then
@@ -96,7 +97,8 @@ part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_sche
 part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
 part coldstart && run bench_coldstart 540 python3 "$REPO"/perf/bench_coldstart.py --gpu --buckets 1 --skip-cold-jit --timeout 240
 part coldstart_b48 && run bench_coldstart_b48 540 python3 "$REPO"/perf/bench_coldstart.py --gpu --buckets 4,8 --skip-cold-jit --timeout 480
-part lora && run bench_lora 540 python3 "$REPO"/perf/bench_lora.py --gpu --ranks 32 --batch 1 --repeats 10
+part lora && run bench_lora 540 python3 "$REPO"/perf/bench_lora.py --gpu --ranks 32 --batch 4 --repeats 10 --no-references
+part lora_r128 && run bench_lora_r128 540 python3 "$REPO"/perf/bench_lora.py --gpu --ranks 128 --batch 4 --repeats 10 --no-references
 part distilled && run bench_distilled 540 python3 "$REPO"/perf/bench_distilled.py --gpu --repeats 1
 part rollouts && run bench_rollouts 540 python3 "$REPO"/perf/bench_rollouts.py --gpu --repeats 2
 # One engine (one inductor compile of the 1.3B step) per bucket, each in its own limit: bucket 1 took

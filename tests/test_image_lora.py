@@ -135,7 +135,7 @@ def test_an_image_loop_refuses_another_familys_adapter_an_unconvertible_file_and
         Engine.from_card("tiny-flux", device="cpu", loras={"fused": tmp_path / "fused.safetensors"}, lora_slots=SLOTS)
     engine = Engine.from_card("tiny-flux", device="cpu", loras={"a": files["a"]}, lora_slots=SLOTS)
     [result] = engine.generate([Request(loras={"a": 1.0}, cache={"method": "fbcache", "threshold": 0.1}, **FLUX)])
-    assert result.status == "rejected" and result.error.startswith("loras:") and "step caching" in result.error
+    assert result.ok, result.error  # step caching runs with adapters (tests/test_lora_caching.py holds Wan's to diffusers)
 
 
 def test_a_saved_flux_state_keeps_its_adapters_and_resumes_only_where_they_are(files, tmp_path):

@@ -15,7 +15,8 @@ state_dict, a checkpoint or the weights version):
 and its forward becomes `W x + b + sum_k scale[n, k] * scaling[i] * up_i (down_i x)` with
 `i = index[n, k]`, for each batch row n: one gather of the rows' slots and two batched GEMMs of
 width K * R beside the base GEMM. A row that uses fewer than K adapters (or none) has scale 0 in the
-rest. The row tensors enter the denoiser call as two keyword arguments, which a forward pre-hook on
+rest. A batch runs with only the K its rows use, and with no rows (the base linear alone) when none
+uses an adapter (fvgraph/runtime/adapter_variant.py). The row tensors enter the denoiser call as two keyword arguments, which a forward pre-hook on
 the called module takes off and holds for the call's duration; being arguments of the call, they
 are marked, concatenated and hoisted like any other input by the CFG-fusion and hoisting passes.
 
@@ -101,6 +102,13 @@ class SlotStore(nn.Module):
         index, scale = self.rows.index.tolist(), self.rows.scale.tolist()
         return tuple(tuple(sorted((self.digests[i], s) for i, s in zip(ri, rs) if s != 0.0)) for ri, rs in zip(index, scale))
 
+    def choose(self, index: torch.Tensor | None, scale: torch.Tensor | None) -> None:
+        """The row tensors the adapted linears read until `release` (None: the base layers alone)."""
+        self.rows.index, self.rows.scale = index, scale
+
+    def release(self) -> None:
+        self.rows.index = self.rows.scale = None
+
     def target(self, name: str) -> TargetSlots:
         return self.targets[_key(name)]
 
@@ -156,28 +164,24 @@ class SlotLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self._linear()
-        y = F.linear(x, linear.weight, linear.bias)
         index, scale = self.rows.index, self.rows.scale
-        if index is None:  # a call that chose no slots (outside a step): the base layer alone
-            return y
-        rows, per_row = index.shape
+        if index is None:  # a call that chose no slots (outside a step, or a batch with no adapter row)
+            return F.linear(x, linear.weight, linear.bias)
+        rows, places = index.shape
         if x.shape[0] % rows:
             raise AdapterError(f"adapter rows: a linear's input has leading dim {x.shape[0]}, not a multiple of the {rows} batch rows")
         t = self.slots
-        rank = t.down.shape[1]
-        # A row's unused places (scale 0) point at slot 0, whatever it holds: they must read nothing of
-        # it, since 0 x Inf is NaN. `where` selects zeros there and leaves the used places' values as they were.
-        used = scale != 0  # [N, K]
-        s = torch.where(used, scale * t.scaling[index], 0.0).to(x.dtype)  # [N, K]
-        used_rank = used.repeat_interleave(rank, dim=1)  # [N, K*R]
-        x3 = x.reshape(rows, -1, x.shape[-1])  # [N, T, in]: a row's tokens are contiguous
-        down = t.down[index].flatten(1, 2)  # [N, K*R, in]
-        up = torch.where(used_rank.unsqueeze(-1), t.up[index].flatten(1, 2), 0.0)  # [N, K*R, out]
-        h = torch.where(used_rank.unsqueeze(1), torch.bmm(x3, down.transpose(1, 2)) * s.repeat_interleave(rank, dim=1).unsqueeze(1), 0.0)
-        bias = torch.where(used.unsqueeze(-1), s.unsqueeze(-1) * t.bias[index], 0.0)
-        delta = torch.bmm(h, up) + bias.sum(1, keepdim=True)
-        return y + delta.reshape(y.shape)
-
+        # Each place's scale folded into its gathered down factors ([N, K, R, in], weight-sized, not
+        # activation-sized). A row's unused places (scale 0) point at slot 0, whatever it holds: their
+        # factors become exact zeros (slot factors are finite, checked at load), so they add nothing.
+        s = torch.where(scale != 0, scale * t.scaling[index], 0.0).to(x.dtype)  # [N, K]
+        down = (t.down[index] * s[:, :, None, None]).flatten(1, 2)  # [N, K*R, in]
+        up = t.up[index].flatten(1, 2)  # [N, K*R, out]
+        bias = (s.unsqueeze(-1) * t.bias[index]).sum(1, keepdim=True)  # [N, 1, out]
+        y = F.linear(x, linear.weight, linear.bias)
+        y3 = y.reshape(rows, -1, y.shape[-1])  # [N, T, out]: a row's tokens are contiguous
+        h = torch.bmm(x.reshape(rows, -1, x.shape[-1]), down.transpose(1, 2))  # [N, T, K*R]
+        return torch.baddbmm(y3 + bias, h, up).reshape(y.shape)
 
 
 def install_slots(transformer: nn.Module, slots: LoraSlots) -> SlotStore:
@@ -201,12 +205,11 @@ def take_rows_on_call(module: nn.Module, store: SlotStore) -> None:
     arguments and chosen for the call's duration (module is the denoiser a step's branches call)."""
 
     def choose(_, args, kwargs):
-        store.rows.index = kwargs.pop("lora_index", None)
-        store.rows.scale = kwargs.pop("lora_scale", None)
+        store.choose(kwargs.pop("lora_index", None), kwargs.pop("lora_scale", None))
         return args, kwargs
 
     def release(*_):
-        store.rows.index = store.rows.scale = None
+        store.release()
 
     module.register_forward_pre_hook(choose, with_kwargs=True)
     module.register_forward_hook(release)

@@ -86,6 +86,7 @@ class FirstBlockStep(SectionsStep):
         model_input = latents.to(inputs["prompt_embeds"].dtype)
         s = self.sections
         out, changes = {}, []
+        self.choose_rows(inputs)
         for b, _ in enumerate(self.branches):
             tokens = s.embed(model_input, timestep, **self.branch_conditions(inputs, b))
             first = s.first_block(tokens.hidden_states, tokens)
@@ -93,6 +94,7 @@ class FirstBlockStep(SectionsStep):
             # diffusers' (residual - previous).abs().mean() and previous.abs().mean(), per request row
             changes.append(relative_change(residual, previous))
             out[f"first_{b}"] = first
+        self.release_rows()
         out[CHANGE] = torch.stack(changes, dim=1)  # [B, branches, 2]
         return out
 
@@ -118,6 +120,7 @@ class AfterFirstBlockStep(SectionsStep):
         model_input = latents.to(inputs["prompt_embeds"].dtype)
         s = self.sections
         out, noises = {}, []
+        self.choose_rows(inputs)
         for b, compute in enumerate(self.compute):
             tokens = s.embed(model_input, timestep, **self.branch_conditions(inputs, b))
             first = inputs[f"first_{b}"]
@@ -129,6 +132,7 @@ class AfterFirstBlockStep(SectionsStep):
             else:
                 leaving = inputs[f"kept_{b}"] + head  # diffusers' FBCHeadBlockHook: tail residual + head output
             noises.append(s.project_out(leaving, tokens))
+        self.release_rows()
         # 2. the guidance combine and the sampler update
         out.update(self.finish(latents, noises, guidance_scale, inputs, coeffs))
         return out
@@ -205,5 +209,6 @@ def warmup_variants(plan: WorkPlan) -> list[WorkPlan]:
             continue
         kept = {f"kept_{b}": plan.inputs.get(f"kept_{b}", torch.zeros_like(plan.inputs[f"first_{b}"]))
                 for b, c in enumerate(compute) if not c}  # fmt: skip
-        variants.append(WorkPlan(plan.request_id, kind, {**base, **kept}, plan.step_index, plan.pixel_shape))
+        variants.append(WorkPlan(plan.request_id, kind, {**base, **kept}, plan.step_index, plan.pixel_shape,
+                                 adapter_places=plan.adapter_places))
     return variants

@@ -3,6 +3,11 @@ branches, and the end of the step (guidance combine and sampler update, fvgraph/
 
 Whether a step computes, reuses or forecasts is fixed when the module is built, never decided per
 call: each is a pure tensor function, like the plain denoise step.
+
+On an engine with adapter slots (fvgraph/adapters/slots.py) a step takes each row's adapter slots
+and scales (`lora_index`, `lora_scale`) as the plain step does, and chooses them on the slot store
+around its sections' calls, so every adapted linear the sections run (the first block's, TeaCache's
+modulated input's) applies the request's adapters.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from fvgraph.adapters.slots import ROW_INPUTS, SlotStore, slot_store
 from fvgraph.contract.denoise_update import Sampler, guided, sampler_update
 from fvgraph.contract.denoiser_sections import DenoiserSections
 from fvgraph.contract.cfg_branches import call_branches
@@ -45,8 +51,18 @@ class SectionsForward(nn.Module):
         self.sections = sections
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, kept: torch.Tensor | None = None,
-                return_dict: bool = False, **conditions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                return_dict: bool = False, lora_index: torch.Tensor | None = None, lora_scale: torch.Tensor | None = None,
+                **conditions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         # `return_dict`: the CFG fusion pass calls a branch's module as diffusers models are called
+        store = adapter_slots(self.sections)
+        if store is not None:
+            store.choose(lora_index, lora_scale)
+        noise, residual = self._sections(hidden_states, timestep, kept, conditions)
+        if store is not None:
+            store.release()
+        return noise, residual
+
+    def _sections(self, hidden_states, timestep, kept, conditions) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.sections
         tokens = s.embed(hidden_states, timestep, **conditions)
         entering = s.stream(tokens.hidden_states, tokens)
@@ -69,6 +85,22 @@ class SectionsStep(nn.Module):
         self.branches = BRANCHES[: 2 if cfg else 1]
         self.fuse_branches = False  # CFG fusion (passes/cfg_fusion.py) sets it while the step is traced
 
+    def adapter_rows(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The rows' adapter slots and scales, marked as constant for the request ({} without them)."""
+        return {name: mark_request_constant(inputs[name]) for name in ROW_INPUTS if name in inputs}
+
+    def choose_rows(self, inputs: Mapping[str, torch.Tensor]) -> None:
+        """Before a step calls its sections directly: the adapted linears read the rows' adapters."""
+        store = adapter_slots(self.sections)
+        if store is not None:
+            rows = self.adapter_rows(inputs)
+            store.choose(rows.get("lora_index"), rows.get("lora_scale"))
+
+    def release_rows(self) -> None:
+        store = adapter_slots(self.sections)
+        if store is not None:
+            store.release()
+
     def branch_conditions(self, inputs: Mapping[str, torch.Tensor], branch: int) -> dict[str, torch.Tensor]:
         """What the sections' `embed` takes for CFG branch `branch` besides latents and timestep, each
         marked as constant for the request (so -O1 hoists what the denoiser computes from it alone)."""
@@ -82,7 +114,7 @@ class SectionsStep(nn.Module):
         fused into one call while the step is traced with CFG fusion (fvgraph/contract/cfg_branches.py)."""
         calls = {
             branch: dict(hidden_states=hidden_states, timestep=timestep, **({} if kept is None else {"kept": kept[b]}),
-                         **self.branch_conditions(inputs, b))
+                         **self.branch_conditions(inputs, b), **self.adapter_rows(inputs))
             for b, branch in enumerate(self.branches)
         }  # fmt: skip
         outputs = call_branches("denoiser", self.denoiser, calls, self.fuse_branches)
@@ -98,3 +130,9 @@ class SectionsStep(nn.Module):
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
         """(tokens, head_dim, dtype) of the denoiser's self-attention (fvgraph.kernels.attention)."""
         return self.sections.attention_shape(inputs)
+
+
+def adapter_slots(sections: DenoiserSections) -> SlotStore | None:
+    """The slot store of the sections' denoiser, if it has adapter slots."""
+    transformer = getattr(sections, "transformer", None)
+    return None if transformer is None else slot_store(transformer)

@@ -67,8 +67,10 @@ class TeaProbeStep(SectionsStep):
         **inputs: torch.Tensor,  # the texts and what else the sections read; tea_previous_0 [B, S, D]
     ) -> dict[str, torch.Tensor]:
         s = self.sections
+        self.choose_rows(inputs)
         tokens = s.embed(latents.to(inputs["prompt_embeds"].dtype), timestep, **self.branch_conditions(inputs, 0))
         modulated, previous = s.modulated_input(tokens), inputs[PREVIOUS]
+        self.release_rows()
         # TeaCache4FLUX's (m - m_prev).abs().mean() and m_prev.abs().mean(), per request row
         return {MODULATED: modulated, CHANGE: relative_change(modulated, previous)}
 

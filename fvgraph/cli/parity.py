@@ -53,8 +53,6 @@ def parity(
         for level in (opt_level, reference if reference is not None else opt_level):
             level_config(level)
         adapters = adapter_options(lora, [], max_loras, max_lora_rank)
-        if adapters["loras"] and cache is not None:
-            raise ValueError("--lora with --cache: step caching does not run with adapter slots yet")
         choice = choose_model(None, card, checkpoint)
         card, checkpoint = choice.card, choice.folder
         recipe = card.recipe  # a distilled recipe fixes its steps and takes no guidance

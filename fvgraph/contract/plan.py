@@ -50,6 +50,11 @@ class WorkPlan:
     # Computed from `inputs` when not given. A loop whose inputs keep their shapes from step to step
     # may pass the one it computed at the first step: the scheduler reads it for every plan.
     signature: ShapeSignature | None = None
+    # On an engine with adapter slots: how many places of the step's adapter rows (the columns of
+    # its lora_index / lora_scale inputs) this plan's request uses, known on the host; None: the
+    # step takes no adapter rows. A batch runs the step with only the places one of its rows uses,
+    # and without adapter rows at all when none does (fvgraph/runtime/adapter_variant.py).
+    adapter_places: int | None = None
 
     def __post_init__(self) -> None:
         if self.signature is None:

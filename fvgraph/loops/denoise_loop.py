@@ -263,8 +263,8 @@ class DenoiseLoop:
                 inputs["fresh_noise"] = state.fresh_noise
             if state.caching is not None:
                 state.derived = facts  # its signature stays unset: a cached step's kind and inputs vary
-                return self.caching.plan(state, facts, inputs, self._signatures)
-            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, facts.signature)
+                return self.caching.plan(state, facts, inputs, self._signatures, self.adapters.places(state))
+            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, facts.signature, self.adapters.places(state))
             if facts.signature is None:  # the first step; every later one has the same input shapes
                 # One object per distinct signature: grouping and graph lookups then match by identity.
                 plan.signature = self._signatures.setdefault(plan.signature, plan.signature)

@@ -1,7 +1,7 @@
 """The loop's side of LoRA adapters (fvgraph/adapters/ holds them), as a part the loop is given at build.
 
 It checks a request's `loras` against the engine's adapters, records the choice (the loop state's one
-`adapters` field), gives each plain denoise step the request's slot rows, and refuses to resume a
+`adapters` field), gives each denoise step (a step-caching one too) the request's slot rows, and refuses to resume a
 state whose adapters this engine does not hold with the same digests.
 """
 
@@ -37,21 +37,24 @@ class LoopAdapters:
             choice = self.registry.choose(request.loras)
         except AdapterError as err:
             raise RequestRejected("loras", str(err)) from None
-        if choice is not None and request.caching is not None:
-            raise RequestRejected("loras", f"step caching ({request.caching.method}) does not run with adapter slots yet: "
-                                           "send the request without `cache`, or serve the adapter merged")  # fmt: skip
         return choice
 
     def rows(self, state: DenoiseState) -> dict[str, torch.Tensor]:
-        """The request's adapter rows on an engine with slots: every plain denoise step takes them (zero
-        scales for a request without adapters), so requests with any adapters share one graph. A cached
-        request runs without adapters (check_request) and its steps take no rows."""
-        if self.registry is None or self.registry.store is None or state.caching is not None:
+        """The request's adapter rows on an engine with slots: every denoise step takes them, cached or
+        not (zero scales for a request without adapters), so requests with any adapters share one graph."""
+        if self.registry is None or self.registry.store is None:
             return {}
         try:
             return self.registry.rows(state.adapters, self.device)
         except AdapterError as err:  # unloaded or replaced since the request started (Engine.step by hand)
             raise RequestRejected("loras", f"request {state.request_id}: {err}") from None
+
+    def places(self, state: DenoiseState) -> int | None:
+        """How many places of its adapter rows the request uses (WorkPlan.adapter_places); None on an
+        engine without slots, whose steps take no rows."""
+        if self.registry is None or self.registry.store is None:
+            return None
+        return 0 if state.adapters is None else len(state.adapters.scales)
 
     def merged(self) -> dict[str, float]:
         """The adapters fused into the weights (a recipe's), by scale: every request runs them."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from fvgraph.adapters.slots import ROW_INPUTS
 from fvgraph.caching.calibration_store import CalibrationStore
 from fvgraph.caching.settings import CacheSettings, NoCache, PolicyContext
 from fvgraph.caching.state import StepCachingState
@@ -103,8 +104,9 @@ class StepCaching:
             state.caching = request.caching.start(self._policy_context(state))
 
     def plan(self, state: DenoiseState, facts: DenoiseFacts, inputs: dict[str, torch.Tensor],
-             signatures: dict[ShapeSignature, ShapeSignature]) -> WorkPlan:  # fmt: skip
-        """The launch the request's caching state decides on; its FLOPs and the uncached step's."""
+             signatures: dict[ShapeSignature, ShapeSignature], places: int | None = None) -> WorkPlan:  # fmt: skip
+        """The launch the request's caching state decides on; its FLOPs and the uncached step's.
+        `places`: the adapter places its rows use (WorkPlan.adapter_places)."""
         caching: StepCachingState = state.caching
         if caching.policy is None:  # a resumed state: its policy is rebuilt on this engine
             caching.bind(self._policy_context(state))
@@ -112,8 +114,9 @@ class StepCaching:
         kind, inputs = caching.plan(state.cfg, state.step_index, inputs)
         if self._flops is None:  # the denoise steps on a data-free twin of the denoiser
             self._flops = StepFlops(self._denoise_steps(meta_twin(self.components.transformer)))
-        caching.flops = (self._flops.count(kind, inputs), self._flops.count(facts.kind, plain))
-        plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels)
+        # The twin has no adapter slots: the base steps' FLOPs, without the rows' adapters.
+        caching.flops = (self._flops.count(kind, _without_rows(inputs)), self._flops.count(facts.kind, _without_rows(plain)))
+        plan = WorkPlan(state.request_id, kind, inputs, state.step_index, facts.pixels, adapter_places=places)
         plan.signature = signatures.setdefault(plan.signature, plan.signature)
         return plan
 
@@ -126,3 +129,7 @@ class StepCaching:
         if whole:  # the uncached step counts once per step, not per launch
             caching.counts["flops_uncached"] = caching.counts.get("flops_uncached", 0) + uncached
         return whole
+
+
+def _without_rows(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in inputs.items() if name not in ROW_INPUTS}

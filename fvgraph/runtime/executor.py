@@ -6,6 +6,9 @@ other requests happen to be in flight, unless it is given batch buckets (`padded
 plans run as one padded batch, as the compiled executor runs them, which is how the parity diff
 measures an eager side's batch-composition noise floor (fvgraph/parity.py).
 
+Both run a batch of adapter steps at the narrowest adapter width its rows use, without adapter rows
+when none uses one (fvgraph/runtime/adapter_variant.py).
+
 With offload both executors run each group inside `residency.around(kind)`: the components the kind
 reads are on the device while it runs (fvgraph/runtime/component_residency.py), or the block groups it
 copies are counted (fvgraph/runtime/block_streaming.py).
@@ -20,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from fvgraph.runtime.adapter_variant import AdapterVariants
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.runtime.batch_results import request_rows
 from fvgraph.runtime.block_streaming import BlockStreaming
@@ -50,6 +54,7 @@ class EagerExecutor:
         self.counters = counters
         self.padded = padded  # None: one plan at a time; buckets: compatible plans as one padded batch
         self.residency = residency  # offload (None: every component stays on the device)
+        self.adapter_variants = AdapterVariants()
 
     def resident(self, kind: str) -> contextlib.AbstractContextManager:
         """Around a group of `kind`: its components on the device (component offload), else nothing."""
@@ -60,6 +65,7 @@ class EagerExecutor:
         if step is None:
             raise KeyError(f"no step function for kind {plan.kind!r}; known: {sorted(self.steps)}")
         self.counters.eager_steps += 1
+        [plan] = self.adapter_variants.for_batch([plan])
         with torch.no_grad():
             return step(**plan.inputs)
 
@@ -73,6 +79,7 @@ class EagerExecutor:
         if self.padded is None or len(plans) == 1 and self.padded.batch_for(1) == 1:
             return [self.run(plan) for plan in plans]
         step = self.steps[plans[0].kind]
+        plans = self.adapter_variants.for_batch(plans)
         bucket = self.padded.batch_for(len(plans))
         inputs = {name: _padded_rows([plan.inputs[name] for plan in plans], bucket) for name in plans[0].inputs}
         self.counters.eager_steps += len(plans)
@@ -120,6 +127,7 @@ class CompiledExecutor:
             self.counters.fallbacks += len(plans)
             return self.eager.run_batch(plans, slots)
         bucket = self.buckets.batch_for(len(plans))
+        plans = self.eager.adapter_variants.for_batch(plans)
         with torch.no_grad(), self.eager.resident(first.kind):
             results = self.runner.run(self.steps[first.kind], plans, slots, bucket, lane)
         self.counters.compiled_steps += len(plans)
@@ -128,13 +136,15 @@ class CompiledExecutor:
 
     def prepare(self, plan: WorkPlan, on_bucket: Callable[[int], None] | None = None) -> None:
         """Compile (and capture) `plan`'s signature at every batch bucket, largest first, so the
-        largest graph claims the shared memory pool and the smaller ones reuse it."""
+        largest graph claims the shared memory pool and the smaller ones reuse it; an adapter step at
+        each adapter width a batch may run it at."""
         if not self.compiler.wants(plan.kind) or (plan.pixel_shape and not self._has_graphs(plan.pixel_shape)):
             return
         with torch.no_grad(), self.eager.resident(plan.kind):
             for bucket in reversed(self.buckets.batch_sizes):
-                slot = RequestSlot()  # warmup's stand-in request, one per bucket: every bucket's prologue runs
-                self.runner.run(self.steps[plan.kind], [plan] * bucket, [slot] * bucket, bucket)
+                for variant in self.eager.adapter_variants.variants(plan):
+                    slot = RequestSlot()  # warmup's stand-in request, one per bucket: every bucket's prologue runs
+                    self.runner.run(self.steps[plan.kind], [variant] * bucket, [slot] * bucket, bucket)
                 if on_bucket is not None:
                     on_bucket(bucket)
 
