@@ -6,6 +6,7 @@
 # It comes in parts, each within one 600 s device call: every part's limits add up to at most 540 s,
 # and each part's own estimate (docs/gpu.md: how each was reached) is below its limits. In order:
 #   FVGRAPH_GPU_PART=probe       bash perf/gpu_check.sh  # the open questions first: TF32 probe, parity -O2 vs -O0, the inductor-step test that failed on the first H200 run (verbose); about 230 s on 2026-12-04
+#   FVGRAPH_GPU_PART=coldstart   bash perf/gpu_check.sh  # bench_coldstart, Wan 1.3B config, bucket 1: a cold and a warm start with standalone artifacts (no AOTInductor runtime), phases printed; est. 400 s
 #   FVGRAPH_GPU_PART=tests       bash perf/gpu_check.sh  # env, test_gpu.py (but the capture cache), the CUDA kernels, the projection cache on CUDA; est. 300 s
 #   FVGRAPH_GPU_PART=tests_loops bash perf/gpu_check.sh  # the step-caching, TI2V and HTTP tests on CUDA; est. 380 s
 #   FVGRAPH_GPU_PART=aoti        bash perf/gpu_check.sh  # the capture-cache test (AOTInductor packages on CUDA); 282 s on 2026-12-04 (the child load died of SIGSEGV)
@@ -13,7 +14,6 @@
 #   FVGRAPH_GPU_PART=step        bash perf/gpu_check.sh  # bench_step at 480x832x33, batch 1, -O1/-O2/-O3 vs diffusers eager and regional compile; est. 450 s
 #   FVGRAPH_GPU_PART=serving     bash perf/gpu_check.sh  # bench_serving (buckets 1, 4) + scheduler overhead; est. 450 s
 #   FVGRAPH_GPU_PART=kernels     bash perf/gpu_check.sh  # bench_kernels (Wan-1.3B / 14B kernel shapes); est. 300 s
-#   FVGRAPH_GPU_PART=coldstart   bash perf/gpu_check.sh  # bench_coldstart, bucket 1: cold vs warm start; est. 250 s
 #   FVGRAPH_GPU_PART=coldstart_b48 bash perf/gpu_check.sh  # bench_coldstart, buckets 4 and 8; est. 450 s
 #   FVGRAPH_GPU_PART=cache       bash perf/gpu_check.sh  # bench_projection_cache; est. 120 s
 #   FVGRAPH_GPU_PART=http        bash perf/gpu_check.sh  # bench_http: engine vs fvgraph serve --port at -O2, one round; est. 480 s
@@ -84,19 +84,22 @@ part probe && run tf32_probe 60 python3 "$REPO"/perf/tf32_probe.py
 part probe && run parity_o2 150 python3 -m fvgraph parity --card tiny-wan -O2 --against 0 --device cuda --report "$OUT/parity_o2.jsonl"
 # 93 s on the H200 on 2026-12-04 (four tiny-wan inductor compiles of 18-26 s): a 90 s limit cut it.
 part probe && run pytest_inductor_step 150 "${PYTEST[@]}" "${VERBOSE[@]}" -k "$INDUCTOR_STEP" "$REPO/tests/test_gpu.py"
+# The warm start of the default artifact format on CUDA, first in its part: a cold start fills a capture
+# cache (standalone artifacts), a fresh frozen process loads it; each start prints its phases.
+part coldstart && run bench_coldstart 540 python3 "$REPO"/perf/bench_coldstart.py --gpu --buckets 1 --artifact-format standalone --timeout 330
+part coldstart && grep -h '^phases\|^{' "$OUT/bench_coldstart.log"
 part tests && run env 30 python3 -m fvgraph env --json
 part tests && run pytest_gpu 480 "${PYTEST[@]}" -k "not capture_cache" "$REPO/tests/test_gpu.py" "$REPO/tests/test_kernels.py" "$REPO/tests/test_projection_cache.py"
 part tests_loops && run pytest_gpu_loops 520 "${PYTEST[@]}" "${LOOPS_TESTS[@]}"
 # Alone in its part: 282 s on 2026-12-04 (two engines, each a compile, two package builds and a child load that died of SIGSEGV).
-part aoti && run pytest_gpu_aoti 540 "${PYTEST[@]}" "${VERBOSE[@]}" -k "$CAPTURE_CACHE" "$REPO/tests/test_gpu.py"
+part aoti && run pytest_gpu_aoti 540 "${PYTEST[@]}" "${VERBOSE[@]}" -k "$CAPTURE_CACHE and aoti" "$REPO/tests/test_gpu.py"
 part aoti_probe && run aoti_load_probe 300 env OUT="$OUT/aoti_load_probe" python3 "$REPO"/perf/aoti_load_probe.py
 part step && run bench_step 540 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3 --batch 1 --baselines eager,compile_repeated_blocks
 part flux_step && run bench_step_flux 570 python3 "$REPO"/perf/bench_step.py --gpu --card flux.1-dev-bench --shapes 1024x1024x1 --levels 1,2 --batch 1 --baselines eager,compile_repeated_blocks --repeats 10
 part serving && run bench_serving 420 python3 "$REPO"/perf/bench_serving.py --gpu --buckets 1 4 --requests 12 --repeats 1
 part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu
 part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
-part coldstart && run bench_coldstart 540 python3 "$REPO"/perf/bench_coldstart.py --gpu --buckets 1 --skip-cold-jit --timeout 240
-part coldstart_b48 && run bench_coldstart_b48 540 python3 "$REPO"/perf/bench_coldstart.py --gpu --buckets 4,8 --skip-cold-jit --timeout 480
+part coldstart_b48 && run bench_coldstart_b48 540 python3 "$REPO"/perf/bench_coldstart.py --gpu --buckets 4,8 --timeout 480
 part lora && run bench_lora 540 python3 "$REPO"/perf/bench_lora.py --gpu --ranks 32 --batch 4 --repeats 10 --no-references
 part lora_r128 && run bench_lora_r128 540 python3 "$REPO"/perf/bench_lora.py --gpu --ranks 128 --batch 4 --repeats 10 --no-references
 part distilled && run bench_distilled 540 python3 "$REPO"/perf/bench_distilled.py --gpu --repeats 1

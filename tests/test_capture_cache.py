@@ -27,14 +27,18 @@ REQUEST = dict(prompt="a red fox", num_inference_steps=2, guidance_scale=4.0, he
 SHAPE = "5x32x32"
 
 # A process that serves REQUEST from a capture cache and reports its counters and latents. With
-# "forbid", inductor's compilers, g++ and inductor's CPU ISA probe raise in it: a warm start needs none.
+# "forbid", inductor's compilers raise in it, and with "forbid_gxx" g++ and inductor's CPU ISA probe
+# too: a warm start needs none of them (but a standalone artifact's first load on a CPU builds its C++
+# kernels with g++, see graph_artifact).
 SERVE = """
 import json, sys, torch
-if sys.argv[5] == "forbid":
+if sys.argv[5].startswith("forbid"):
     import torch._inductor.compile_fx, torch._inductor.cpp_builder, torch._inductor.cpu_vec_isa
     def forbidden(*args, **kwargs):
         raise AssertionError("a warm start ran an inductor compile, g++ or the CPU ISA probe")
-    torch._inductor.compile_fx.compile_fx = torch._inductor.aoti_compile_and_package = forbidden
+    torch._inductor.compile_fx.compile_fx = torch._inductor.compile_fx.compile_fx_inner = forbidden
+    torch._inductor.aoti_compile_and_package = torch._inductor.standalone_compile = forbidden
+if sys.argv[5] == "forbid_gxx":
     torch._inductor.cpp_builder.CppBuilder.build = torch._inductor.cpu_vec_isa.VecISA.check_build = forbidden
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
@@ -42,48 +46,56 @@ from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 cache_dir, backend, out = sys.argv[1:4]
 engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", cache_dir=cache_dir,
-                          compile_config=CompileConfig(backend=backend), buckets=BucketSpec(batch_sizes=(1,)))
+                          compile_config=CompileConfig(backend=backend, artifact_format=sys.argv[6]),
+                          buckets=BucketSpec(batch_sizes=(1,)))
 [result] = engine.warmup([Request(**json.loads(sys.argv[4]))])
 torch.save(result.latents, out)
 print(json.dumps(engine.counters.snapshot()))
 """
 
 
-def engine(cache_dir, backend="aot_eager", buckets=(1,)) -> Engine:
-    return Engine.from_card("tiny-wan", opt_level=1, device="cpu", cache_dir=cache_dir,
-                            compile_config=CompileConfig(backend=backend), buckets=BucketSpec(batch_sizes=buckets))  # fmt: skip
+def engine(cache_dir, backend="aot_eager", buckets=(1,), artifact_format="standalone") -> Engine:
+    config = CompileConfig(backend=backend, artifact_format=artifact_format)
+    return Engine.from_card("tiny-wan", opt_level=1, device="cpu", cache_dir=cache_dir, compile_config=config,
+                            buckets=BucketSpec(batch_sizes=buckets))  # fmt: skip
 
 
-def serve_in_fresh_process(cache_dir, backend, tmp_path, inductor_dir=None, forbid_compiling=False) -> tuple[dict, torch.Tensor]:
+def serve_in_fresh_process(cache_dir, backend, tmp_path, inductor_dir=None, forbid="allow",
+                           artifact_format="standalone") -> tuple[dict, torch.Tensor]:  # fmt: skip
     env = dict(os.environ)
     if inductor_dir is not None:
         env["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_dir)
     out = tmp_path / "latents.pt"
-    args = [str(cache_dir), backend, str(out), json.dumps(REQUEST), "forbid" if forbid_compiling else "allow"]
+    args = [str(cache_dir), backend, str(out), json.dumps(REQUEST), forbid, artifact_format]
     done = subprocess.run([sys.executable, "-c", SERVE, *args], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1]), torch.load(out)
 
 
 def step_artifacts(cache_dir) -> list[Path]:
-    return sorted(Path(cache_dir).glob("*/*/*-step.pt2"))
+    return sorted(Path(cache_dir).glob("*/*/*-step.*"))
 
 
-def test_a_fresh_process_serves_from_the_cache_with_zero_compiles(tmp_path):
-    """inductor: the warm process loads the AOTInductor packages, with an empty inductor cache of its
-    own, and runs no compiler at all: not inductor, not g++, not inductor's CPU ISA probe (which
-    builds programs with g++ when a package is opened with aoti_load_package); it writes nothing
-    into its inductor cache."""
-    cold = engine(tmp_path / "cache", backend="inductor")
+@pytest.mark.parametrize("artifact_format", ["standalone", "aoti"])
+def test_a_fresh_process_serves_from_the_cache_with_zero_compiles(tmp_path, artifact_format):
+    """inductor: the warm process, with an empty inductor cache of its own, loads the artifacts and
+    runs no inductor compile. From AOTInductor packages it runs no compiler at all: not g++, not
+    inductor's CPU ISA probe (which builds programs with g++ when a package is opened with
+    aoti_load_package), and writes nothing into its inductor cache. A standalone artifact's C++
+    kernels are built by g++ at its first load on a CPU (graph_artifact), so g++ is allowed there."""
+    cold = engine(tmp_path / "cache", backend="inductor", artifact_format=artifact_format)
     [result] = cold.warmup([Request(**REQUEST)])
     assert cold.counters.compiles == 1 and cold.counters.capture_cache_stores == 1  # the CFG denoise step at batch 1
+    assert [p.suffix for p in step_artifacts(tmp_path / "cache")] == [".bin" if artifact_format == "standalone" else ".pt2"]
 
     inductor_dir = tmp_path / "ind"
-    counters, latents = serve_in_fresh_process(tmp_path / "cache", "inductor", tmp_path, inductor_dir, forbid_compiling=True)
+    forbid = "forbid_gxx" if artifact_format == "aoti" else "forbid"
+    counters, latents = serve_in_fresh_process(tmp_path / "cache", "inductor", tmp_path, inductor_dir, forbid, artifact_format)
     assert counters["compiles"] == 0 and counters["capture_cache_hits"] == 1 and counters["compiled_steps"] == 2
     assert counters["capture_cache_rejects"] == 0
     torch.testing.assert_close(latents, result.latents, rtol=0, atol=0)  # the very same compiled code
-    assert [p for p in inductor_dir.rglob("*") if p.is_file()] == []
+    if artifact_format == "aoti":
+        assert [p for p in inductor_dir.rglob("*") if p.is_file()] == []
     assert verify(tmp_path / "cache") == []
 
 
@@ -146,7 +158,7 @@ def test_a_changed_runtime_factor_is_not_served_and_says_which(warm_cache, monke
 # -- CaptureCache itself: fingerprints, foreign entries, truncation (no compiling) ---------------------
 
 FINGERPRINT = dict(card_id="tiny-wan", weights_version="w1", opt_level=1, pass_pipeline="p1", backend="inductor",
-                   mode="default", torch="2.13.0", triton="3.7.0", cuda=None, gpu=None, cpu_isa="x86_64 AVX2 avx2")  # fmt: skip
+                   artifact_kind="standalone", mode="default", torch="2.13.0", triton="3.7.0", cuda=None, gpu=None, cpu_isa="x86_64 AVX2 avx2")  # fmt: skip
 FACTORS = dict(step_kind="denoise_cfg", batch=1, runtime=dict(torch="2.13.0"))
 
 
@@ -278,6 +290,7 @@ def test_two_warmups_racing_on_one_directory_leave_a_valid_cache(tmp_path):
     (["-O", "0"], "takes -O1, -O2 or -O3"),
     (["--shape", "5x32"], "FRAMESxHEIGHTxWIDTH"),
     (["--buckets", "2,1"], "ascending"),
+    (["--artifact-format", "zip"], "--artifact-format='zip' must be standalone or aoti"),
 ])  # fmt: skip
 def test_warmup_rejects_bad_options_naming_them(tmp_path, args, message):
     code, output, _ = fvgraph_in_process("warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", *args)

@@ -46,9 +46,8 @@ def _graph_engine(**kwargs):
     from fvgraph.runtime.buckets import BucketSpec
 
     kwargs.setdefault("buckets", BucketSpec(batch_sizes=(1, 2, 4)))
-    return Engine.from_card(
-        "tiny-wan", device="cuda", opt_level=2, compile_config=CompileConfig(backend="inductor"), **kwargs,
-    )  # fmt: skip
+    kwargs.setdefault("compile_config", CompileConfig(backend="inductor"))
+    return Engine.from_card("tiny-wan", device="cuda", opt_level=2, **kwargs)
 
 
 def test_buckets_capture_into_one_pool_and_replay_equals_the_compiled_step(tiny_card):
@@ -90,15 +89,16 @@ def test_long_bf16_attention_compiles_with_the_measured_sdpa_backend():
     assert signature.attention.split(",")[0] == expected
 
 
-def test_capture_cache_serves_graphs_on_cuda_with_zero_compiles(tiny_card, tmp_path):
-    """AOTInductor packages load on the GPU and are captured into CUDA graphs like in-process compiles.
-    One bucket: each package costs over a minute to build on an H200."""
+@pytest.mark.parametrize("artifact_format", ["standalone", "aoti"])
+def test_capture_cache_serves_graphs_on_cuda_with_zero_compiles(tiny_card, tmp_path, artifact_format):
+    """Standalone artifacts and AOTInductor packages load on the GPU and are captured into CUDA graphs
+    like in-process compiles. One bucket: each package costs over a minute to build on an H200."""
     from fvgraph.runtime.buckets import BucketSpec
 
-    one_bucket = BucketSpec(batch_sizes=(1,))
-    warm_up = _graph_engine(cache_dir=tmp_path, buckets=one_bucket)
+    one_bucket, config = BucketSpec(batch_sizes=(1,)), CompileConfig(backend="inductor", artifact_format=artifact_format)
+    warm_up = _graph_engine(cache_dir=tmp_path, buckets=one_bucket, compile_config=config)
     reference = warm_up.warmup(_requests()[:1])
-    served = _graph_engine(cache_dir=tmp_path, buckets=one_bucket)
+    served = _graph_engine(cache_dir=tmp_path, buckets=one_bucket, compile_config=config)
     with served.counters.expect(compiles=0, capture_cache_hits=1):
         results = served.warmup(_requests()[:1])
     assert served.counters.captures >= 1 and served.counters.replays > 0

@@ -14,7 +14,7 @@ from fvgraph.cli.caching import CACHE_HELP, cache_line
 from fvgraph.cli.flag_errors import flag_error
 from fvgraph.cli.progress import RunProgress
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, MODEL_ARGUMENT, choose_model
-from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
+from fvgraph.cli.options import (ARTIFACT_FORMAT_OPTION, BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
                                  MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, OFFLOAD_OPTION, VAE_TILING_OPTION, adapter_options,
                                  console, cuda_graphs_note, opt_level_option, serving_engine, writable_dir)  # fmt: skip
 
@@ -41,6 +41,7 @@ def generate(
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
+    artifact_format: str = ARTIFACT_FORMAT_OPTION,
     cache: Optional[str] = typer.Option(None, "--cache", help=CACHE_HELP),
     cache_methods: Optional[str] = CACHE_METHODS_OPTION,
     cfg_parallel: Optional[int] = typer.Option(None, "--cfg-parallel", help="2: cond and uncond branches on two processes (docs/parallel.md)."),
@@ -85,7 +86,8 @@ def generate(
                                  device, cache_dir, fail_on_recompile, compile_steps, cache=cache,
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
                                  dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
-                                 adapters=adapters, cache_methods=cache_methods, vae_tiling=vae_tiling, offload=offload)  # fmt: skip
+                                 adapters=adapters, cache_methods=cache_methods, vae_tiling=vae_tiling, offload=offload,
+                                 artifact_format=artifact_format)  # fmt: skip
         engine.loop.check_request(requests[0])  # the card's rules and calibrated settings, before any step runs
     except Exception as err:  # bad card, checkpoint or request: say why, in the flags' words, and stop
         console.print(f"[red]error:[/red] {flag_error(err)}", highlight=False, soft_wrap=True)

@@ -140,17 +140,24 @@ def card_with_cache(card, cache: Optional[str]):
     return model.model_copy(update={"default_cache": settings})
 
 
-def compile_config(compile_backend: str, disable_pass: list[str], compile_steps: str = "loop"):
+ARTIFACT_FORMAT_OPTION = typer.Option("standalone", "--artifact-format", help="How the capture cache stores inductor steps: "
+                                      "standalone (inductor's standalone artifact) or aoti (AOTInductor packages); docs/capture_cache.md.")
+
+
+def compile_config(compile_backend: str, disable_pass: list[str], compile_steps: str = "loop", artifact_format: str = "standalone"):
     from fvgraph.compile.compiler import CompileConfig
     from fvgraph.passes.manager import PassConfig
 
     if compile_backend not in ("eager", "aot_eager", "inductor"):
         raise ValueError(f"--compile-backend={compile_backend!r} must be eager, aot_eager or inductor")
+    if artifact_format not in ("standalone", "aoti"):
+        raise ValueError(f"--artifact-format={artifact_format!r} must be standalone or aoti")
     kinds = tuple(name.strip() for name in compile_steps.split(",") if name.strip())
     if not kinds:
         raise ValueError(f"--compile-steps={compile_steps!r} must be 'loop', 'all' or step kind names, comma separated")
     step_kinds = None if compile_steps == "loop" else "all" if compile_steps == "all" else kinds
-    return CompileConfig(backend=compile_backend, passes=PassConfig(disabled=tuple(disable_pass)), step_kinds=step_kinds)
+    return CompileConfig(backend=compile_backend, passes=PassConfig(disabled=tuple(disable_pass)), step_kinds=step_kinds,
+                         artifact_format=artifact_format)  # fmt: skip
 
 
 VAE_TILING_OPTION = typer.Option(None, "--vae-tiling", help="Decode (and encode) in tiles, one step each: 'on' for diffusers' defaults, or KEY=VALUE,... of the VAE's enable_tiling (docs/memory.md).")
@@ -181,7 +188,7 @@ def serving_engine(card, checkpoint: Optional[Path], opt_level: int, no_cudagrap
                     ulysses: Optional[int] = None, dtype: Optional[str] = None, flow_shift: Optional[float] = None,
                     boundary_ratio: Optional[float] = None, adapters: dict | None = None,
                     cache_methods: Optional[str] = None, vae_tiling: Optional[str] = None,
-                    offload: Optional[str] = None):  # fmt: skip
+                    offload: Optional[str] = None, artifact_format: str = "standalone"):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options (`card`: a name or a ModelCard,
     `checkpoint`: its local folder, `adapters`: adapter_options(), `cache_methods`: --cache-methods' text,
     `vae_tiling`: --vae-tiling's text, `offload`: --offload's)."""
@@ -210,7 +217,7 @@ def serving_engine(card, checkpoint: Optional[Path], opt_level: int, no_cudagrap
     try:
         engine = Engine.from_card(
             chosen, checkpoint=checkpoint, opt_level=opt_level, device=device, enforce_eager=enforce_eager,
-            compile_config=compile_config(compile_backend, disable_pass, compile_steps), cuda_graphs=not no_cudagraph,
+            compile_config=compile_config(compile_backend, disable_pass, compile_steps, artifact_format), cuda_graphs=not no_cudagraph,
             cache_dir=cache_dir, max_running=max_running, parallel=parallel, cache_methods=methods, **(adapters or {}),
             vae_tiling=parse_vae_tiling(vae_tiling), offload=offload,
         )  # fmt: skip

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from fvgraph.cli.caching import CACHE_HELP
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, MODEL_ARGUMENT, choose_model
-from fvgraph.cli.options import (BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
+from fvgraph.cli.options import (ARTIFACT_FORMAT_OPTION, BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
                                  MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, OFFLOAD_OPTION, VAE_TILING_OPTION, adapter_options,
                                  at_least_one, bindable, cuda_graphs_note, opt_level_option, parse_shape, parse_size,
                                  serving_engine, writable_dir)  # fmt: skip
@@ -32,6 +32,7 @@ def serve(
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     cache_dir: Optional[Path] = typer.Option(None, help="Capture cache: load compiled steps from it, store new ones in it."),
     fail_on_recompile: bool = typer.Option(False, help="Compile nothing: steps missing from the cache fail."),
+    artifact_format: str = ARTIFACT_FORMAT_OPTION,
     cfg_parallel: Optional[int] = typer.Option(None, "--cfg-parallel", help="2: cond and uncond branches on two processes (docs/parallel.md)."),
     ulysses: Optional[int] = typer.Option(None, "--ulysses", help="Ulysses degree: processes splitting each denoiser call's tokens; divides the head count."),
     dtype: Optional[str] = DTYPE_OPTION,
@@ -98,7 +99,8 @@ def serve(
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
                                  dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
                                  adapters=adapter_options(lora, merge_lora, max_loras, max_lora_rank),
-                                 cache_methods=cache_methods, vae_tiling=vae_tiling, offload=offload)  # fmt: skip
+                                 cache_methods=cache_methods, vae_tiling=vae_tiling, offload=offload,
+                                 artifact_format=artifact_format)  # fmt: skip
         if port is not None:
             from fvgraph.serving.http_server import HttpServer
             from fvgraph.serving.model_names import ServedNames

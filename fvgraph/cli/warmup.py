@@ -11,7 +11,7 @@ import typer
 
 from fvgraph.cli.progress import RunProgress
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, choose_model
-from fvgraph.cli.options import (DEFAULT_CACHE_DIR, LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION,
+from fvgraph.cli.options import (ARTIFACT_FORMAT_OPTION, DEFAULT_CACHE_DIR, LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION,
                                  adapter_options, card_with_cache, compile_config, console, cuda_graphs_note, opt_level_option,
                                  parse_shape, writable_dir)  # fmt: skip
 
@@ -26,6 +26,7 @@ def warmup(
     guidance: list[float] = typer.Option([], "--guidance", help="Repeatable: >1 warms the CFG step, 1 the plain one. Default: the card's."),
     compile_backend: str = typer.Option("inductor", help="eager | aot_eager | inductor."),
     disable_pass: list[str] = typer.Option([], "--disable-pass", help="Skip an FX pass by name (repeatable)."),
+    artifact_format: str = ARTIFACT_FORMAT_OPTION,
     device: Optional[str] = typer.Option(None, help="cpu, cuda, cuda:1 ... (default: cuda when present)."),
     num_inference_steps: Optional[int] = typer.Option(None, "--steps", help="Steps of each warmup request (default: the "
                                                       "card's fewest; with --cache, as many as served requests run, so "
@@ -65,7 +66,7 @@ def warmup(
                 Request(prompt="warmup", num_frames=f, height=h, width=w, guidance_scale=g, num_inference_steps=steps).resolve(model)
         engine = Engine.from_card(
             model, checkpoint=choice.folder, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
-            compile_config=compile_config(compile_backend, disable_pass),
+            compile_config=compile_config(compile_backend, disable_pass, artifact_format=artifact_format),
             **adapter_options(lora, merge_lora, max_loras, max_lora_rank),
         )  # fmt: skip
         requests = [engine.loop.warmup_request(f, h, w, g, steps) for f, h, w in shapes for g in scales]

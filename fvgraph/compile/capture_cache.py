@@ -94,7 +94,7 @@ class CaptureCache:
         self.root = Path(root)
         self.fingerprint = _normalized(fingerprint)
         self.dir = self.root / fingerprint_id(fingerprint)
-        self._explained = False
+        self._explained = self._foreign_noted = False  # each said once per process
         self.lock_notice_s, self.lock_timeout_s = LOCK_NOTICE_S, LOCK_TIMEOUT_S
         self.problems: list[str] = []  # what reading the manifest skipped (malformed parts), for verify
 
@@ -119,7 +119,22 @@ class CaptureCache:
         return None
 
     def entries(self) -> dict[str, dict]:
-        return self._read_manifest(self.dir).get("entries", {})
+        return self._own_manifest().get("entries", {})
+
+    def _own_manifest(self) -> dict:
+        """The manifest, or {} when the fingerprint it records is not this cache's (edited, or copied
+        from another process identity's directory): none of its entries is used, and the next writer
+        starts it again."""
+        manifest = self._read_manifest(self.dir)
+        if manifest and manifest["fingerprint"] != self.fingerprint:
+            if self._foreign_noted:
+                return {}
+            self._foreign_noted, theirs = True, manifest["fingerprint"]
+            differing = [f"{k}: {theirs.get(k)} != {v}" for k, v in self.fingerprint.items() if theirs.get(k) != v]
+            log.warning("capture cache: manifest %s records another fingerprint, its entries are not used (it will be "
+                        "rewritten): %s", self.dir / MANIFEST, "; ".join(differing or ["(other factors)"]))  # fmt: skip
+            return {}
+        return manifest
 
     def unloadable(self, key: str, factors: dict) -> str | None:
         """Why the artifacts built for `key` (with these factors) did not load here, when they did not
@@ -131,7 +146,7 @@ class CaptureCache:
 
     def unloadable_keys(self) -> dict[str, dict]:
         """Every mark_unloadable record, by signature key (for `cache ls`)."""
-        marks = self._read_manifest(self.dir).get("unloadable")
+        marks = self._own_manifest().get("unloadable")
         return {k: v for k, v in marks.items() if isinstance(v, dict)} if isinstance(marks, dict) else {}
 
     def check(self, entry: CacheEntry, factors: dict | None = None) -> str | None:
@@ -216,7 +231,7 @@ class CaptureCache:
         the staged files are left to the staging directory's cleanup. A broken entry is replaced, and
         so is `replace`, an entry record the caller found unusable though its files hash right."""
         with self._locked():
-            manifest = self._read_manifest(self.dir) or {"format": FORMAT, "fingerprint": self.fingerprint, "entries": {}}
+            manifest = self._own_manifest() or {"format": FORMAT, "fingerprint": self.fingerprint, "entries": {}}
             if key in manifest["entries"]:
                 existing = CacheEntry(key, manifest["entries"][key])
                 if self.check(existing, factors) is None and existing.record != replace:
@@ -244,7 +259,7 @@ class CaptureCache:
         GPU or card) starts without marks, and `cache clear` forgets them. Best effort, like annotate."""
         try:
             with self._locked():
-                manifest = self._read_manifest(self.dir) or {"format": FORMAT, "fingerprint": self.fingerprint, "entries": {}}
+                manifest = self._own_manifest() or {"format": FORMAT, "fingerprint": self.fingerprint, "entries": {}}
                 if not isinstance(manifest.get("unloadable"), dict):
                     manifest["unloadable"] = {}
                 manifest["unloadable"][key] = {"factors": _normalized(factors), "problem": problem[:4000], "when": time.time()}
@@ -368,9 +383,10 @@ def verify(root: str | Path, load: bool = True) -> list[str]:
 def _load_problem(cache: CaptureCache, entry: CacheEntry) -> str | None:
     from fvgraph.compile.graph_artifact import probe_load
 
+    kind = str(cache.fingerprint.get("artifact_kind", cache.fingerprint.get("backend")))  # what the entries were stored as
     for name in entry.artifact_names:
         try:
-            probe_load(cache.path(entry, name), str(cache.fingerprint.get("backend")))
+            probe_load(cache.path(entry, name), kind)
         except Exception as err:  # its hash checks out, but a serving process could not run it
             return f"{name} artifact does not load: {str(err)[:300]}"
     return None

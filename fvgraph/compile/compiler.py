@@ -25,7 +25,7 @@ from fvgraph.compile.capture_cache import CacheEntry, CaptureCache
 from fvgraph.contract.counters import Counters
 from fvgraph.contract.flops import graph_flops
 from fvgraph.contract.progress import progress_span
-from fvgraph.compile.graph_artifact import load_graph, load_in_child, save_graph, save_graph_in_child
+from fvgraph.compile.graph_artifact import SUFFIX, artifact_kind, load_graph, load_in_child, save_graph, save_graph_in_child
 from fvgraph.kernels.attention import sdpa_backends
 from fvgraph.contract.plan import WorkPlan
 from fvgraph.contract.step_kind import StepKind
@@ -89,6 +89,12 @@ class CompileConfig:
     # Which step kinds compile. None: the ones the loop marks `compiled` (its per-step kinds, where
     # compiling pays; encoders and decoders run once per request). "all": every kind. Or the names.
     step_kinds: tuple[str, ...] | Literal["all"] | None = None
+    # How the capture cache stores inductor graphs (graph_artifact): inductor's standalone artifact,
+    # or an AOTInductor package ("aoti").
+    artifact_format: Literal["standalone", "aoti"] = "standalone"
+
+    def __post_init__(self) -> None:
+        artifact_kind(self.backend, self.artifact_format)  # ValueError naming artifact_format
 
 
 @dataclass
@@ -146,7 +152,7 @@ class StepCompiler:
         return dict(
             card_id=self._base["card_id"], weights_version=self._base["weights_version"], opt_level=opt_level,
             pass_pipeline=self.pass_manager.uuid(), backend=self.config.backend, mode=self.config.mode,
-            **dataclasses.asdict(self._runtime),
+            artifact_kind=self._artifact_kind, **dataclasses.asdict(self._runtime),
         )  # fmt: skip
 
     def wants(self, kind: str) -> bool:
@@ -263,22 +269,22 @@ class StepCompiler:
     def _compile_through_cache(self, signature, gm, prologue, base_args, hoisted, meta, began):
         """Compile each graph to a file, publish the files, and run what was published (another
         process's entry, when it published this signature first). Returns (step_fn, prologue_fn, meta)."""
-        backend, patches = self.config.backend, self._inductor_patches(signature.attention)
-        in_child = self._aoti_in_child  # see graph_artifact: AOTInductor never crashes this process
+        kind, patches = self._artifact_kind, self._inductor_patches(signature.attention)
+        in_child, suffix = self._aoti_in_child, SUFFIX.get(kind, ".pt2")  # see graph_artifact: AOTInductor never crashes this process
         with self.capture_cache.staging_dir() as staging:
-            files = {"step": Path(staging) / "step.pt2"}
+            files = {"step": Path(staging) / f"step{suffix}"}
             graphs = [(gm, base_args + hoisted, files["step"])]
             if prologue is not None:
-                files["prologue"] = Path(staging) / "prologue.pt2"
+                files["prologue"] = Path(staging) / f"prologue{suffix}"
                 graphs.append((prologue, base_args, files["prologue"]))
             for graph, args, path in graphs:
                 if in_child:
                     save_graph_in_child(graph, args, path, patches)
                 else:
-                    save_graph(graph, args, backend, path, patches)
+                    save_graph(graph, args, kind, path, patches)
             meta["compile_seconds"] = time.perf_counter() - began
             if in_child:
-                problem = load_in_child(files.values(), backend, self.device)
+                problem = load_in_child(files.values(), kind, self.device)
                 if problem is not None:
                     raise PackageDoesNotLoad(f"the built package does not load: {problem}")
             rejected = self._rejected.get(signature.key(), (None, ""))[0]  # replaced even if its hash checks out
@@ -305,9 +311,10 @@ class StepCompiler:
             try:
                 step_fn, prologue_fn = self._load_entry(entry, base_args)
             except Exception as err:  # an artifact that will not load is as bad as a corrupted one
-                problem = f"artifact failed to load: {err!r}"
+                problem = str(err)
         if problem is not None:
-            log.warning("capture cache: entry %s rejected, rebuilding: %s", entry.key, problem)
+            log.warning("capture cache: entry %s of %s rejected, rebuilding: %s", entry.key,
+                        self.capture_cache.dir / "manifest.json", problem)  # fmt: skip
             self._rejected[entry.key] = (entry.record, problem)
             self.counters.capture_cache_rejects += 1
             return None
@@ -316,18 +323,28 @@ class StepCompiler:
         return self._compiled_step(signature, step, step_fn, prologue_fn, entry.meta, 0.0)
 
     def _load_entry(self, entry: CacheEntry, base_args: list[torch.Tensor]):
-        backend, compile_fn = self.config.backend, self._backend_compile
         prologue_fn = None
         if "prologue" in entry.artifact_names:
-            prologue_fn = load_graph(self.capture_cache.path(entry, "prologue"), backend, self.device, compile_fn, base_args)
+            prologue_fn = self._load_artifact(entry, "prologue", base_args)
         hoisted = [_like(h, self.device) for h in entry.meta["hoisted_like"]]
-        step_fn = load_graph(self.capture_cache.path(entry, "step"), backend, self.device, compile_fn, base_args + hoisted)
-        return step_fn, prologue_fn
+        return self._load_artifact(entry, "step", base_args + hoisted), prologue_fn
+
+    def _load_artifact(self, entry: CacheEntry, name: str, example_args: list[torch.Tensor]):
+        """load_graph of one artifact; RuntimeError naming its file when it does not load."""
+        path = self.capture_cache.path(entry, name)
+        try:
+            return load_graph(path, self._artifact_kind, self.device, self._backend_compile, example_args)
+        except Exception as err:
+            raise RuntimeError(f"{name} artifact {path} failed to load: {err!r}") from err
+
+    @property
+    def _artifact_kind(self) -> str:
+        return artifact_kind(self.config.backend, self.config.artifact_format)
 
     @property
     def _aoti_in_child(self) -> bool:
         """AOTInductor packages on a GPU: built, and first loaded, in a child process."""
-        return self.config.backend == "inductor" and self.device.type == "cuda"
+        return self._artifact_kind == "inductor" and self.device.type == "cuda"
 
     def _backend_compile(self, gm: torch.fx.GraphModule, example_args: list[torch.Tensor], attention: str = "default"):
         backend = self.config.backend

@@ -1,9 +1,15 @@
 """A compiled step graph as a file, and back: what the capture cache stores for each signature.
 
-- inductor: an AOTInductor package (.pt2). It holds the generated code already built into a shared
-  library (and, on a GPU, the kernels' binaries), so loading it runs no compiler at all. torch's own
-  cache artifacts (`torch.compiler.save_cache_artifacts`) keep the generated source but, on a CPU, not
-  the built C++, so loading them still runs g++ once per kernel; the package does not.
+The artifact kinds (`artifact_kind` picks one from the backend and the capture cache's format):
+- standalone (inductor, the default format): inductor's own standalone artifact
+  (`torch._inductor.standalone_compile` of the post-pass graph, saved in its "binary" form). It
+  holds the generated wrapper code and, on a GPU, the Triton kernels' binaries; loading it
+  (`CompiledArtifact.load`) needs no AOTInductor runtime and runs no inductor compile. On a CPU the
+  kernels are C++ source, built with g++ once per kernel by the first load into an inductor cache.
+  torch's loader also refuses an artifact written by another torch (its `torch_key`).
+- inductor (the `aoti` format): an AOTInductor package (.pt2). It holds the generated code already
+  built into a shared library (and, on a GPU, the kernels' binaries), so loading it runs no compiler
+  at all, on a CPU either.
 - eager / aot_eager: the post-pass graph as a `torch.export` program. Loading it skips dynamo capture
   and the FX passes; the backend (cheap for these two) runs again on the loaded graph.
 
@@ -13,7 +19,8 @@ before the first in-process load of a capture-cache hit. torch 2.11's AOTInducto
 die of SIGSEGV on an H200 loading a package fvgraph had just built; a crash there should cost the
 child and one logged in-process compile, not the server. Each child runs with faulthandler on (a
 crash prints its Python stack) under a time limit, and every load logs a line first, so the last
-line before a crash names the file.
+line before a crash names the file. Standalone artifacts are built and loaded in process: they
+run the code an in-process compile runs.
 
 Either way the graph's calling convention is kept: flat positional tensors in, a sequence of tensors out.
 The process that writes an artifact runs it through `load_graph` too, so a warm process runs the very
@@ -39,12 +46,28 @@ CHILD_LOAD_TIMEOUT_S = 120.0  # a load that takes longer is treated as failed (t
 CHILD_BUILD_TIMEOUT_S = 480.0  # an AOTInductor build took 72 s on an H200 for a one-layer graph
 
 GraphFn = Callable[..., "tuple[torch.Tensor, ...] | list[torch.Tensor]"]
+ARTIFACT_FORMATS = ("standalone", "aoti")  # how the capture cache stores inductor graphs; the first is the default
+SUFFIX = {"standalone": ".bin"}  # file suffix by artifact kind; .pt2 otherwise (packages, export programs)
+
+
+def artifact_kind(backend: str, artifact_format: str) -> str:
+    """What a graph compiled with `backend` is stored as: "standalone", "inductor" (an AOTInductor
+    package) or the backend itself (a torch.export program for eager / aot_eager)."""
+    if artifact_format not in ARTIFACT_FORMATS:
+        raise ValueError(f"artifact_format={artifact_format!r} must be one of {', '.join(ARTIFACT_FORMATS)}")
+    return "standalone" if backend == "inductor" and artifact_format == "standalone" else backend
 
 
 def save_graph(gm: fx.GraphModule, example_args: list[torch.Tensor], backend: str, path: Path,
                inductor_patches: dict) -> None:  # fmt: skip
-    """Write `gm` (flat tensors in, tuple out) to `path` in the form `backend` loads fastest."""
+    """Write `gm` (flat tensors in, tuple out) to `path` as the artifact kind `backend` (artifact_kind)."""
     with torch.no_grad():
+        if backend == "standalone":  # shapes as given: a signature is one shape and batch bucket
+            _with_example_values(gm, example_args)
+            artifact = torch._inductor.standalone_compile(gm, list(example_args), dynamic_shapes="from_example_inputs",
+                                                          options={"config_patches": inductor_patches})  # fmt: skip
+            artifact.save(path=str(path), format="binary")
+            return
         # strict=False: the graph is already a flat FX graph, there is no Python to trace any more.
         program = torch.export.export(gm, tuple(example_args), strict=False)
         if backend == "inductor":
@@ -54,11 +77,27 @@ def save_graph(gm: fx.GraphModule, example_args: list[torch.Tensor], backend: st
             torch.export.save(program, str(path))
 
 
+def _with_example_values(gm: fx.GraphModule, example_args: list[torch.Tensor]) -> None:
+    """Give every node the `example_value` dynamo's own graphs carry: AOTAutograd's cache, which a
+    standalone artifact is made of, stores no graph with a tensor method call (`x.isfinite()`) on a
+    node without one. Nodes the passes added have no value yet: fake propagation supplies them."""
+    if any(node.op != "output" and "val" not in node.meta for node in gm.graph.nodes):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*example_args)
+    for node in gm.graph.nodes:
+        if "val" in node.meta:
+            node.meta.setdefault("example_value", node.meta["val"])
+
+
 def load_graph(path: Path, backend: str, device: torch.device, compile_fn: Callable[[fx.GraphModule, list], GraphFn],
                example_args: list[torch.Tensor] | None = None) -> GraphFn:  # fmt: skip
     """The callable stored at `path`. For eager/aot_eager, `compile_fn(gm, example_args)` runs the
     backend on the loaded graph (example_args may be meta tensors shaped like the real inputs)."""
     log.info("loading the %s artifact %s on %s", backend, path, device)
+    if backend == "standalone":
+        return torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
     if backend == "inductor":
         return open_package(path, device.index if device.type == "cuda" and device.index is not None else -1)
     gm = torch.export.load(str(path)).module()
@@ -84,7 +123,9 @@ def open_package(path: Path, device_index: int) -> GraphFn:
 def probe_load(path: Path, backend: str) -> None:
     """Load the artifact at `path` as a serving process would, and drop it; raises when it will not
     load (a file whose hash checks out can still fail to load: a library it links against changed)."""
-    if backend == "inductor":
+    if backend == "standalone":
+        torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+    elif backend == "inductor":
         open_package(path, 0 if torch.cuda.is_available() else -1)
     else:
         torch.export.load(str(path)).module()
