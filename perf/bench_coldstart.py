@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shape", default=None, help="FRAMESxHEIGHTxWIDTH (default: 5x32x32 for tiny-wan, else the "
                                                       "card's default shape; 17x256x256 with --gpu).")  # fmt: skip
     parser.add_argument("-O", "--opt-level", type=int, default=2)
-    parser.add_argument("--artifact-format", default="standalone", choices=("standalone", "aoti"))
+    parser.add_argument("--artifact-format", default="auto", choices=("auto", "standalone", "aoti"))
     parser.add_argument("--cold-jit", action="store_true", help="Also a start without capture cache, before the cold one.")
     parser.add_argument("--skip-cold-jit", action="store_true", help=argparse.SUPPRESS)  # the default now; kept for old commands
     parser.add_argument("--timeout", type=float, default=1800, help="Seconds allowed per start.")

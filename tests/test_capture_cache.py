@@ -290,7 +290,7 @@ def test_two_warmups_racing_on_one_directory_leave_a_valid_cache(tmp_path):
     (["-O", "0"], "takes -O1, -O2 or -O3"),
     (["--shape", "5x32"], "FRAMESxHEIGHTxWIDTH"),
     (["--buckets", "2,1"], "ascending"),
-    (["--artifact-format", "zip"], "--artifact-format='zip' must be standalone or aoti"),
+    (["--artifact-format", "zip"], "--artifact-format='zip' must be auto, standalone or aoti"),
 ])  # fmt: skip
 def test_warmup_rejects_bad_options_naming_them(tmp_path, args, message):
     code, output, _ = fvgraph_in_process("warmup", "--cache-dir", str(tmp_path), "--compile-backend", "aot_eager", *args)

@@ -1,4 +1,4 @@
-"""The capture cache's default artifact, inductor's standalone artifact, under tampering: a changed byte,
+"""The capture cache's GPU default artifact, inductor's standalone artifact (run here on the CPU), under tampering: a changed byte,
 a wrong fingerprint, an edited manifest. Each is refused with one log line naming the file, the step
 is compiled again, and the tampered file is never handed to torch's loader."""
 
@@ -14,6 +14,7 @@ import torch
 
 from fvgraph.compile.capture_cache import file_sha256, verify
 from fvgraph.compile.compiler import CompileConfig
+from fvgraph.compile.graph_artifact import artifact_kind
 from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
@@ -75,11 +76,13 @@ def rebuilt_without_loading(root: Path, refused: Path, caplog, rejects: int = 1)
     return [r.getMessage() for r in caplog.records if r.name in LOGGERS and r.levelno >= logging.WARNING]
 
 
-def test_the_standalone_artifact_is_the_default_and_warms_a_fresh_engine(warm_cache, loaded):
+def test_the_standalone_artifact_is_the_gpu_default_and_warms_a_fresh_engine(warm_cache, loaded):
     warm = engine(warm_cache)
     with warm.counters.expect(compiles=0, capture_cache_hits=1):
         assert warm.generate([Request(**REQUEST)])[0].ok
-    assert step_file(warm_cache) in loaded and CompileConfig().artifact_format == "standalone"
+    assert step_file(warm_cache) in loaded
+    assert CompileConfig().artifact_format == "auto"
+    assert [artifact_kind("inductor", "auto", device) for device in ("cuda", "cpu")] == ["standalone", "inductor"]
 
 
 def test_one_changed_byte_is_refused_naming_the_file(cache_copy, loaded, caplog):

@@ -140,18 +140,19 @@ def card_with_cache(card, cache: Optional[str]):
     return model.model_copy(update={"default_cache": settings})
 
 
-ARTIFACT_FORMAT_OPTION = typer.Option("standalone", "--artifact-format", help="How the capture cache stores inductor steps: "
-                                      "standalone (inductor's standalone artifact) or aoti (AOTInductor packages); docs/capture_cache.md.")
+ARTIFACT_FORMAT_OPTION = typer.Option("auto", "--artifact-format", help="How the capture cache stores inductor steps: "
+                                      "standalone (inductor's standalone artifact), aoti (AOTInductor packages) or auto "
+                                      "(standalone on a GPU, aoti on a CPU); docs/capture_cache.md.")
 
 
-def compile_config(compile_backend: str, disable_pass: list[str], compile_steps: str = "loop", artifact_format: str = "standalone"):
+def compile_config(compile_backend: str, disable_pass: list[str], compile_steps: str = "loop", artifact_format: str = "auto"):
     from fvgraph.compile.compiler import CompileConfig
     from fvgraph.passes.manager import PassConfig
 
     if compile_backend not in ("eager", "aot_eager", "inductor"):
         raise ValueError(f"--compile-backend={compile_backend!r} must be eager, aot_eager or inductor")
-    if artifact_format not in ("standalone", "aoti"):
-        raise ValueError(f"--artifact-format={artifact_format!r} must be standalone or aoti")
+    if artifact_format not in ("auto", "standalone", "aoti"):
+        raise ValueError(f"--artifact-format={artifact_format!r} must be auto, standalone or aoti")
     kinds = tuple(name.strip() for name in compile_steps.split(",") if name.strip())
     if not kinds:
         raise ValueError(f"--compile-steps={compile_steps!r} must be 'loop', 'all' or step kind names, comma separated")
@@ -188,7 +189,7 @@ def serving_engine(card, checkpoint: Optional[Path], opt_level: int, no_cudagrap
                     ulysses: Optional[int] = None, dtype: Optional[str] = None, flow_shift: Optional[float] = None,
                     boundary_ratio: Optional[float] = None, adapters: dict | None = None,
                     cache_methods: Optional[str] = None, vae_tiling: Optional[str] = None,
-                    offload: Optional[str] = None, artifact_format: str = "standalone"):  # fmt: skip
+                    offload: Optional[str] = None, artifact_format: str = "auto"):  # fmt: skip
     """The engine `generate` and `serve` run, from their shared options (`card`: a name or a ModelCard,
     `checkpoint`: its local folder, `adapters`: adapter_options(), `cache_methods`: --cache-methods' text,
     `vae_tiling`: --vae-tiling's text, `offload`: --offload's)."""

@@ -89,9 +89,9 @@ class CompileConfig:
     # Which step kinds compile. None: the ones the loop marks `compiled` (its per-step kinds, where
     # compiling pays; encoders and decoders run once per request). "all": every kind. Or the names.
     step_kinds: tuple[str, ...] | Literal["all"] | None = None
-    # How the capture cache stores inductor graphs (graph_artifact): inductor's standalone artifact,
-    # or an AOTInductor package ("aoti").
-    artifact_format: Literal["standalone", "aoti"] = "standalone"
+    # How the capture cache stores inductor graphs (graph_artifact.ARTIFACT_FORMATS): inductor's
+    # standalone artifact, an AOTInductor package ("aoti"), or "auto": standalone on a GPU, aoti on a CPU.
+    artifact_format: Literal["auto", "standalone", "aoti"] = "auto"
 
     def __post_init__(self) -> None:
         artifact_kind(self.backend, self.artifact_format)  # ValueError naming artifact_format
@@ -339,7 +339,7 @@ class StepCompiler:
 
     @property
     def _artifact_kind(self) -> str:
-        return artifact_kind(self.config.backend, self.config.artifact_format)
+        return artifact_kind(self.config.backend, self.config.artifact_format, self.device.type)
 
     @property
     def _aoti_in_child(self) -> bool:

@@ -46,15 +46,21 @@ CHILD_LOAD_TIMEOUT_S = 120.0  # a load that takes longer is treated as failed (t
 CHILD_BUILD_TIMEOUT_S = 480.0  # an AOTInductor build took 72 s on an H200 for a one-layer graph
 
 GraphFn = Callable[..., "tuple[torch.Tensor, ...] | list[torch.Tensor]"]
-ARTIFACT_FORMATS = ("standalone", "aoti")  # how the capture cache stores inductor graphs; the first is the default
+# How the capture cache stores inductor graphs. "auto", the default: inductor's standalone artifact on a
+# GPU (it loads with no AOTInductor runtime, whose loader died of SIGSEGV on an H200: docs/gpu.md), an
+# AOTInductor package on a CPU (a standalone artifact holds C++ source there, rebuilt by g++ at every
+# first load into an empty inductor cache: docs/capture_cache.md, "Measured").
+ARTIFACT_FORMATS = ("auto", "standalone", "aoti")
 SUFFIX = {"standalone": ".bin"}  # file suffix by artifact kind; .pt2 otherwise (packages, export programs)
 
 
-def artifact_kind(backend: str, artifact_format: str) -> str:
-    """What a graph compiled with `backend` is stored as: "standalone", "inductor" (an AOTInductor
-    package) or the backend itself (a torch.export program for eager / aot_eager)."""
+def artifact_kind(backend: str, artifact_format: str, device_type: str = "cpu") -> str:
+    """What a graph compiled with `backend` on `device_type` is stored as: "standalone", "inductor" (an
+    AOTInductor package) or the backend itself (a torch.export program for eager / aot_eager)."""
     if artifact_format not in ARTIFACT_FORMATS:
         raise ValueError(f"artifact_format={artifact_format!r} must be one of {', '.join(ARTIFACT_FORMATS)}")
+    if artifact_format == "auto":
+        artifact_format = "standalone" if device_type == "cuda" else "aoti"
     return "standalone" if backend == "inductor" and artifact_format == "standalone" else backend
 
 
