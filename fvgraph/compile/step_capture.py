@@ -74,6 +74,10 @@ def trace_graph(fn, args: list[torch.Tensor]) -> fx.GraphModule:
             result = torch.compile(fn, backend=_keep_graph(kept), fullgraph=True, dynamic=False)(*args)
         finally:
             torch._dynamo.eval_frame.remove_from_cache(fn)  # a later capture of the same code traces afresh
+    if "gm" not in kept:  # the step computes nothing (its outputs are its inputs): dynamo made no graph
+        empty = fx.Graph()
+        empty.output(())
+        kept.update(gm=fx.GraphModule(nn.Module(), empty), inputs=(), outputs=())
     return _flat_signature(kept["gm"], kept["inputs"], kept["outputs"], args, result)
 
 
