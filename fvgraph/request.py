@@ -140,6 +140,12 @@ class Request(BaseModel):
         description="Sample as an RL rollout (docs/rollouts.md): Flow-GRPO's SDE step at rollout.noise_level, each "
         "transition's latents and log-prob recorded in Result.record.",
     )
+    preview_every: int | None = Field(
+        default=None, ge=1, le=1000,
+        description="Step previews (docs/previews.md): after every k-th denoise step and after the last, the request's "
+        "denoised estimate drawn small by the card's latent-to-RGB map (engine.generate(on_preview=...); an SSE "
+        "`preview` event over HTTP). At most num_inference_steps. None: no previews, nothing copied to the host.",
+    )
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], min_length=1, max_length=MAX_REQUEST_ID_LENGTH,
                             description="Printable, at most 128 characters.")
 
@@ -151,7 +157,7 @@ class Request(BaseModel):
         return value
 
     _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "height", "width", "num_frames", "seed",
-                                     "true_cfg_scale", "max_sequence_length", mode="before")(refuse_boolean)  # fmt: skip
+                                     "true_cfg_scale", "max_sequence_length", "preview_every", mode="before")(refuse_boolean)  # fmt: skip
 
     @field_validator("height", "width")
     @classmethod
