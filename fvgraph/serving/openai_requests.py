@@ -2,7 +2,7 @@
 
 POST /v1/videos takes the OpenAI SDK's multipart form (prompt, model, seconds, size "WxH",
 input_reference) or the same fields as JSON, plus fvgraph's own fields, which the SDK sends through
-`extra_body`: num_frames, fps, num_inference_steps, guidance_scale, negative_prompt, seed, timeout,
+`extra_body`: num_frames, fps, num_inference_steps, guidance_scale, negative_prompt, seed, timeout, preview_every,
 cache (step caching: a JSON object, or in a form the text METHOD[:k=v,...] or a JSON object's text;
 "none" turns the card's default off; docs/step_caching.md); and the peers' fields
 (fvgraph/serving/client_fields.py). POST /v1/images/generations takes OpenAI's image fields as well.
@@ -75,8 +75,10 @@ class VideoBody(_Body):
     fps: float | None = Field(default=None, ge=MIN_FPS, le=MAX_FPS, description="Frames per second of the mp4.")
     num_frames: int | None = Field(default=None, ge=1, le=100_000, description="Rounded to the nearest the card allows.")
     n: int | None = Field(default=None, description="vLLM-Omni's video count: 1 (one video per call).")
+    preview_every: int | None = Field(default=None, ge=1, le=1000, description="A `preview` event (PNG) on the video's "
+                                      "event stream after every k-th denoise step and the last (docs/previews.md).")
 
-    _numbers_not_booleans = field_validator("seconds", "fps", "num_frames", "n", mode="before")(refuse_boolean)
+    _numbers_not_booleans = field_validator("seconds", "fps", "num_frames", "n", "preview_every", mode="before")(refuse_boolean)
 
     @field_validator("n")
     @classmethod
@@ -304,7 +306,8 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
     else:
         frames = card.shapes.default_frames
     seconds = f"{frames / float(mp4_rate(fps)):g}"  # what is rendered and written, not what was asked
-    shape = dict(height=height, width=width, num_frames=frames, **({} if image is None else {"image": image}))
+    shape = dict(height=height, width=width, num_frames=frames, preview_every=body.preview_every,
+                 **({} if image is None else {"image": image}))
     request = _request(body, card, request_id, max_prompt_chars, sent, notes, **shape)
     return Parsed(request, f"{width}x{height}", seconds, fps, body.timeout, sent, notes)
 
