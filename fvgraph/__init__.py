@@ -9,11 +9,14 @@
 from fvgraph.torchvision_notes import drop_torchvision_fallback_notes
 
 drop_torchvision_fallback_notes()  # before the imports below raise them  # noqa: E402
+from fvgraph.artifacts import ImageArtifact, LatentArtifact, Provenance, VideoArtifact  # noqa: E402
 from fvgraph.card import ModelCard  # noqa: E402
 from fvgraph.cards import card_names, get_card  # noqa: E402
 from fvgraph.engine.engine import Engine  # noqa: E402
+from fvgraph.events import PreviewEvent  # noqa: E402
 from fvgraph.parallel.config import ParallelConfig  # noqa: E402
 from fvgraph.request import Request, RequestRejected, Result  # noqa: E402
 
-__all__ = ["Engine", "ModelCard", "ParallelConfig", "Request", "RequestRejected", "Result", "card_names", "get_card"]
+__all__ = ["Engine", "ImageArtifact", "LatentArtifact", "ModelCard", "ParallelConfig", "PreviewEvent", "Provenance", "Request",
+           "RequestRejected", "Result", "VideoArtifact", "card_names", "get_card"]  # fmt: skip
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 Each event is a frozen dataclass checked when it is built, so an invalid one cannot exist: a preview
 of step 0 or of a step past the last, an image that is not uint8 [h, w, 3], a media chunk with no
-stream or a negative time range, a preview stream's completion marked final. `event_type` is the
+stream or a negative time range, media of a preview stream marked final. `event_type` is the
 dotted name a client sees (`step.preview`, `media.chunk`, ...).
 
     engine.generate([Request(..., preview_every=2)], on_preview=lambda e: show(e.image))
@@ -94,29 +94,41 @@ class PreviewEvent:
 
 
 @dataclass(frozen=True)
+class MediaStream:
+    """One stream of a request's media: its name ("video", "preview"), its type, and whether it
+    carries previews or the final result."""
+
+    name: str
+    mime: str
+    fidelity: Fidelity = "final"
+
+    def __post_init__(self) -> None:
+        _need(isinstance(self.name, str) and bool(self.name), "media stream", f"name must be a non-empty string, got {self.name!r}")
+        _need(isinstance(self.mime, str) and "/" in self.mime, "media stream", f"mime must be a type/subtype, got {self.mime!r}")
+        _need(self.fidelity in _FIDELITIES, "media stream", f"fidelity must be one of {_FIDELITIES}, got {self.fidelity!r}")
+
+
+@dataclass(frozen=True)
 class MediaInit:
-    """media.init: a stream of `mime` media starts (an fMP4's init segment in `data`, where it has one)."""
+    """media.init: `stream` starts (an fMP4's init segment in `data`, where it has one)."""
 
     event_type: ClassVar[str] = "media.init"
     request_id: str
-    stream: str
-    mime: str
-    fidelity: Fidelity = "final"
+    stream: MediaStream
     data: bytes = b""
 
     def __post_init__(self) -> None:
-        _check_media("media.init", self.request_id, self.stream, self.fidelity)
-        _need(isinstance(self.mime, str) and "/" in self.mime, "media.init", f"mime must be a type/subtype, got {self.mime!r}")
+        _check_media("media.init", self.request_id, self.stream)
 
 
 @dataclass(frozen=True)
 class MediaChunk:
-    """media.chunk: bytes `data` of stream `stream`, chunk `index` (0-based), covering media time
-    [start_s, end_s) seconds."""
+    """media.chunk: bytes `data` of `stream`, chunk `index` (0-based), covering media time
+    [start_s, end_s) seconds; `fidelity` says preview or final and must be its stream's."""
 
     event_type: ClassVar[str] = "media.chunk"
     request_id: str
-    stream: str
+    stream: MediaStream
     index: int
     start_s: float
     end_s: float
@@ -133,12 +145,11 @@ class MediaChunk:
 
 @dataclass(frozen=True)
 class MediaComplete:
-    """media.complete: stream `stream` ended after `chunks` chunks. Only a final stream can complete
-    as final: a preview stream's end is marked preview, never final."""
+    """media.complete: `stream` ended after `chunks` chunks, at `fidelity` (its stream's)."""
 
     event_type: ClassVar[str] = "media.complete"
     request_id: str
-    stream: str
+    stream: MediaStream
     chunks: int
     fidelity: Fidelity = "final"
 
@@ -147,12 +158,13 @@ class MediaComplete:
         _need(isinstance(self.chunks, int) and self.chunks >= 0, "media.complete", f"chunks must be an int >= 0, got {self.chunks!r}")
 
 
-def _check_media(event: str, request_id: str, stream: str, fidelity: str) -> None:
+def _check_media(event: str, request_id: str, stream: MediaStream, fidelity: str | None = None) -> None:
     _check_id(event, request_id)
-    _need(isinstance(stream, str) and bool(stream), event, f"a media event belongs to a stream: stream must be a non-empty name, got {stream!r}")
-    _need(fidelity in _FIDELITIES, event, f"fidelity must be one of {_FIDELITIES}, got {fidelity!r}")
-    if stream.startswith("preview"):
-        _need(fidelity == "preview", event, f"stream {stream!r} is a preview stream: its media cannot be marked final")
+    _need(isinstance(stream, MediaStream), event, f"media belongs to a stream: stream must be a MediaStream, got {stream!r}")
+    if fidelity is not None:
+        _need(fidelity in _FIDELITIES, event, f"fidelity must be one of {_FIDELITIES}, got {fidelity!r}")
+        _need(fidelity == stream.fidelity, event, f"stream {stream.name!r} carries {stream.fidelity} media: "
+                                                  f"its media cannot be marked {fidelity}")  # fmt: skip
 
 
 def _describe(value: object) -> str:

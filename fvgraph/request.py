@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from fvgraph.adapters.names import bad_name
+from fvgraph.artifacts import ImageArtifact, LatentArtifact, VideoArtifact
 from fvgraph.behavior import BehaviorRecord, RolloutSampling
 from fvgraph.card import ModelCard
 from fvgraph.caching.settings import CacheSettings, NoCache
@@ -365,6 +366,9 @@ class Result:
     provenance: dict = field(default_factory=dict)
     # A rollout request's record of every transition (fvgraph/behavior.py), else None.
     record: BehaviorRecord | None = None
+    # Typed outputs with their provenance (fvgraph/artifacts.py): a LatentArtifact, then the VideoArtifact
+    # or ImageArtifact of the decode; empty for a request that did not end ok.
+    artifacts: list[LatentArtifact | VideoArtifact | ImageArtifact] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -112,12 +112,15 @@ def test_preview_event_checks_itself():
         PreviewEvent("r", 1, image.astype(np.float32), 3)
 
 
-def test_compiled_step_compiles_once_with_and_without_previews():
-    """-O1 (aot_eager): the same compiled step serves requests with and without previews, and the
-    results are bit-identical with previews and without."""
-    engine = Engine.from_card("tiny-wan", opt_level=1, device="cpu", compile_config=CompileConfig(backend="aot_eager"),
+@pytest.mark.parametrize("opt_level", [1, 2])
+def test_compiled_step_compiles_once_with_and_without_previews(opt_level):
+    """-O1 and -O2 (aot_eager; on the CPU -O2's runner replays the compiled callable on its static
+    buffers): the same compiled step serves requests with and without previews, and the results are
+    bit-identical with previews and without."""
+    engine = Engine.from_card("tiny-wan", opt_level=opt_level, device="cpu", compile_config=CompileConfig(backend="aot_eager"),
                               buckets=BucketSpec(batch_sizes=(1, 2)))  # fmt: skip
     plain, _ = _run(engine, None)
+    assert engine.counters.compiles >= 1  # the plain run compiled the step the previewed run must reuse
     with engine.counters.expect(compiles=0):
         previewed, previews = _run(engine, 1)
     _assert_same_results(plain, previewed)

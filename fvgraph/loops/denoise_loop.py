@@ -28,6 +28,7 @@ from fvgraph.loops.denoise_state import DenoiseFacts, DenoiseState, to_device
 from fvgraph.loops.loop_adapters import LoopAdapters
 from fvgraph.loops.loop_parts import FAMILY_FIELDS, FamilyParts, LoopConfig
 from fvgraph.loops.previews import LoopPreviews
+from fvgraph.loops.result_artifacts import artifacts
 from fvgraph.loops.loop_rollouts import SDE_KINDS, LoopRollouts, rollout_step_kinds
 from fvgraph.loops.samplers import SamplerPlan, build_sampler
 from fvgraph.loops.state_check import check_state
@@ -71,6 +72,7 @@ class DenoiseLoop:
                                    self._denoise_steps)  # fmt: skip
         self.adapters = LoopAdapters(config.adapters, components.device)
         self.rollouts = LoopRollouts(card, parts.denoiser.step, config.run_facts) if parts.rollouts else None
+        self.run_facts = dict(config.run_facts)  # opt level and parallel plan, for the artifacts' provenance
         tiling = None if components.vae is None else vae_tiling(components.vae, config.vae_tiling)
         self.decoding = Decoding(parts.decoder, tiling)
         # A media conditioning's VAE encode, in tiles as the decode (None: untiled, or no media encode).
@@ -357,16 +359,18 @@ class DenoiseLoop:
         if state.decoded is not None:
             video = state.decoded[0].permute(1, 2, 3, 0).float().cpu()  # [F, H, W, 3]
             frames = (video * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+        latents, provenance = state.latents.cpu(), self._provenance(state)
         return Result(
             request_id=state.request_id,
             status="ok",
             seed=state.seed,
             frames=frames,
-            latents=state.latents.cpu(),
+            latents=latents,
             timings=dict(state.timings),
             cache=None if state.caching is None else state.caching.report(),
-            provenance=self._provenance(state),
+            provenance=provenance,
             record=self._behavior_record(state),
+            artifacts=artifacts(self.card, state, provenance, self.run_facts, latents, frames),
         )
 
     def _provenance(self, state: DenoiseState) -> dict:
