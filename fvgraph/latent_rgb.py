@@ -45,6 +45,12 @@ class LatentRgbMap:
     bias: torch.Tensor
     fit_error: float | None = None
 
+    def __post_init__(self) -> None:
+        # The image is made in numpy, float64: a preview is a few hundred numbers, where each torch op's
+        # fixed cost (~10 us) would be most of the time.
+        object.__setattr__(self, "_factors64", self.factors.double().numpy())
+        object.__setattr__(self, "_bias64", self.bias.double().numpy())
+
     @classmethod
     def of(cls, spec: LatentRgbSpec) -> LatentRgbMap:
         return cls(torch.tensor(spec.factors, dtype=torch.float32), torch.tensor(spec.bias, dtype=torch.float32))
@@ -53,14 +59,16 @@ class LatentRgbMap:
     def channels(self) -> int:
         return int(self.factors.shape[0])
 
-    def rgb(self, frame: torch.Tensor) -> torch.Tensor:
-        """One latent frame [C, h, w] -> RGB [h, w, 3] in about [-1, 1] (float32)."""
-        return frame.float().permute(1, 2, 0) @ self.factors + self.bias
+    def rgb(self, frame: torch.Tensor) -> np.ndarray:
+        """One latent frame [C, h, w] (host) -> RGB [h, w, 3] in about [-1, 1] (float64)."""
+        latents = frame.numpy().astype(np.float64)
+        return np.tensordot(latents, self._factors64, axes=(0, 0)) + self._bias64
 
     def image(self, frame: torch.Tensor) -> np.ndarray:
-        """One latent frame [C, h, w] (host) -> uint8 RGB [h, w, 3], as the decoded video's [-1, 1] -> [0, 255]."""
-        unit = (self.rgb(frame) / 2 + 0.5).clamp(0, 1)
-        return (unit * 255).round().to(torch.uint8).numpy()
+        """One latent frame [C, h, w] (host) -> uint8 RGB [h, w, 3], as the decoded video's [-1, 1] -> [0, 255]
+        (rounded half to even, as torch.round)."""
+        unit = np.clip(self.rgb(frame) / 2 + 0.5, 0.0, 1.0)
+        return np.rint(unit * 255).astype(np.uint8)
 
 
 def fit_latent_rgb(decode: Callable[[torch.Tensor], torch.Tensor], channels: int, spatial_scale: int,

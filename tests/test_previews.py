@@ -56,8 +56,9 @@ def test_last_preview_is_the_map_of_the_final_latents(tiny_engine):
     latents = results[0].latents  # [1, C, F, h, w]
     mid = latents.shape[2] // 2
     factors, bias = tiny_engine.loop.previews.map.factors, tiny_engine.loop.previews.map.bias
-    rgb = torch.einsum("chw,cr->hwr", latents[0, :, mid].float(), factors) + bias  # written out, not the map's own method
-    expected = ((rgb + 1) / 2 * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+    # written out in torch, float64 as the map computes, not by the map's own method
+    rgb = torch.einsum("chw,cr->hwr", latents[0, :, mid].double(), factors.double()) + bias.double()
+    expected = ((rgb + 1) / 2 * 255).clamp(0, 255).round().to(torch.uint8).numpy()
     assert np.array_equal(last.image, expected)
 
 
