@@ -9,6 +9,7 @@ schedule). The scheduler configs are those the releases ship (scheduler/schedule
 
 from __future__ import annotations
 
+from fvgraph.cards.latent_rgb_factors import FLUX_LATENT_RGB
 from fvgraph.cards.wan import PARITY as WAN_PARITY
 from fvgraph.card import ComponentSpec, ModelCard, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules, TeaCacheCoefficients
 
@@ -67,7 +68,8 @@ def _released(card_id: str, recipe: RecipeSpec, text_len: int, hub_repo: str, pi
                      recipe=recipe, parity=PARITY,
                      components=_components(None, None, None, None, None, None, "bf16"),
                      shapes=ShapeRules(text_len=text_len, **IMAGE_SHAPES),
-                     quantization=_fp8_exclusions(FLUX_DEV_TRANSFORMER["num_layers"], FLUX_DEV_TRANSFORMER["num_single_layers"]))  # fmt: skip
+                     quantization=_fp8_exclusions(FLUX_DEV_TRANSFORMER["num_layers"], FLUX_DEV_TRANSFORMER["num_single_layers"]),
+                     latent_rgb=FLUX_LATENT_RGB)  # fmt: skip
 
 
 FLUX_1_DEV = _released("flux.1-dev", _recipe("flux.1-dev", DEV_SCHEDULER, 28, 3.5, teacache=TEACACHE_DEV), text_len=512,

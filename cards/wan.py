@@ -8,6 +8,7 @@ on a CPU in seconds, which is what the tests and the README's first command use.
 
 from __future__ import annotations
 
+from fvgraph.cards.latent_rgb_factors import WAN21_LATENT_RGB
 from fvgraph.card import (
     ComponentSpec,
     ModelCard,
@@ -114,6 +115,7 @@ def _released(card_id: str, transformer: dict, teacache: TeaCacheCoefficients, h
         parity=PARITY,
         shapes=ShapeRules(text_len=512),
         quantization=_fp8_exclusions(transformer["num_layers"]),
+        latent_rgb=WAN21_LATENT_RGB,
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ I2V model has no CLIP image encoder (the first frame enters through the VAE late
 from __future__ import annotations
 
 from fvgraph.card import ComponentSpec, ModelCard, RecipeSpec, SamplerSpec, ShapeRules
+from fvgraph.cards.latent_rgb_factors import WAN21_LATENT_RGB
 from fvgraph.cards.wan import PARITY, TINY_WAN, WAN_UNIPC, _components, _fp8_exclusions
 
 
@@ -36,6 +37,7 @@ def _released(card_id: str, loop: str, shift: float, boundary: float, guidance: 
         shapes=ShapeRules(text_len=512, default_height=720, default_width=1280),
         quantization=_fp8_exclusions(40),
         pipeline_class=pipeline,
+        latent_rgb=WAN21_LATENT_RGB,  # the A14B experts share Wan 2.1's VAE
     )  # fmt: skip
 
 

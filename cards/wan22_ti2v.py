@@ -14,6 +14,7 @@ folder (fvgraph/contract/model_facts.py).
 from __future__ import annotations
 
 from fvgraph.card import ModelCard, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules
+from fvgraph.cards.latent_rgb_factors import WAN22_LATENT_RGB
 from fvgraph.cards.wan import PARITY, TINY_WAN, WAN_UNIPC, _components, _fp8_exclusions
 
 WAN_UNIPC_TI2V = SamplerSpec(name="unipc", config={**WAN_UNIPC.config, "flow_shift": 5.0})
@@ -31,6 +32,8 @@ WAN_2_2_TI2V_5B = ModelCard(
     parity=PARITY,
     shapes=ShapeRules(text_len=512, default_height=704, default_width=1280, default_frames=121),
     quantization=_fp8_exclusions(30),
+    latent_rgb=WAN22_LATENT_RGB,
+    fps=24,  # Wan 2.2 TI2V-5B's videos are 24 fps
 )  # fmt: skip
 
 # A seeded Wan 2.2 VAE at tiny width: the released layout (residual blocks, 12 = 3 x 2 x 2 patchified

@@ -10,6 +10,7 @@ from the checkpoint folder (fvgraph/contract/model_facts.py).
 from __future__ import annotations
 
 from fvgraph.card import ComponentSpec, ModelCard, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules
+from fvgraph.cards.latent_rgb_factors import WAN21_LATENT_RGB
 from fvgraph.cards.wan import PARITY, TINY_TEXT_LEN, TINY_WAN, WAN_UNIPC, _components, _fp8_exclusions
 
 # The 720p model's scheduler config uses flow_shift 5.0 (diffusers' Wan2.1-I2V-14B-720P-Diffusers).
@@ -40,6 +41,7 @@ def _released(card_id: str, sampler: SamplerSpec, height: int, width: int, hub_r
         shapes=ShapeRules(text_len=512, max_height=1280, max_width=1280, default_height=height, default_width=width),
         quantization=_fp8_exclusions(40),
         pipeline_class="WanImageToVideoPipeline",
+        latent_rgb=WAN21_LATENT_RGB,
     )  # fmt: skip
 
 

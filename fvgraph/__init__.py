@@ -11,13 +11,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from fvgraph.artifacts import ImageArtifact, LatentArtifact, Provenance, VideoArtifact
     from fvgraph.card import ModelCard
     from fvgraph.cards import card_names, get_card
     from fvgraph.engine.engine import Engine
+    from fvgraph.events import PreviewEvent
     from fvgraph.parallel.config import ParallelConfig
     from fvgraph.request import Request, RequestRejected, Result
 
-__all__ = ["Engine", "ModelCard", "ParallelConfig", "Request", "RequestRejected", "Result", "card_names", "get_card"]
+__all__ = ["Engine", "ImageArtifact", "LatentArtifact", "ModelCard", "ParallelConfig", "PreviewEvent", "Provenance", "Request",
+           "RequestRejected", "Result", "VideoArtifact", "card_names", "get_card"]  # fmt: skip
 __version__ = "0.1.0"
 
 
@@ -37,6 +40,10 @@ def __getattr__(name: str) -> object:
         from fvgraph import request as home
     elif name in ("card_names", "get_card"):
         from fvgraph import cards as home
+    elif name in ("ImageArtifact", "LatentArtifact", "Provenance", "VideoArtifact"):
+        from fvgraph import artifacts as home
+    elif name == "PreviewEvent":
+        from fvgraph import events as home
     else:
         raise AttributeError(f"module 'fvgraph' has no attribute {name!r}")
     value = globals()[name] = getattr(home, name)

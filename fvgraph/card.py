@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, field_validat
 from fvgraph.caching.settings import CacheSettings
 
 from fvgraph.caching.methods import parse_cache_settings
+from fvgraph.latent_rgb import LatentRgbSpec
 from fvgraph.recipe import Precision, RecipeSpec, SamplerSpec, TeaCacheCoefficients, _Spec
 from fvgraph.torchvision_notes import drop_torchvision_fallback_notes
 
@@ -128,6 +129,12 @@ class ModelCard(_Spec):
         description='Step caching a request gets when it gives no `cache` (docs/step_caching.md), e.g. '
         '{"method": "magcache", "threshold": 0.06}; a request opts out with cache="none".',
     )
+
+    latent_rgb: LatentRgbSpec | None = Field(
+        default=None, description="The family's published latent-to-RGB preview factors (fvgraph/latent_rgb.py). "
+        "None: a card that embeds its weights fits its map from its own VAE; any other takes no previews.",
+    )
+    fps: int = Field(default=16, ge=1, le=120, description="The frame rate the family's videos are made at (a VideoArtifact's fps).")
 
     @field_validator("default_cache", mode="before")
     @classmethod

@@ -25,6 +25,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationInfo, field_validator, model_validator
 
 from fvgraph.adapters.names import bad_name
+from fvgraph.artifacts import ImageArtifact, LatentArtifact, VideoArtifact
 from fvgraph.behavior import BehaviorRecord, RolloutSampling
 from fvgraph.card import ModelCard
 from fvgraph.caching.settings import CacheSettings, NoCache
@@ -150,6 +151,12 @@ class Request(BaseModel):
         description="Sample as an RL rollout (docs/rollouts.md): Flow-GRPO's SDE step at rollout.noise_level, each "
         "transition's latents and log-prob recorded in Result.record.",
     )
+    preview_every: int | None = Field(
+        default=None, ge=1, le=1000,
+        description="Step previews (docs/previews.md): after every k-th denoise step and after the last, the request's "
+        "denoised estimate drawn small by the card's latent-to-RGB map (engine.generate(on_preview=...); an SSE "
+        "`preview` event over HTTP). At most num_inference_steps. None: no previews, nothing copied to the host.",
+    )
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12], min_length=1, max_length=MAX_REQUEST_ID_LENGTH,
                             description="Printable, at most 128 characters.")
 
@@ -161,7 +168,7 @@ class Request(BaseModel):
         return value
 
     _not_a_boolean = field_validator("num_inference_steps", "guidance_scale", "height", "width", "num_frames", "seed",
-                                     "true_cfg_scale", "max_sequence_length", mode="before")(refuse_boolean)  # fmt: skip
+                                     "true_cfg_scale", "max_sequence_length", "preview_every", mode="before")(refuse_boolean)  # fmt: skip
 
     @field_validator("height", "width")
     @classmethod
@@ -394,6 +401,9 @@ class Result:
     provenance: dict = field(default_factory=dict)
     # A rollout request's record of every transition (fvgraph/behavior.py), else None.
     record: BehaviorRecord | None = None
+    # Typed outputs with their provenance (fvgraph/artifacts.py): a LatentArtifact, then the VideoArtifact
+    # or ImageArtifact of the decode; empty for a request that did not end ok.
+    artifacts: list[LatentArtifact | VideoArtifact | ImageArtifact] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -7,6 +7,7 @@
     python perf/bench_scheduler_overhead.py --stand-in # also with the step stood in for: warm vs evicted caches
     python perf/bench_scheduler_overhead.py --stand-in host   # the host's own cost alone (any of the modes below)
     python perf/bench_scheduler_overhead.py --against-commit SHA --stand-in   # A/B of the host cost alone
+    python perf/bench_scheduler_overhead.py --stand-in host --preview-every 1   # host cost of step previews (A/B)
     python perf/bench_scheduler_overhead.py --idle --gpu   # device idle between replays, serial vs run-ahead (perf/replay_idle.py)
 
 Runs a mix of requests at the smallest shape (1 frame, 32x32: the step is kept short, since it is
@@ -93,15 +94,16 @@ class Stopwatch:
         return timed
 
 
-def request_mix(n: int, steps: int, text_len: int, text_dim: int, seed: int = 0) -> list:
+def request_mix(n: int, steps: int, text_len: int, text_dim: int, seed: int = 0, preview_every: int | None = None) -> list:
     from fvgraph.request import Request
 
     g = torch.Generator().manual_seed(seed)
     embeds = lambda: torch.randn(text_len, text_dim, generator=g)  # noqa: E731
+    previews = {} if preview_every is None else {"preview_every": preview_every}  # a tree without previews never sees the field
     return [
         Request(prompt_embeds=embeds(), negative_prompt_embeds=embeds(),
                 seed=i, guidance_scale=2.0 + i % 4, num_inference_steps=steps - i % 3, num_frames=1, height=32,
-                width=32, output_type="latent")  # fmt: skip
+                width=32, output_type="latent", **previews)  # fmt: skip
         for i in range(n)
     ]
 
@@ -179,16 +181,20 @@ class Bench:
         self.watch = Stopwatch()
         instrument(self.engine, self.watch, getattr(args, "phases", False))
 
-    def mix(self) -> list:
-        return request_mix(self.args.requests, self.args.steps, self.engine.card.shapes.text_len, self.text_dim)
+    def mix(self, preview_every: int | None = None) -> list:
+        return request_mix(self.args.requests, self.args.steps, self.engine.card.shapes.text_len, self.text_dim,
+                           preview_every=preview_every)  # fmt: skip
 
-    def run(self) -> dict:
-        requests = self.mix()  # built before the clock starts: making the mix is the caller's work
+    def run(self, preview_every: int | None = None) -> dict:
+        """One timed mix; with `preview_every` every request asks for previews, delivered to a list."""
+        requests = self.mix(preview_every)  # built before the clock starts: making the mix is the caller's work
+        previews: list = []
+        delivery = {} if preview_every is None else {"on_preview": previews.append}
         self.watch.seconds.clear()
         before = self.engine.counters.snapshot()
         sync(self.device)
         began = time.perf_counter()
-        results = self.engine.generate(requests)
+        results = self.engine.generate(requests, **delivery)
         sync(self.device)
         wall = time.perf_counter() - began
         assert all(r.ok for r in results), [r.error for r in results if not r.ok]
@@ -198,7 +204,7 @@ class Bench:
         run = dict(batches=done["batches"], request_steps=done["compiled_steps"], outside=outside,
                    step=seconds["step"], prologue=seconds["prologue"], prologue_runs=done.get("prologue_runs"),
                    start=seconds["start"], row_copies=seconds["row_copies"],
-                   rows_copied=done.get("hoisted_rows_copied"))  # fmt: skip
+                   rows_copied=done.get("hoisted_rows_copied"), previews=len(previews))  # fmt: skip
         if self.args.phases:
             run["phases"] = {label: seconds[label] for label in (*PHASES, "row_copies")}
             run["phases"]["other"] = outside - sum(run["phases"].values())
@@ -211,6 +217,8 @@ def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> No
     step = stand_in_wiring(bench)
     bench.run()  # untimed: every bucket's outputs recorded from a real run
     modes = tuple(args.stand_in) or stand_in_step.MODES
+    if args.preview_every is not None:
+        return previews_ab(args, bench, step, modes, backend, device)
     runs = {mode: [] for mode in modes}
     for r in range(args.repeats):
         for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
@@ -224,6 +232,31 @@ def stand_in(args: argparse.Namespace, backend: str, device: torch.device) -> No
         **{mode: figures(runs[mode], args.requests) for mode in modes},
         **{f"{mode}_over_step": paired_ratio(per_batch[mode], per_batch["step"]) for mode in modes if "step" in modes and mode != "step"},
     })  # fmt: skip
+
+
+def previews_ab(args: argparse.Namespace, bench: Bench, step, modes: tuple, backend: str, device: torch.device) -> None:
+    """--preview-every K with --stand-in: per mode, the mix without previews and with every request
+    asking for them, interleaved (order alternating); the host cost of previews is the paired
+    difference of the time outside the step, per request-step and per preview delivered."""
+    runs = {(mode, k): [] for mode in modes for k in (None, args.preview_every)}
+    for r in range(args.repeats):
+        for mode in modes:
+            step.mode = mode
+            for k in ((None, args.preview_every) if r % 2 == 0 else (args.preview_every, None)):
+                bench.run(k)  # untimed: the run after a switch frees what the last one allocated
+                runs[(mode, k)].append(bench.run(k))
+    line = {**provenance("scheduler_overhead_previews", device), "card": args.card, "opt_level": bench.engine.opt_level,
+            "backend": backend, "requests": args.requests, "batch_sizes": args.batch_sizes, "preview_every": args.preview_every}  # fmt: skip
+    for mode in modes:
+        off, on = runs[(mode, None)], runs[(mode, args.preview_every)]
+        line[mode] = figures(off, args.requests)
+        line[f"{mode}_previews"] = {**figures(on, args.requests), "previews": on[0]["previews"]}
+        extra = [b["outside"] - a["outside"] for a, b in zip(off, on)]  # paired by round
+        line[f"{mode}_preview_cost"] = {
+            "us_per_request_step": spread([e / on[0]["request_steps"] for e in extra], 1e6, 2),
+            "us_per_preview": spread([e / on[0]["previews"] for e in extra], 1e6, 1),
+        }
+    emit(line)
 
 
 def stand_in_wiring(bench: Bench) -> stand_in_step.StandInStep:
@@ -361,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time the mix with the step stood in for by its recorded outputs, caches warm and "
                              "evicted (perf/stand_in_step.py), interleaved with the real step; given modes, those "
                              f"alone (of {', '.join(stand_in_step.MODES)}); with --against-commit, both trees in host mode")  # fmt: skip
+    parser.add_argument("--preview-every", type=int, metavar="K",
+                        help="with --stand-in: also the mix with every request asking for previews every K steps, interleaved (A/B)")
     parser.add_argument("--idle", action="store_true", help="device idle time between replays, serial vs run-ahead, per bucket")
     parser.add_argument("--idle-buckets", type=int, nargs="+", default=[1, 4, 8], help="with --idle: one engine per bucket")
     parser.add_argument("--idle-shape", help="with --idle: HxWxF (default 256x256x17 with --gpu, else 32x32x1)")
@@ -373,6 +408,8 @@ def main(argv: list[str] | None = None) -> None:
     backend = args.backend or ("aot_eager" if args.gpu else "inductor")
     device = torch.device("cuda" if args.gpu else "cpu")
     args.card = args.card or (method.GPU_CARD if args.idle and args.gpu else "wan-cpu-bench")
+    if args.preview_every is not None and (args.stand_in is None or args.against_commit or args.idle):
+        raise SystemExit("--preview-every runs with --stand-in on this tree alone (not with --against-commit or --idle)")
     if args.idle:
         return idle(args, device)
     if args.worker:

@@ -17,7 +17,7 @@ from http_helpers import KEY, live_server
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 INSTALL = "run `make browser` (as root on Debian: apt-get install -y chromium chromium-driver)"
 # Small and quick on a CPU, at -O0: 4 denoise steps of a 64x64 clip of 9 frames (1.125 s at 8 fps).
-FORM = {"width": "64", "height": "64", "frames": "9", "fps": "8", "steps": "4", "guidance": "5", "seed": "7"}
+FORM = {"width": "64", "height": "64", "frames": "9", "fps": "8", "steps": "4", "guidance": "5", "seed": "7", "preview-every": "2"}
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +96,10 @@ def test_the_page_generates_streams_progress_and_plays_the_video(browser, tiny_e
         assert by_id("progress-text").text == "100%"
         denoise = [line for line in by_id("step-log").text.splitlines() if "/4" in line]
         assert [line.split()[1].rstrip(",") for line in denoise] == ["1/4", "2/4", "3/4", "4/4"]  # each step streamed
+        preview = browser.execute_script(  # updated in place from each preview event; the last is step 4's
+            "const p = document.getElementById('preview');"
+            "return {shown: !p.hidden, step: p.dataset.step, width: p.naturalWidth, src: p.src.slice(0, 22)};")
+        assert preview == {"shown": True, "step": "4", "width": 8, "src": "data:image/png;base64,"}  # 64 px / 8
         timings = by_id("timings").text
         assert "total" in timings and "submit to playable" in timings  # the server's, from the done event, and ours
 

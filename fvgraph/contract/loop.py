@@ -77,6 +77,7 @@ class Loop(Protocol[S]):
     def advance(self, state: S, result: StepResult) -> S: ...
 
     def finalize(self, state: S) -> Result: ...
+    def take_preview(self, state: S) -> Any: ...  # the PreviewEvent the last step made for it (once), else None
 
     def adopt(self, state: S) -> S: ...  # a state saved elsewhere (same card), moved onto this loop's device
 

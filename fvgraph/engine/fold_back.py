@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,6 +28,24 @@ log = logging.getLogger(__name__)
 
 StepCallback = Callable[[LoopState, str], None]  # after each request's step: its state and the step kind
 ResultCallback = Callable[[LoopState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
+PreviewCallback = Callable[[Any], None]  # takes a fvgraph.events.PreviewEvent (Request.preview_every)
+
+
+def with_previews(loop: Loop, on_step: StepCallback | None, on_preview: PreviewCallback | None) -> StepCallback | None:
+    """`on_step`, then `on_preview` with the preview the step just made for the request, if it made one.
+    Called where on_step is (a settled step, in group order), so a preview never outruns its step."""
+    if on_preview is None:
+        return on_step
+    take = loop.take_preview
+
+    def step_and_preview(state: LoopState, kind: str) -> None:
+        if on_step is not None:
+            on_step(state, kind)
+        preview = take(state)
+        if preview is not None:
+            on_preview(preview)
+
+    return step_and_preview
 
 
 def fold_back(loop: Loop, group: list[tuple[LoopState, WorkPlan]], results: list[StepResult], elapsed: float,

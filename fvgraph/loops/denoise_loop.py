@@ -27,6 +27,8 @@ from fvgraph.contract.step_kind import StepKind
 from fvgraph.loops.denoise_state import DenoiseFacts, DenoiseState, to_device
 from fvgraph.loops.loop_adapters import LoopAdapters
 from fvgraph.loops.loop_parts import FAMILY_FIELDS, FamilyParts, LoopConfig
+from fvgraph.loops.previews import LoopPreviews
+from fvgraph.loops.result_artifacts import artifacts
 from fvgraph.loops.loop_rollouts import SDE_KINDS, LoopRollouts, rollout_step_kinds
 from fvgraph.loops.samplers import SamplerPlan, build_sampler, start_step
 from fvgraph.loops.state_check import check_state
@@ -35,6 +37,7 @@ from fvgraph.loops.taps import TapPoints
 from fvgraph.loops.tiled_coding import VAE_DECODE, Decoding, TiledEncoding
 from fvgraph.models.components import Components
 from fvgraph.models.vae_tiles import vae_tiling
+from fvgraph.events import PreviewEvent
 from fvgraph.request import Request, RequestRejected, Result
 
 TEXT_ENCODE = "text_encode"
@@ -69,11 +72,13 @@ class DenoiseLoop:
                                    self._denoise_steps)  # fmt: skip
         self.adapters = LoopAdapters(config.adapters, components.device)
         self.rollouts = LoopRollouts(card, parts.denoiser.step, config.run_facts) if parts.rollouts else None
+        self.run_facts = dict(config.run_facts)  # opt level and parallel plan, for the artifacts' provenance
         tiling = None if components.vae is None else vae_tiling(components.vae, config.vae_tiling)
         self.decoding = Decoding(parts.decoder, tiling)
         # A media conditioning's VAE encode, in tiles as the decode (None: untiled, or no media encode).
         self.encoding = TiledEncoding(tiling) if tiling is not None and parts.conditioning is not None else None
         self.step_kinds = self._declared_kinds()
+        self.previews = LoopPreviews(card, components, lambda: self.decoding.build(components)[VAE_DECODE])
         self.reads = parts.reads  # the family-specific Request fields it reads (loop_parts.FAMILY_FIELDS); it refuses the others
         self._signatures: dict[ShapeSignature, ShapeSignature] = {}
 
@@ -141,6 +146,7 @@ class DenoiseLoop:
             raise RequestRejected("rollout", f"card {self.card.card_id!r} runs loop {self.loop_id!r}: rollouts run on "
                                              "single-expert text-to-video loops")  # fmt: skip
         self.adapters.choice(resolved)
+        self.previews.check(resolved)
         return resolved
 
     def _check_family_fields(self, request: Request) -> None:
@@ -209,6 +215,7 @@ class DenoiseLoop:
             weights_version=self.components.weights_version,
             adapters=self.adapters.choice(request),
             rollout=None if request.rollout is None else LoopRollouts.start(request.rollout.noise_level, latents),
+            preview_every=request.preview_every,
             **self.text.init_fields(request),
             **self.denoiser.init_fields(request),
             **media,
@@ -305,6 +312,7 @@ class DenoiseLoop:
         if phase == _DENOISE:
             if state.caching is not None and not self.caching.advance(state, result):
                 return state  # the first of the step's two launches ran (FBCache)
+            before, noise = state.latents, state.fresh_noise  # what a preview's x0 is solved from
             state.latents = result["latents"]
             state.carry = [result[name] for name in state.derived.carry_names]  # set by next()
             if state.rollout is not None:
@@ -312,8 +320,11 @@ class DenoiseLoop:
             state.step_index += 1
             if state.fresh_noise is not None and state.step_index < state.num_steps:
                 self._draw_fresh_noise(state)
+            carry = state.carry
             if state.step_index == state.num_steps:
                 self._after_last_step(state)
+            if state.preview_every is not None:
+                self.previews.after_step(state, self.sampler_of(state), before, carry, noise)
         elif phase == _ENCODE:
             self.text.take_encoded(state, result)
             state.input_ids = state.attention_mask = None
@@ -340,21 +351,29 @@ class DenoiseLoop:
         state.derived = None
         state.phase = Phase.DECODE if state.output_type == "np" else Phase.DONE
 
+    @staticmethod
+    def take_preview(state: DenoiseState) -> PreviewEvent | None:
+        """The preview the last step made for this request (Request.preview_every), once; else None."""
+        preview, state.preview = state.preview, None
+        return preview
+
     def finalize(self, state: DenoiseState) -> Result:
         frames = None
         if state.decoded is not None:
             video = state.decoded[0].permute(1, 2, 3, 0).float().cpu()  # [F, H, W, 3]
             frames = (video * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+        latents, provenance = state.latents.cpu(), self._provenance(state)
         return Result(
             request_id=state.request_id,
             status="ok",
             seed=state.seed,
             frames=frames,
-            latents=state.latents.cpu(),
+            latents=latents,
             timings=dict(state.timings),
             cache=None if state.caching is None else state.caching.report(),
-            provenance=self._provenance(state),
+            provenance=provenance,
             record=self._behavior_record(state),
+            artifacts=artifacts(self.card, state, provenance, self.run_facts, latents, frames),
         )
 
     def _provenance(self, state: DenoiseState) -> dict:

@@ -19,6 +19,7 @@ from fvgraph.caching.state import StepCachingState
 from fvgraph.contract.loop import SerializableState
 from fvgraph.contract.phase import Phase
 from fvgraph.contract.plan import ShapeSignature
+from fvgraph.events import PreviewEvent
 from fvgraph.loops.rollout_trace import RolloutTrace
 from fvgraph.loops.tiled_coding import TileAssembly
 
@@ -81,6 +82,10 @@ class DenoiseState(SerializableState):
     adapters: AdapterChoice | None = field(default=None, metadata={"load": AdapterChoice.load})
     # An RL rollout (fvgraph/behavior.py): its noise level and what each transition recorded, or None.
     rollout: RolloutTrace | None = field(default=None, metadata={"load": RolloutTrace.load})
+    # Step previews (fvgraph/loops/previews.py): every how many steps, and the one made by the last step
+    # until the engine hands it on (not saved: a resumed request previews from its next preview step).
+    preview_every: int | None = None
+    preview: PreviewEvent | None = field(default=None, metadata={"transient": True})
     # A tiled decode's tiles so far (fvgraph/loops/tiled_coding.py); not saved: a resumed decode starts over.
     tiles: TileAssembly | None = field(default=None, metadata={"transient": True})
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.

@@ -98,6 +98,12 @@ class FlowEulerSampler(_PlannedSampler):
         dt = _per_row(coeffs[:, 1], sample)
         return sample + dt * model_output.to(sample.dtype), ()
 
+    @staticmethod
+    def denoised(sample, new_sample, new_carry, coeffs, noise=None):
+        """The step's x0 = x - sigma * v from its input and output, v = (x' - x) / dt (`coeffs`: the step's host row)."""
+        sigma, dt = float(coeffs[0]), float(coeffs[1])
+        return sample - sigma * (new_sample - sample) / dt
+
 
 def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096, base_shift: float = 0.5,
                     max_shift: float = 1.15) -> float:
@@ -174,6 +180,14 @@ class FewStepSampler(_PlannedSampler):
             return sample + (following - sigma) * velocity, ()
         x0 = sample - sigma * velocity
         return (1 - following) * x0 + following * noise, ()
+
+    def denoised(self, sample, new_sample, new_carry, coeffs, noise=None):
+        """The step's x0 from its input and output: the Euler step's x - sigma * v, or the re-noising
+        update solved for x0 with the noise it took (`coeffs`: the step's host row)."""
+        sigma, following = float(coeffs[0]), float(coeffs[1])
+        if not self.draws_noise:
+            return sample - sigma * (new_sample - sample) / (following - sigma)
+        return (new_sample - following * noise) / (1 - following)
 
 
 class FlowSdeSampler:
@@ -369,6 +383,11 @@ class UniPCSampler(_PlannedSampler):
         for k in range(K):
             nxt = nxt + col(6 + K + k) * hist[k]
         return nxt, (corrected, *new_hist)
+
+    @staticmethod
+    def denoised(sample, new_sample, new_carry, coeffs, noise=None):
+        """The step's x0: the newest entry of the history the step returned (an output it computes anyway)."""
+        return new_carry[1]
 
 
 def _per_row(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from fvgraph.engine.sleep import EngineAsleep, RequestsInFlight
 from fvgraph.serving.engine_commands import Accepted, Call, Cancel, EngineCommand, Refused, Sleep, Stop, Wake, Warmup
 from fvgraph.serving.memory_reservation import MemoryModel, default_budget
 from fvgraph.request import Request, RequestRejected, Result
+from fvgraph.serving.media_encode import encode_image
 from fvgraph.serving.request_events import CancelReason, RequestEvent
 from fvgraph.serving.wait_events import WaitRelay
 
@@ -386,12 +387,16 @@ class AsyncEngine:
     def _tick(self) -> None:
         steps: list[tuple[str, str, int, int, float]] = []
 
-        kinds = self.engine.loop.step_kinds
+        kinds, take_preview, previews = self.engine.loop.step_kinds, self.engine.loop.take_preview, {}
 
         def on_step(state, kind: str) -> None:
             phase = kinds[kind].phase
             seen = self._phase_seconds.setdefault(state.request_id, {})
             spent = state.timings.get(phase, 0.0)
+            preview = take_preview(state)  # Request.preview_every: sent right after its step's event
+            if preview is not None:
+                previews[len(steps)] = RequestEvent(preview.request_id, "preview", step=preview.step, total=preview.total,
+                                                    image_png=encode_image(preview.image, "png"))  # fmt: skip
             steps.append((state.request_id, kind, state.step_index, state.num_steps, spent - seen.get(phase, 0.0)))
             seen[phase] = spent
 
@@ -405,7 +410,7 @@ class AsyncEngine:
                 batches.append([kind, 1, seconds])
         rows = {(kind, seconds): n for kind, n, seconds in batches}
         events = []
-        for request_id, kind, index, total, seconds in steps:
+        for position, (request_id, kind, index, total, seconds) in enumerate(steps):
             batch = rows[(kind, seconds)]
             if request_id not in self._started:
                 self._started.add(request_id)
@@ -414,6 +419,8 @@ class AsyncEngine:
             denoise = kinds[kind].per_inference_step
             events.append(RequestEvent(request_id, "step", step=index if denoise else None, total=total if denoise else None,
                                        step_kind=kind, step_seconds=seconds, batch=batch))  # fmt: skip
+            if position in previews:
+                events.append(previews[position])
         self._send(events)
         if batches and self.batch_listeners:
             self._loop.call_soon_threadsafe(self._deliver_batches, [tuple(b) for b in batches])

@@ -26,8 +26,8 @@ from fvgraph.request import RequestRejected
 SIZE = re.compile(r"\s*([1-9][0-9]{0,4})\s*[xX]\s*([1-9][0-9]{0,4})\s*")
 # The peers' extension fields each endpoint reads, at the top level or in `extra_params`.
 VIDEO_EXTENSIONS = ("width", "height", "num_frames", "fps", "guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift",
-                    "boundary_ratio", "negative_prompt", "seed", "num_inference_steps", "strength")  # fmt: skip
-IMAGE_EXTENSIONS = tuple(name for name in VIDEO_EXTENSIONS if name not in ("num_frames", "fps", "strength"))
+                    "boundary_ratio", "negative_prompt", "seed", "num_inference_steps", "strength", "preview_every")  # fmt: skip
+IMAGE_EXTENSIONS = tuple(name for name in VIDEO_EXTENSIONS if name not in ("num_frames", "fps", "strength", "preview_every"))
 # Sampler settings fixed when the server starts: a request that sets one is refused, naming the flag.
 DEPLOY_TIME = {"flow_shift": "--flow-shift", "boundary_ratio": "--boundary-ratio"}
 

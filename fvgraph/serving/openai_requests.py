@@ -2,7 +2,7 @@
 
 POST /v1/videos takes the OpenAI SDK's multipart form (prompt, model, seconds, size "WxH",
 input_reference) or the same fields as JSON, plus fvgraph's own fields, which the SDK sends through
-`extra_body`: num_frames, fps, num_inference_steps, guidance_scale, negative_prompt, seed, timeout,
+`extra_body`: num_frames, fps, num_inference_steps, guidance_scale, negative_prompt, seed, timeout, preview_every,
 cache (step caching: a JSON object, or in a form the text METHOD[:k=v,...] or a JSON object's text;
 "none" turns the card's default off; docs/step_caching.md); and the peers' fields
 (fvgraph/serving/client_fields.py). POST /v1/images/generations takes OpenAI's image fields as well.
@@ -77,8 +77,11 @@ class VideoBody(_Body):
     n: int | None = Field(default=None, description="vLLM-Omni's video count: 1 (one video per call).")
     strength: float | None = Field(default=None, gt=0.0, le=1.0, description="With a video input_reference: how far "
                                    "from it to go, in (0, 1] (default 0.8), as Request.strength.")  # fmt: skip
+    preview_every: int | None = Field(default=None, ge=1, le=1000, description="A `preview` event (PNG) on the video's "
+                                      "event stream after every k-th denoise step and the last (docs/previews.md).")
 
-    _numbers_not_booleans = field_validator("seconds", "fps", "num_frames", "n", "strength", mode="before")(refuse_boolean)
+    _numbers_not_booleans = field_validator("seconds", "fps", "num_frames", "n", "strength", "preview_every",
+                                            mode="before")(refuse_boolean)  # fmt: skip
 
     @field_validator("n")
     @classmethod
@@ -310,7 +313,8 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
     else:
         frames = card.shapes.default_frames
     seconds = f"{frames / float(mp4_rate(fps)):g}"  # what is rendered and written, not what was asked
-    shape = dict(height=height, width=width, num_frames=frames, **({} if image is None else {"image": image}))
+    shape = dict(height=height, width=width, num_frames=frames, preview_every=body.preview_every,
+                 **({} if image is None else {"image": image}))
     if video is not None:
         shape.update(video=video, strength=body.strength)
     elif body.strength is not None:
