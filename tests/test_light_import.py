@@ -75,14 +75,18 @@ def test_building_a_card_still_loads_what_it_needs():
 
 def test_every_public_name_loads_from_its_module_on_first_use():
     import fvgraph
+    from fvgraph.artifacts import ImageArtifact, LatentArtifact, Provenance, VideoArtifact
     from fvgraph.card import ModelCard
     from fvgraph.cards import card_names, get_card
     from fvgraph.engine.engine import Engine
+    from fvgraph.events import PreviewEvent
     from fvgraph.parallel.config import ParallelConfig
     from fvgraph.request import Request, RequestRejected, Result
 
     homes = {"Engine": Engine, "ModelCard": ModelCard, "ParallelConfig": ParallelConfig, "Request": Request,
-             "RequestRejected": RequestRejected, "Result": Result, "card_names": card_names, "get_card": get_card}  # fmt: skip
+             "RequestRejected": RequestRejected, "Result": Result, "card_names": card_names, "get_card": get_card,
+             "ImageArtifact": ImageArtifact, "LatentArtifact": LatentArtifact, "Provenance": Provenance,
+             "VideoArtifact": VideoArtifact, "PreviewEvent": PreviewEvent}  # fmt: skip
     assert set(fvgraph.__all__) == set(homes)
     assert all(getattr(fvgraph, name) is value for name, value in homes.items())
     assert set(fvgraph.__all__) <= set(dir(fvgraph))

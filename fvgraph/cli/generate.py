@@ -122,8 +122,10 @@ def generate(
 
     title = f"{engine.card.card_id} -O{engine.opt_level} on {engine.loop.components.device} (load {load_s:.2f} s)"
     table = Table(title=title)
-    # The loop's phases in its order, "per step" after the phase that runs once per inference step.
-    shown = [c for phase in phases for c in ((phase, "per step") if phase == stepped else (phase,))]
+    # The loop's phases in its order that some request ran (a text-to-video run encodes no video),
+    # "per step" after the phase that runs once per inference step.
+    ran = {phase for result in results for phase in result.timings}
+    shown = [c for phase in phases if phase in ran for c in ((phase, "per step") if phase == stepped else (phase,))]
     for column in ("request", "status", "compile", *shown, "total"):
         title = column.replace("_", " ")  # narrow tables wrap at spaces rather than cut the name
         table.add_column(title, justify="left" if column in ("request", "status") else "right")
