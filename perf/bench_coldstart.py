@@ -1,15 +1,15 @@
 """Cold start vs warm start: seconds from process start to the first finished request, by phase.
 
-    python perf/bench_coldstart.py                 # tiny-wan on the CPU, -O2, 5x32x32, buckets 1,2, standalone artifacts
+    python perf/bench_coldstart.py                 # tiny-wan on the CPU, -O2, 5x32x32, buckets 1,2, the auto format (aoti here)
     python perf/bench_coldstart.py --card wan-cpu-bench --repeats 3
-    python perf/bench_coldstart.py --artifact-format aoti      # AOTInductor packages instead
+    python perf/bench_coldstart.py --artifact-format standalone  # inductor's standalone artifacts instead
     python perf/bench_coldstart.py --gpu           # Wan 1.3B config, bf16, -O2, buckets 1,4,8, 17x256x256
 
 Each start is a fresh Python process that builds an engine, warms every batch bucket of one shape
 (compiling, or loading from the capture cache), and serves one request:
 - cold_jit (`--cold-jit`): no capture cache; inductor compiles in process (a start without warmup);
-- cold: an empty capture cache, filled by this start (`--artifact-format`: inductor's standalone
-  artifacts by default, or AOTInductor packages);
+- cold: an empty capture cache, filled by this start (`--artifact-format`: auto by default, the
+  engine's own choice: AOTInductor packages on a CPU, standalone artifacts on a GPU);
 - warm: the same capture cache, read by a new process that runs frozen (`fail_on_recompile`: a
   compile fails the start); `--warm-starts N`: N of them, one after the other.
 Every start gets an empty inductor cache of its own, so nothing comes from torch's caches: only the
