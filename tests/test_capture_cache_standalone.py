@@ -4,7 +4,9 @@ is compiled again, and the tampered file is never handed to torch's loader."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import logging
 import shutil
 from pathlib import Path
@@ -43,13 +45,27 @@ def cache_copy(warm_cache, tmp_path) -> Path:
     return tmp_path / "cache"
 
 
+class Loaded(list):
+    """The files torch's standalone loader was handed, in order, with what each was when loaded: an
+    artifact's name is its content hash, so a rebuild that reproduces the same bytes reuses the name
+    (published as a new file: `os.replace` of a staged one)."""
+
+    def inodes(self) -> set[int]:
+        return {inode for _, inode, _ in self}
+
+    def digests(self) -> set[str]:
+        return {digest for _, _, digest in self}
+
+    def __contains__(self, path) -> bool:
+        return any(p == path for p, _, _ in self)
+
+
 @pytest.fixture
-def loaded(monkeypatch) -> list[Path]:
-    """Every file torch's standalone loader is handed, in order."""
-    paths, load = [], torch._inductor.CompiledArtifact.load
+def loaded(monkeypatch) -> Loaded:
+    paths, load = Loaded(), torch._inductor.CompiledArtifact.load
 
     def recording(*, path, format="binary"):
-        paths.append(Path(path))
+        paths.append((Path(path), os.stat(path).st_ino, file_sha256(Path(path))))
         return load(path=path, format=format)
 
     monkeypatch.setattr(torch._inductor.CompiledArtifact, "load", staticmethod(recording))
@@ -92,7 +108,8 @@ def test_one_changed_byte_is_refused_naming_the_file(cache_copy, loaded, caplog)
     artifact.write_bytes(bytes(data))
     [line] = rebuilt_without_loading(cache_copy, artifact, caplog)
     assert artifact.name in line and "sha256" in line
-    assert artifact not in loaded and not artifact.exists()  # replaced under a new content hash
+    assert hashlib.sha256(bytes(data)).hexdigest() not in loaded.digests()  # the changed bytes never loaded
+    assert not artifact.exists() or artifact.read_bytes() != bytes(data)  # and gone
 
 
 def test_an_artifact_of_another_torch_is_refused_by_its_loader_naming_the_file(cache_copy, loaded, caplog):
@@ -115,9 +132,11 @@ def test_a_manifest_recording_another_fingerprint_is_not_used(cache_copy, loaded
     manifest["fingerprint"]["torch"] = "2.0.0-other"
     path.write_text(json.dumps(manifest))
     artifact = step_file(cache_copy)
+    refused = artifact.stat().st_ino
     [line] = rebuilt_without_loading(cache_copy, artifact, caplog, rejects=0)
     assert str(path) in line and "torch: 2.0.0-other" in line
-    assert artifact not in loaded and manifest_of(cache_copy)[1]["fingerprint"]["torch"] == torch.__version__
+    assert refused not in loaded.inodes()  # only the rebuilt files were loaded
+    assert manifest_of(cache_copy)[1]["fingerprint"]["torch"] == torch.__version__
 
 
 @pytest.mark.parametrize("edit", ["meta", "sha256"])
@@ -130,6 +149,7 @@ def test_an_edited_manifest_is_refused_naming_the_file(cache_copy, loaded, caplo
         record["artifacts"]["step"]["sha256"] = "0" * 64
     path.write_text(json.dumps(manifest))
     artifact = step_file(cache_copy)
+    refused = artifact.stat().st_ino
     [line] = rebuilt_without_loading(cache_copy, artifact, caplog)
     assert str(path) in line and ("meta_sha256" if edit == "meta" else "sha256") in line
-    assert artifact not in loaded
+    assert refused not in loaded.inodes()  # only the rebuilt files were loaded
