@@ -14,12 +14,12 @@ duration of the trace (`PassManager.tracing`).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
 
+from fvgraph.compile.quiet_logging import logging_calls_traced_as_no_ops
 from fvgraph.passes.base import step_parameters
 
 
@@ -65,11 +65,9 @@ def capture_step(kind: str, step: nn.Module, inputs: dict[str, torch.Tensor]) ->
 def trace_graph(fn, args: list[torch.Tensor]) -> fx.GraphModule:
     """One dynamo graph of `fn(*args)` (a tuple of tensors) whose placeholders are exactly `args`."""
     kept: dict = {}
-    # Static shapes (one graph per signature); logging calls traced as no-ops (diffusers'
-    # context-parallel hooks warn from inside the step, fvgraph/parallel/ulysses.py), which would
-    # otherwise break the graph. Parameters stay placeholders (functional_call reads them from `args`).
-    quiet = _logger_methods()
-    with torch._dynamo.config.patch(ignore_logging_functions=quiet), torch.no_grad():
+    # Static shapes (one graph per signature); logging calls traced as no-ops (quiet_logging.py).
+    # Parameters stay placeholders (functional_call reads them from `args`).
+    with logging_calls_traced_as_no_ops(), torch.no_grad():
         try:
             result = torch.compile(fn, backend=_keep_graph(kept), fullgraph=True, dynamic=False)(*args)
         finally:
@@ -79,12 +77,6 @@ def trace_graph(fn, args: list[torch.Tensor]) -> fx.GraphModule:
         empty.output(())
         kept.update(gm=fx.GraphModule(nn.Module(), empty), inputs=(), outputs=())
     return _flat_signature(kept["gm"], kept["inputs"], kept["outputs"], args, result)
-
-
-def _logger_methods() -> set:
-    """Every logging method of `logging.Logger`, those libraries add (diffusers' `warning_once`) included."""
-    names = ("debug", "info", "warning", "warn", "error", "exception", "critical", "fatal", "log")
-    return {f for name, f in vars(logging.Logger).items() if callable(f) and (name in names or name.endswith("_once"))}
 
 
 def _keep_graph(kept: dict):
