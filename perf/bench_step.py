@@ -203,7 +203,7 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     return {
         **provenance("step", device), "card": card,
         "shape": {"height": height, "width": width, "frames": frames, "latents": list(latents[0].shape),
-                  "text_len": work.pe.shape[0]},
+                  "text_len": work.pe.shape[1]},
         "dtype": str(dtype).removeprefix("torch."), "batch": batch, "per_step_ms": per_step,
         f"per_request_step_ms_b{batch}": per_request, "speedup_per_round": speedups,
         "goals": {name: {"target": GOALS[name], "median": s["median"], "met_by_median": s["median"] >= GOALS[name],

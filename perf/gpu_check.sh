@@ -6,12 +6,12 @@
 # It comes in parts, each within one 600 s device call: every part's limits add up to at most 540 s,
 # and each part's own estimate (docs/gpu.md: how each was reached) is below its limits. In order:
 #   FVGRAPH_GPU_PART=probe       bash perf/gpu_check.sh  # the open questions first: TF32 probe, parity -O2 vs -O0, the inductor-step test that failed on the first H200 run (verbose); about 230 s on 2026-12-04
-#   FVGRAPH_GPU_PART=coldstart   bash perf/gpu_check.sh  # bench_coldstart, Wan 1.3B config, bucket 1: a cold and a warm start with standalone artifacts (no AOTInductor runtime), phases printed; est. 400 s
+#   FVGRAPH_GPU_PART=coldstart   bash perf/gpu_check.sh  # bench_coldstart, Wan 1.3B config, bucket 1: a cold and a warm start with standalone artifacts (no AOTInductor runtime), phases printed; 120 s on an H100 (2026-12-05)
 #   FVGRAPH_GPU_PART=tests       bash perf/gpu_check.sh  # env, test_gpu.py (but the capture cache), the CUDA kernels, the projection cache on CUDA; est. 300 s
 #   FVGRAPH_GPU_PART=tests_loops bash perf/gpu_check.sh  # the step-caching, TI2V and HTTP tests on CUDA; est. 380 s
 #   FVGRAPH_GPU_PART=aoti        bash perf/gpu_check.sh  # the capture-cache test (AOTInductor packages on CUDA); 282 s on 2026-12-04 (the child load died of SIGSEGV)
 #   FVGRAPH_GPU_PART=aoti_probe  bash perf/gpu_check.sh  # perf/aoti_load_probe.py: the packages the capture-cache test builds, loaded one way per child process (and under gdb); over 190 s on a fresh machine (2026-12-04)
-#   FVGRAPH_GPU_PART=step        bash perf/gpu_check.sh  # bench_step at 480x832x33, batch 1, -O1/-O2/-O3 vs diffusers eager and regional compile; est. 450 s
+#   FVGRAPH_GPU_PART=step        bash perf/gpu_check.sh  # bench_step at 480x832x33, batch 1, -O1/-O2/-O3 vs diffusers eager and regional compile; 263 s on an H100 (2026-12-05)
 #   FVGRAPH_GPU_PART=serving     bash perf/gpu_check.sh  # bench_serving (buckets 1, 4) + scheduler overhead; est. 450 s
 #   FVGRAPH_GPU_PART=kernels     bash perf/gpu_check.sh  # bench_kernels (Wan-1.3B / 14B kernel shapes); est. 300 s
 #   FVGRAPH_GPU_PART=coldstart_b48 bash perf/gpu_check.sh  # bench_coldstart, buckets 4 and 8; est. 450 s
