@@ -1,7 +1,10 @@
 """FLUX.1 Kontext editing (card flux.1-kontext-dev, embedded tiny-flux-kontext): equal to diffusers'
 FluxKontextPipeline on a checkpoint it wrote itself, with a conditioning image of another size than the
 output (resized to its Kontext resolution), embedded guidance and true CFG; edits interleave and a
-second wave compiles nothing; an edit card refuses a request without an image, naming it."""
+second wave compiles nothing; an edit card refuses a request without an image, naming it; a FLUX LoRA
+equals FluxKontextPipeline's own loader."""
+
+import inspect
 
 import numpy as np
 import PIL.Image
@@ -9,12 +12,14 @@ import pytest
 import torch
 from diffusers import FluxKontextPipeline
 
+from fvgraph.adapters.slots import LoraSlots
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.models.components import diffusers_scheduler, load_components
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
+from lora_files import peft_lora
 from reference_helpers import REFERENCE_TOLERANCE, assert_matches_reference, assert_shares_no_storage, reference_pipeline, saved_pipeline
 
 
@@ -88,3 +93,29 @@ def test_an_edit_card_refuses_a_request_without_an_image_and_others_refuse_its_f
     assert result.status == "rejected" and result.error.startswith("image:") and "edits an image" in result.error
     [cached] = engine.generate([Request(prompt="a fox", image=_image(0, 32, 32), num_inference_steps=2, cache="fbcache")])
     assert cached.status == "rejected" and cached.error.startswith("cache:"), cached.error
+
+
+def test_a_kontext_adapter_equals_flux_kontext_pipeline_load_lora_weights(tmp_path):
+    """A FLUX LoRA on the edit card loads through the card's own pipeline class (FluxKontextPipeline's
+    loader) and equals that pipeline with `load_lora_weights` + `set_adapters` on untouched weights."""
+    lora = peft_lora(tmp_path / "kontext", 11, ["to_q", "to_k", "to_v", "add_q_proj", "to_add_out", "proj_mlp"], rank=4,
+                     alpha=8.0, card="tiny-flux-kontext")  # fmt: skip
+    slots = LoraSlots(max_loras=2, max_lora_rank=8, max_loras_per_request=1)
+    engine = Engine.from_card("tiny-flux-kontext", device="cpu", loras={"winter": lora}, lora_slots=slots)
+    args = dict(prompt="make it winter", guidance_scale=2.5, num_inference_steps=3, height=48, width=64, max_sequence_length=32)
+    image = _image(1, 96, 128)
+    base, adapted = (engine.generate([Request(image=image, seed=7, output_type="latent", loras=loras, **args)])[0]
+                     for loras in (None, {"winter": 0.8}))  # fmt: skip
+    assert base.ok and adapted.ok, (base.error, adapted.error)
+    card = get_card("tiny-flux-kontext")
+    c = load_components(card, None, torch.device("cpu"))
+    pipe = FluxKontextPipeline(**{k: m for k, m in c.modules().items() if k in inspect.signature(FluxKontextPipeline.__init__).parameters},
+                               scheduler=diffusers_scheduler(card.recipe.sampler))  # fmt: skip
+    pipe.set_progress_bar_config(disable=True)
+    pipe.load_lora_weights(str(lora), adapter_name="winter")
+    pipe.set_adapters(["winter"], [0.8])
+    packed = pipe(image=image, generator=torch.Generator().manual_seed(7), output_type="latent", max_area=args["height"] * args["width"],
+                  **args).images  # fmt: skip
+    reference = FluxKontextPipeline._unpack_latents(packed, args["height"], args["width"], pipe.vae_scale_factor).unsqueeze(2)
+    assert_matches_reference(adapted.latents, reference)
+    assert (adapted.latents - base.latents).abs().max() > 0.1  # the adapter moves the edit far beyond the tolerance
