@@ -53,9 +53,11 @@ class FirstBlockCache:
         self.threshold = settings.threshold
         self.sections = sections
 
-    def zero_residual(self, latents: torch.Tensor) -> torch.Tensor:
-        """The kept first-block residual before the first full step: zeros of the blocks' tokens."""
-        return torch.zeros(self.sections.token_shape(latents), dtype=self.sections.token_dtype, device=latents.device)
+    def zero_residual(self, latents: torch.Tensor, condition: torch.Tensor | None = None) -> torch.Tensor:
+        """The kept first-block residual before the first full step: zeros of the blocks' tokens (an
+        edit's image tokens among them)."""
+        shape = self.sections.token_shape(latents, condition)
+        return torch.zeros(shape, dtype=self.sections.token_dtype, device=latents.device)
 
     def start(self) -> dict[str, float]:
         return {}  # the state is the kept tensors

@@ -154,7 +154,7 @@ class FirstBlockState(StepCachingState):
     def plan(self, cfg: bool, step_index: int, inputs: dict[str, torch.Tensor]) -> tuple[str, dict[str, torch.Tensor]]:
         """The first block, or (once it ran) the rest."""
         if not self.head:
-            first_kept = self.first or [self.policy.zero_residual(inputs["latents"])] * (2 if cfg else 1)
+            first_kept = self.first or [self.policy.zero_residual(inputs["latents"], inputs.get("condition"))] * (2 if cfg else 1)
             first_inputs = {name: t for name, t in inputs.items() if not update_only(name)}
             first_inputs.update({f"first_kept_{b}": t for b, t in enumerate(first_kept)})
             return FIRST_BLOCK_KINDS[cfg], first_inputs

@@ -59,11 +59,12 @@ class DenoiserSections(Protocol):
         """[B, S, D]: the first block's modulated input of the stream (where `teacache_signal` names it)."""
         ...
 
-    def token_shape(self, latents: torch.Tensor) -> tuple[int, int, int]:
-        """[1, S, D]: the stream's shape for batch-1 `latents` (what a kept residual is)."""
+    def token_shape(self, latents: torch.Tensor, condition: torch.Tensor | None = None) -> tuple[int, int, int]:
+        """[1, S, D]: the stream's shape for batch-1 `latents` (what a kept residual is); `condition`:
+        an edit's image latents, whose tokens join the stream where the family joins them (FLUX.1 Kontext)."""
         ...
 
-    def hidden_shape(self, latents: torch.Tensor, text_tokens: int) -> tuple[int, int, int]:
+    def hidden_shape(self, latents: torch.Tensor, text_tokens: int, condition: torch.Tensor | None = None) -> tuple[int, int, int]:
         """[1, S', D]: the blocks' whole state for batch-1 `latents` and a text of `text_tokens`."""
         ...
 

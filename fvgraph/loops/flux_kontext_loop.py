@@ -129,14 +129,12 @@ class EditedImage:
 
 
 class KontextDenoising(FluxDenoising):
-    """FLUX's denoiser with the edited image's tokens joined to the latents' (flux_steps.FluxDenoiser)."""
+    """FLUX's denoiser with the edited image's tokens joined to the latents' (flux_steps.FluxDenoiser);
+    step caching runs on FLUX's sections, whose stream holds the edit's image tokens too (its
+    `condition` input, as diffusers' cache hooks see FluxKontextPipeline's calls)."""
 
     kinds = DENOISE_KINDS
     step_kinds = {DENOISE: DENOISE_KINDS[False], DENOISE_CFG: DENOISE_KINDS[True]}
-    teacache_signal = None  # step caching's FLUX sections read the latents' tokens alone: not yet with an edit's
-
-    def sections(self, transformer: nn.Module) -> None:
-        return None
 
 
 class FluxKontextLoop(DenoiseLoop):

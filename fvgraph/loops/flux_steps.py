@@ -17,7 +17,7 @@ from fvgraph.contract.markers import mark_request_constant
 from fvgraph.loops.image_steps import ImageDenoiseStep
 from fvgraph.loops.samplers import FlowEulerSampler
 from fvgraph.loops.taps import TapPoints
-from fvgraph.models.flux_sections import pack, scheduler_time, unpack
+from fvgraph.models.flux_sections import condition_tokens, pack_with_condition, scheduler_time, unpack
 
 
 class FluxTextEncodeStep(nn.Module):
@@ -50,12 +50,8 @@ class FluxDenoiser(nn.Module):
         """`condition` [B, C, 1, hc, wc]: an edited image's latents (FLUX.1 Kontext), joined after the
         latents' tokens with position ids whose first axis is 1, as FluxKontextPipeline joins them; the
         prediction is read from the latents' tokens only."""
-        packed, img_ids, txt_ids = pack(hidden_states, encoder_hidden_states)
-        tokens = packed.shape[1]
-        if condition is not None:
-            joined, condition_ids, _ = pack(condition.to(packed.dtype), encoder_hidden_states)
-            condition_ids[..., 0] = 1
-            packed, img_ids = torch.cat([packed, joined], dim=1), torch.cat([img_ids, condition_ids], dim=0)
+        packed, img_ids, txt_ids = pack_with_condition(hidden_states, encoder_hidden_states, condition)
+        tokens = packed.shape[1] - condition_tokens(condition)
         out = self.transformer(hidden_states=packed, timestep=timestep, guidance=guidance, pooled_projections=pooled_projections,
                                encoder_hidden_states=encoder_hidden_states, txt_ids=txt_ids, img_ids=img_ids,
                                return_dict=False, **adapter_rows)[0]  # fmt: skip

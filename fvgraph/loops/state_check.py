@@ -110,8 +110,9 @@ def _check_caching(c: _Checker, state: LoopState, loop: Loop) -> None:
     latents = tuple(state.latents.shape)
     sections, text = loop.sections, state.prompt_embeds
     text_tokens = int(text.shape[1]) if isinstance(text, torch.Tensor) and text.dim() == 3 else 0  # checked before
-    blocks = sections.hidden_shape(state.latents, text_tokens)
-    layouts = TensorLayouts(sections.token_shape(state.latents), sections.token_dtype, latents, blocks)
+    condition = getattr(state, "condition", None)  # an edit's image latents (FLUX.1 Kontext's state), checked before
+    blocks = sections.hidden_shape(state.latents, text_tokens, condition)
+    layouts = TensorLayouts(sections.token_shape(state.latents, condition), sections.token_dtype, latents, blocks)
     caching.check(c.fail, state.cfg, state.phase, layouts)
 
 

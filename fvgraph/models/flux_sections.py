@@ -33,6 +33,23 @@ def pack(latents: torch.Tensor, text: torch.Tensor) -> tuple[torch.Tensor, torch
     return packed, img_ids, txt_ids
 
 
+def pack_with_condition(latents: torch.Tensor, text: torch.Tensor,
+                        condition: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`pack`, with an edited image's latents `condition` [B, C, 1, hc, wc] (FLUX.1 Kontext) joined after
+    the latents' tokens, position ids' first axis 1, as FluxKontextPipeline joins them."""
+    packed, img_ids, txt_ids = pack(latents, text)
+    if condition is None:
+        return packed, img_ids, txt_ids
+    joined, condition_ids, _ = pack(condition.to(packed.dtype), text)
+    condition_ids[..., 0] = 1
+    return torch.cat([packed, joined], dim=1), torch.cat([img_ids, condition_ids], dim=0), txt_ids
+
+
+def condition_tokens(condition: torch.Tensor | None) -> int:
+    """How many tokens an edited image's latents add to the sequence (none without one)."""
+    return 0 if condition is None else (condition.shape[-2] // 2) * (condition.shape[-1] // 2)
+
+
 def unpack(out: torch.Tensor, latent_hw: tuple[int, int], vae_spatial: int) -> torch.Tensor:
     """The transformer's packed prediction [B, S, 4C] -> [B, C, 1, h, w]."""
     h, w = latent_hw
@@ -50,6 +67,7 @@ class FluxTokens(NamedTuple):
     temb: torch.Tensor  # [B, D] time (and guidance) plus pooled text
     rotary_emb: tuple[torch.Tensor, torch.Tensor]
     latent_hw: tuple[int, int]  # the latents' h, w (for unpacking)
+    latent_tokens: int  # the latents' own tokens: an edit's image tokens follow them (the prediction reads these)
 
 
 class FluxSections(nn.Module):
@@ -63,17 +81,20 @@ class FluxSections(nn.Module):
         self.vae_spatial = vae_spatial
 
     def conditions(self, inputs: Mapping[str, torch.Tensor], branch: int) -> dict[str, torch.Tensor]:
-        # the embedded guidance (FLUX.1-dev) is the request's, the same for both branches
+        # the embedded guidance (FLUX.1-dev) is the request's, the same for both branches, as is an edit's image
         return {"encoder_hidden_states": inputs[TEXTS[branch]], "pooled_projections": inputs[POOLED[branch]],
-                "guidance": inputs.get("guidance")}  # fmt: skip
+                "guidance": inputs.get("guidance"), "condition": inputs.get("condition")}  # fmt: skip
 
     def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-              pooled_projections: torch.Tensor, guidance: torch.Tensor | None = None) -> FluxTokens:  # fmt: skip
-        """FluxPipeline's call and the forward up to its block loop: latents [B, C, 1, h, w] and the
-        scheduler's timestep [B] -> tokens and conditions."""
+              pooled_projections: torch.Tensor, guidance: torch.Tensor | None = None,
+              condition: torch.Tensor | None = None) -> FluxTokens:  # fmt: skip
+        """FluxPipeline's (or FluxKontextPipeline's, given `condition`) call and the forward up to its
+        block loop: latents [B, C, 1, h, w] and the scheduler's timestep [B] -> tokens and conditions.
+        An edit's image tokens are part of the blocks' image stream, as diffusers' cache hooks see it."""
         tr = self.transformer
         latent_hw = tuple(hidden_states.shape[-2:])
-        packed, img_ids, txt_ids = pack(hidden_states, encoder_hidden_states)
+        packed, img_ids, txt_ids = pack_with_condition(hidden_states, encoder_hidden_states, condition)
+        latent_tokens = packed.shape[1] - condition_tokens(condition)
         timestep = scheduler_time(timestep, encoder_hidden_states.dtype)
         hidden_states = tr.x_embedder(packed)
         timestep = timestep.to(hidden_states.dtype) * 1000
@@ -82,7 +103,7 @@ class FluxSections(nn.Module):
         temb = tr.time_text_embed(timestep, pooled_projections) if guidance is None else tr.time_text_embed(timestep, guidance, pooled_projections)
         text = tr.context_embedder(encoder_hidden_states)
         rotary_emb = tr.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
-        return FluxTokens(torch.cat([text, hidden_states], dim=1), text.shape[1], temb, rotary_emb, latent_hw)
+        return FluxTokens(torch.cat([text, hidden_states], dim=1), text.shape[1], temb, rotary_emb, latent_hw, latent_tokens)
 
     def first_block(self, hidden: torch.Tensor, tokens: FluxTokens) -> torch.Tensor:
         return self._run(self._blocks()[:1], hidden, tokens)
@@ -100,16 +121,17 @@ class FluxSections(nn.Module):
         return modulated
 
     def project_out(self, stream: torch.Tensor, tokens: FluxTokens) -> torch.Tensor:
-        """The forward after its block loop and FluxPipeline's unpacking: image tokens -> [B, C, 1, h, w]."""
+        """The forward after its block loop and the pipeline's unpacking of the latents' own tokens:
+        image tokens -> [B, C, 1, h, w]."""
         out = self.transformer.proj_out(self.transformer.norm_out(stream, tokens.temb))
-        return unpack(out, tokens.latent_hw, self.vae_spatial)
+        return unpack(out[:, : tokens.latent_tokens], tokens.latent_hw, self.vae_spatial)
 
-    def token_shape(self, latents: torch.Tensor) -> tuple[int, int, int]:
+    def token_shape(self, latents: torch.Tensor, condition: torch.Tensor | None = None) -> tuple[int, int, int]:
         _, _, _, h, w = latents.shape
-        return 1, (h // 2) * (w // 2), self._inner_dim()
+        return 1, (h // 2) * (w // 2) + condition_tokens(condition), self._inner_dim()
 
-    def hidden_shape(self, latents: torch.Tensor, text_tokens: int) -> tuple[int, int, int]:
-        _, tokens, dim = self.token_shape(latents)
+    def hidden_shape(self, latents: torch.Tensor, text_tokens: int, condition: torch.Tensor | None = None) -> tuple[int, int, int]:
+        _, tokens, dim = self.token_shape(latents, condition)
         return 1, text_tokens + tokens, dim
 
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:

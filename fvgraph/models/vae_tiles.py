@@ -68,9 +68,13 @@ class VaeTiling(abc.ABC):
         """What follows the blend in diffusers' tiled decode (unpatchify, clamp), on the stitched output."""
         return stitched
 
+    @abc.abstractmethod
     def encode_grid(self, height: int, width: int) -> TileGrid | None:
-        """The encode's tiles (a class that tiles its encode has `encode_tile` too)."""
-        raise ValueError(f"{type(self.vae).__name__}: fvgraph tiles its decode only")
+        """The encode's tiles, in the input's pixels (None: below one tile, diffusers encodes untiled)."""
+
+    @abc.abstractmethod
+    def encode_tile(self, x: torch.Tensor) -> torch.Tensor:
+        """One tile of the input -> its moments, before blending."""
 
     def blend(self, above: torch.Tensor | None, left: torch.Tensor | None, tile: torch.Tensor, grid: TileGrid) -> torch.Tensor:
         """`tile` blended in place with its blended neighbours, by the VAE's own blend functions."""
@@ -171,7 +175,8 @@ class CausalVideoTiling(VaeTiling):
 
 
 class ImageTiling(VaeTiling):
-    """AutoencoderKL (FLUX.1): square tiles of its config's sample_size, overlap 0.25."""
+    """AutoencoderKL (FLUX.1, FLUX.1 Kontext's encode too): square tiles of its config's sample_size,
+    overlap 0.25."""
 
     def __init__(self, vae: nn.Module, options: dict[str, Any]):
         super().__init__(vae)
@@ -194,6 +199,23 @@ class ImageTiling(VaeTiling):
         if self.vae.config.use_post_quant_conv:
             z = self.vae.post_quant_conv(z)
         return self.vae.decoder(z)
+
+    def encode_grid(self, height: int, width: int) -> TileGrid | None:
+        """AutoencoderKL's `_tiled_encode`: pixel windows of `tile_sample_min_size` every (1 - overlap)
+        of it, blended and kept in latent units, no final crop."""
+        vae = self.vae
+        size = vae.tile_sample_min_size
+        if not (width > size or height > size):
+            return None  # diffusers' _encode: untiled
+        stride = int(size * (1 - vae.tile_overlap_factor))
+        blend = int(vae.tile_latent_min_size * vae.tile_overlap_factor)
+        keep = vae.tile_latent_min_size - blend
+        return TileGrid(_windows(height, stride, size), _windows(width, stride, size), (blend, blend), (keep, keep), None)
+
+    def encode_tile(self, x: torch.Tensor) -> torch.Tensor:
+        """One tile of the image [B, 3, h, w] -> its moments [B, 2 z, h', w']."""
+        moments = self.vae.encoder(x)
+        return self.vae.quant_conv(moments) if self.vae.config.use_quant_conv else moments
 
 
 def vae_tiling(vae: nn.Module, option: bool | dict[str, Any] | None) -> VaeTiling | None:

@@ -111,11 +111,11 @@ class WanSections(nn.Module):
     def project_out(self, stream: torch.Tensor, tokens: WanTokens) -> torch.Tensor:
         return project_out(self.transformer, stream, tokens)
 
-    def token_shape(self, latents: torch.Tensor) -> tuple[int, int, int]:
-        config = self.transformer.config
+    def token_shape(self, latents: torch.Tensor, condition: torch.Tensor | None = None) -> tuple[int, int, int]:
+        config = self.transformer.config  # Wan's conditions join channels or the text, not the video tokens
         return 1, _tokens(config, latents), config.num_attention_heads * config.attention_head_dim
 
-    def hidden_shape(self, latents: torch.Tensor, text_tokens: int) -> tuple[int, int, int]:
+    def hidden_shape(self, latents: torch.Tensor, text_tokens: int, condition: torch.Tensor | None = None) -> tuple[int, int, int]:
         return self.token_shape(latents)
 
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
