@@ -1,6 +1,7 @@
 """LoRA adapters on parallel engines (CPU, gloo, 2 processes): a CFG-parallel and a Ulysses engine with
 adapters, one built in and one loaded while serving, equal the single-process engine with the same
-adapters (itself held to diffusers' load_lora_weights by test_lora_adapters.py), bit for bit at -O0;
+adapters (itself held to diffusers' load_lora_weights by test_lora_adapters.py), bit for bit at -O0
+and within the card's fp32 loop tolerance at -O1;
 loads and unloads reach every rank; a load refused on any rank leaves it loaded on none."""
 
 import pytest
@@ -11,12 +12,15 @@ from conftest import embeds
 from fvgraph.adapters.lora_file import AdapterError, read_lora
 from fvgraph.adapters.slots import LoraSlots
 from fvgraph.cards import get_card
+from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.parallel.config import ParallelConfig
 from fvgraph.parallel.rank_adapters import MESSAGE, RankAdapters
+from fvgraph.runtime.buckets import BucketSpec
 from lora_files import fresh_transformer, peft_lora
 
 CARD = get_card("tiny-wan")
+TOL = CARD.parity.tolerance("fp32", "loop")  # a compiled parallel engine's, as tests/test_parallel.py's
 SHAPE = {"height": 32, "width": 32, "num_frames": 5, "num_inference_steps": 3}
 SLOTS = LoraSlots(max_loras=3, max_lora_rank=8, max_loras_per_request=2)
 MIX = [{"a": 0.8}, {"a": 0.5, "b": 1.0}, None]  # b is loaded while serving
@@ -73,6 +77,23 @@ def test_a_parallel_engine_with_adapters_equals_the_single_process_engine(files,
         assert _names(engine) == {0: ["a"], 1: ["a"]}
         [gone] = engine.generate(_requests()[1:2])
         assert gone.status == "rejected" and "unknown lora 'b'" in gone.error
+    finally:
+        engine.close()
+
+
+def test_a_compiled_cfg_parallel_engine_with_adapters_equals_the_single_process_engine(files, single_process):
+    """-O1 (aot_eager): each rank's compiled branch takes the rows, at the widths the batches use."""
+    engine = Engine.from_card(CARD, device="cpu", loras={"a": files["a"]}, lora_slots=SLOTS, opt_level=1,
+                              compile_config=CompileConfig(backend="aot_eager"), buckets=BucketSpec(batch_sizes=(2,)),
+                              parallel=ParallelConfig(cfg=2, timeout_s=300))  # fmt: skip
+    try:
+        engine.load_lora("b", files["b"])
+        for ours, reference in zip(_latents(engine), single_process):
+            torch.testing.assert_close(ours, reference, atol=TOL.atol, rtol=TOL.rtol)
+        steps = engine.compiler.compiled_steps
+        assert sorted("lora_index" in step.input_names for step in steps) == [False, True]  # no adapter row; two places
+        assert all(step.collectives.get("_c10d_functional.all_gather_into_tensor") == 1 for step in steps)
+        assert engine.counters.fallbacks == 0 and engine.counters.eager_steps == 0
     finally:
         engine.close()
 
