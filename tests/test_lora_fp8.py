@@ -68,6 +68,23 @@ def test_an_adapter_at_o3_stays_within_the_fp8_tolerance_of_o0(lora):
     assert changed == {True: 8 * layers, False: 8 * layers + 2 * layers}
 
 
+@pytest.mark.gpu
+def test_an_adapter_at_o3_on_cuda_stays_within_the_fp8_tolerance_of_o0(lora):
+    """The same on CUDA with inductor: the base GEMMs on `torch._scaled_mm`, the low-rank ones in fp32."""
+    from fvgraph.runtime.buckets import BucketSpec
+
+    eager = Engine.from_card("tiny-wan", device="cuda", loras={"a": lora}, lora_slots=SLOTS)
+    fp8 = Engine.from_card("tiny-wan", device="cuda", opt_level=3, compile_config=CompileConfig(backend="inductor"),
+                           loras={"a": lora}, lora_slots=SLOTS, buckets=BucketSpec(batch_sizes=(1,)))  # fmt: skip
+    tol = fp8.card.parity.tolerance("fp8", "loop")
+    for loras in ({"a": 0.8}, None):
+        ours, reference = _latents(fp8, _request(loras)).cpu(), _latents(eager, _request(loras)).cpu()
+        torch.testing.assert_close(ours, reference, atol=tol.atol, rtol=tol.rtol)
+    layers = fp8.loop.components.transformer.config.num_layers
+    changed = {"lora_index" in step.input_names: step.passes_changed["quantize"] for step in fp8.compiler.compiled_steps}
+    assert changed == {True: 8 * layers, False: 8 * layers + 2 * layers}
+
+
 def _placeholder_names(gm, step) -> dict[torch.fx.Node, str]:
     names = list(step_parameters(step))
     return dict(zip([n for n in gm.graph.nodes if n.op == "placeholder"], names))
