@@ -81,18 +81,21 @@ def test_a_parallel_engine_with_adapters_equals_the_single_process_engine(files,
         engine.close()
 
 
-def test_a_compiled_cfg_parallel_engine_with_adapters_equals_the_single_process_engine(files, single_process):
-    """-O1 (aot_eager): each rank's compiled branch takes the rows, at the widths the batches use."""
+@pytest.mark.parametrize("degrees", [{"cfg": 2}, {"ulysses": 2}], ids=["cfg2", "ulysses2"])
+def test_a_compiled_parallel_engine_with_adapters_equals_the_single_process_engine(files, single_process, degrees):
+    """-O1 (aot_eager): each rank's compiled step takes the rows, at the widths the batches use."""
     engine = Engine.from_card(CARD, device="cpu", loras={"a": files["a"]}, lora_slots=SLOTS, opt_level=1,
                               compile_config=CompileConfig(backend="aot_eager"), buckets=BucketSpec(batch_sizes=(2,)),
-                              parallel=ParallelConfig(cfg=2, timeout_s=300))  # fmt: skip
+                              parallel=ParallelConfig(timeout_s=300, **degrees))  # fmt: skip
     try:
         engine.load_lora("b", files["b"])
         for ours, reference in zip(_latents(engine), single_process):
             torch.testing.assert_close(ours, reference, atol=TOL.atol, rtol=TOL.rtol)
         steps = engine.compiler.compiled_steps
         assert sorted("lora_index" in step.input_names for step in steps) == [False, True]  # no adapter row; two places
-        assert all(step.collectives.get("_c10d_functional.all_gather_into_tensor") == 1 for step in steps)
+        # the plan's collectives in each graph: CFG's one all-gather; Ulysses' all-to-alls and its gather at proj_out
+        collective = "_c10d_functional.all_gather_into_tensor" if "cfg" in degrees else "_c10d_functional.all_to_all_single"
+        assert all(step.collectives.get(collective, 0) > 0 for step in steps)
         assert engine.counters.fallbacks == 0 and engine.counters.eager_steps == 0
     finally:
         engine.close()
