@@ -7,7 +7,7 @@
 # and each part's own estimate (docs/gpu.md: how each was reached) is below its limits. In order:
 #   FVGRAPH_GPU_PART=probe       bash perf/gpu_check.sh  # the open questions first: TF32 probe, parity -O2 vs -O0, the inductor-step test that failed on the first H200 run (verbose); about 230 s on 2026-12-04
 #   FVGRAPH_GPU_PART=coldstart   bash perf/gpu_check.sh  # bench_coldstart, Wan 1.3B config, bucket 1: a cold and a warm start with standalone artifacts (no AOTInductor runtime), phases printed; 120 s on an H100 (2026-12-05)
-#   FVGRAPH_GPU_PART=tests       bash perf/gpu_check.sh  # env, test_gpu.py (but the capture cache), the CUDA kernels, the projection cache on CUDA; est. 300 s
+#   FVGRAPH_GPU_PART=tests       bash perf/gpu_check.sh  # env, test_gpu.py (but the capture cache), the CUDA kernels, the projection cache and adapters at -O3 on CUDA; est. 360 s
 #   FVGRAPH_GPU_PART=tests_loops bash perf/gpu_check.sh  # the step-caching, TI2V and HTTP tests on CUDA; est. 380 s
 #   FVGRAPH_GPU_PART=aoti        bash perf/gpu_check.sh  # the capture-cache test (AOTInductor packages on CUDA); 282 s on 2026-12-04 (the child load died of SIGSEGV)
 #   FVGRAPH_GPU_PART=aoti_probe  bash perf/gpu_check.sh  # perf/aoti_load_probe.py: the packages the capture-cache test builds, loaded one way per child process (and under gdb); over 190 s on a fresh machine (2026-12-04)
@@ -89,7 +89,7 @@ part probe && run pytest_inductor_step 150 "${PYTEST[@]}" "${VERBOSE[@]}" -k "$I
 part coldstart && run bench_coldstart 540 python3 "$REPO"/perf/bench_coldstart.py --gpu --buckets 1 --artifact-format standalone --timeout 330
 part coldstart && grep -h '^phases\|^{' "$OUT/bench_coldstart.log"
 part tests && run env 30 python3 -m fvgraph env --json
-part tests && run pytest_gpu 480 "${PYTEST[@]}" -k "not capture_cache" "$REPO/tests/test_gpu.py" "$REPO/tests/test_kernels.py" "$REPO/tests/test_projection_cache.py"
+part tests && run pytest_gpu 480 "${PYTEST[@]}" -k "not capture_cache" "$REPO/tests/test_gpu.py" "$REPO/tests/test_kernels.py" "$REPO/tests/test_projection_cache.py" "$REPO/tests/test_lora_fp8.py"
 part tests_loops && run pytest_gpu_loops 520 "${PYTEST[@]}" "${LOOPS_TESTS[@]}"
 # Alone in its part: 282 s on 2026-12-04 (two engines, each a compile, two package builds and a child load that died of SIGSEGV).
 part aoti && run pytest_gpu_aoti 540 "${PYTEST[@]}" "${VERBOSE[@]}" -k "$CAPTURE_CACHE and aoti" "$REPO/tests/test_gpu.py"

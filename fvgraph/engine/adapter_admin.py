@@ -4,7 +4,8 @@
     engine.generate([Request(prompt="...", loras={"style": 0.7})])
     engine.unload_lora("style")                        # refused while a request in flight uses it
 
-A load or unload happens between ticks, never inside one (a step reads the slots while it runs).
+A load or unload happens between ticks, never inside one (a step reads the slots while it runs), and on
+a parallel engine on every rank or on none (fvgraph/parallel/rank_adapters.py).
 Unloading drops exactly the eager projection-cache entries computed with that adapter; compiled
 steps hoist per request, and no request that uses an adapter is in flight when it goes.
 """
@@ -18,6 +19,7 @@ from typing import Any
 from fvgraph.adapters.lora_file import AdapterError, LoraWeights
 from fvgraph.adapters.registry import AdapterRegistry
 from fvgraph.contract.loop import LoopState
+from fvgraph.parallel.rank_adapters import RankAdapters
 from fvgraph.runtime.projection_cache import ExactProjectionCache
 
 
@@ -28,8 +30,9 @@ class AdapterAdmin:
 
     def __init__(self, adapters: AdapterRegistry | None, projection_cache: ExactProjectionCache | None,
                  live_states: Callable[[], list[LoopState]], refuse_in_tick: Callable[[str, str], None],
-                 drain: Callable[[], None]):  # fmt: skip
+                 drain: Callable[[], None], ranks: RankAdapters | None = None):  # fmt: skip
         self._adapters, self._projection_cache = adapters, projection_cache
+        self.ranks = ranks  # a parallel engine's worker ranks, which load and unload with this one
         self._live_states, self._refuse_in_tick, self._drain = live_states, refuse_in_tick, drain
 
     def loras(self) -> list[dict[str, Any]]:
@@ -51,7 +54,10 @@ class AdapterAdmin:
         self._between_ticks("load_lora")
         if self._adapters is None or self._adapters.store is None:
             raise AdapterError("this engine has no adapter slots: build it with lora_slots (or --max-loras) to load adapters")
-        return self._adapters.load(name, source).describe()
+        loaded = self._adapters.load(name, source)
+        if self.ranks is not None:  # all or nothing: a worker's refusal unloads it here too
+            self.ranks.load(self._adapters, loaded)
+        return loaded.describe()
 
     def unload_lora(self, name: str) -> dict[str, Any]:
         """Free `name`'s slot. Refused while a submitted request that chose it has not ended."""
@@ -64,6 +70,8 @@ class AdapterAdmin:
         if users:
             raise AdapterError(f"lora {name!r} is in use by {len(users)} request(s) in flight ({', '.join(users[:5])}); "
                                "unload it after they end, or cancel them")  # fmt: skip
+        if self.ranks is not None:  # the workers first: a refusal there leaves it loaded everywhere
+            self.ranks.unload(self._adapters.get(name))
         adapter = self._adapters.unload(name)
         if self._projection_cache is not None:
             digest = adapter.weights.digest

@@ -56,6 +56,8 @@ from fvgraph.runtime.tf32_switch import math_mode
 from fvgraph.contract.loop import Loop, LoopState
 from fvgraph.contract.plan import Done, WorkPlan
 from fvgraph.parallel.config import ParallelConfig
+from fvgraph.parallel.executor import ParallelExecutor
+from fvgraph.parallel.rank_adapters import RankAdapters
 from fvgraph.parallel.workers import WorkersLost
 from fvgraph.contract.model_facts import ModelFacts
 from fvgraph.models.hub_checkpoint import local_checkpoint
@@ -96,7 +98,8 @@ class Engine:
         # Each collaborator is handed the parts and engine calls it uses, nothing else. The bound methods
         # they hold make a reference cycle: a dropped engine is freed by the cyclic collector.
         self._ahead = RunAhead(loop, self._scheduler, self._slots, executor, counters, self._fail, run_ahead)
-        self._adapter_admin = AdapterAdmin(adapters, projection_cache, self._live_states, self._refuse_reentry, self.drain)
+        ranks = RankAdapters(executor.group) if isinstance(executor, ParallelExecutor) and adapters is not None else None
+        self._adapter_admin = AdapterAdmin(adapters, projection_cache, self._live_states, self._refuse_reentry, self.drain, ranks)
         between_ticks = (self._live_states, self._refuse_reentry, self.cancel, partial(self._tick, None, None), self.drain)
         self._sleep = EngineSleep(card, loop, executor, projection_cache, self._scheduler, residency, adapters, *between_ticks)
         self._weight_sync = WeightSync(loop, executor, projection_cache, self._scheduler, *between_ticks, self._sleep)

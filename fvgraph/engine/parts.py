@@ -101,9 +101,7 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     if checkpoint is not None and rank == 0:  # the folder's own recipe, where it differs from the run's
         warn_recipe_differences(card, checkpoint)
     adapters = None
-    if switches.adapters is not None:  # before the loop and its steps: slots are buffers of the steps
-        if switches.parallel is not None:
-            raise ValueError("LoRA adapters do not run on a parallel engine yet: build it without `parallel`")
+    if switches.adapters is not None:  # before the loop and its steps: slots are buffers of the steps (on every rank)
         adapters = apply_adapters(components, card.pipeline_class, switches.adapters)
     plan = "single" if switches.parallel is None else f"cfg{switches.parallel.cfg}xulysses{switches.parallel.ulysses}"
     loop = build_loop(card, components, LoopConfig(

@@ -1,5 +1,6 @@
 """A worker rank of a parallel engine: the process rank 0 spawns (fvgraph/parallel/workers.py), which
-builds the same engine parts as rank 0 on its own device and runs every call rank 0 sends."""
+builds the same engine parts as rank 0 on its own device and runs every call rank 0 sends: a batch of
+steps, or between ticks an adapter load or unload (fvgraph/parallel/rank_adapters.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch.distributed as dist
 
 from fvgraph.engine.parts import build_rank_parts
 from fvgraph.parallel.config import ParallelConfig
+from fvgraph.parallel.rank_adapters import MESSAGE as ADAPTERS
+from fvgraph.parallel.rank_adapters import answer as adapter_answer
 from fvgraph.runtime.request_slot import RequestSlot
 from fvgraph.runtime.tf32_switch import math_mode
 
@@ -52,7 +55,10 @@ def worker_main(rank: int, config: ParallelConfig, build: WorkerBuild, conn) -> 
     slots: dict[int, RequestSlot] = {}
     try:
         with math:  # this process only runs steps: its math mode is held for the whole loop
-            while (message := conn.recv())[0] == "run":
+            while (message := conn.recv())[0] in ("run", ADAPTERS):
+                if message[0] == ADAPTERS:  # between ticks: a load or unload on every rank
+                    conn.send(adapter_answer(parts.adapters, *message[1:]))
+                    continue
                 _, plans, numbers, lane, frozen, released = message
                 for number in released:
                     slots.pop(number, None)

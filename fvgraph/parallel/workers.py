@@ -94,13 +94,25 @@ class WorkerGroup:
         """Hand every worker the call rank 0 is about to make."""
         self._check()
         released, self._released = self._released, []
-        message = ("run", plans, self.numbers(slots), lane, frozen, released)
-        self.check_alive(f"the start of a {kind} step")
+        self._send(("run", plans, self.numbers(slots), lane, frozen, released), f"the start of a {kind} step")
+
+    def ask(self, message: tuple, doing: str, ranks: list[int] | None = None) -> dict[int, tuple]:
+        """Send `message` to the worker `ranks` (all by default) between steps; returns each one's
+        answer, ("ok", value) or ("error", why), by rank (the adapters' loads: fvgraph/parallel/rank_adapters.py)."""
+        self._check()
+        ranks = list(range(1, len(self.processes) + 1)) if ranks is None else ranks
+        self._send(message, doing, ranks)
+        return dict(self._answers(doing, self.config.timeout_s, ranks))
+
+    def _send(self, message: tuple, doing: str, ranks: list[int] | None = None) -> None:
+        self.check_alive(doing)
         for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            if ranks is not None and rank not in ranks:
+                continue
             try:
                 conn.send(message)
             except (BrokenPipeError, ConnectionError, EOFError) as err:
-                self._lose(f"worker rank {rank} (pid {process.pid}) cannot be reached ({err!r}) at the start of a {kind} step")
+                self._lose(f"worker rank {rank} (pid {process.pid}) cannot be reached ({err!r}) at {doing}")
 
     def collect(self, kind: str, grace: bool = False) -> None:
         """Wait for every worker's answer to the last call; raises WorkersLost or the worker's error.
@@ -115,10 +127,12 @@ class WorkerGroup:
         if errors:
             raise RuntimeError(f"{kind} step failed on a worker rank:\n" + "\n".join(errors))
 
-    def _answers(self, doing: str, timeout_s: float):
-        """Each worker's next answer, in rank order, within `timeout_s`."""
+    def _answers(self, doing: str, timeout_s: float, ranks: list[int] | None = None):
+        """Each worker's (of `ranks`: all by default) next answer, in rank order, within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         for rank, (process, conn) in enumerate(zip(self.processes, self.conns), start=1):
+            if ranks is not None and rank not in ranks:
+                continue
             while not conn.poll(0.05):
                 if not process.is_alive():
                     self._lose(f"worker rank {rank} (pid {process.pid}) exited with code {process.exitcode} during {doing}")
