@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
+from fvgraph.loops.qwen_image_edit_loop import QwenEditState
 from fvgraph.models.components import diffusers_scheduler, load_components
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
@@ -59,8 +60,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pipe(checkpoint):
-    processor = ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(checkpoint / "processor"),
-                                          tokenizer=AutoTokenizer.from_pretrained(checkpoint / "processor"), video_processor=None)  # fmt: skip
+    saved = checkpoint / "processor"
+    processor = ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(saved),
+                                          tokenizer=AutoTokenizer.from_pretrained(saved), video_processor=None)  # fmt: skip
     return reference_pipeline(QwenImageEditPipeline, checkpoint, processor=processor)
 
 
@@ -126,11 +128,36 @@ def test_interleaved_edits_equal_each_alone_and_compiled_equals_eager():
         (dict(image=_image(0, 32, 32), max_sequence_length=512), "max_sequence_length", "cuts no text"),
         (dict(image=_image(0, 32, 32), prompt="a <|image_pad|> here"), "prompt", "must not contain"),
         (dict(image=_image(0, 32, 32), guidance_scale=3.5), "guidance_scale", "no guidance input"),
+        (dict(image=_image(0, 32, 32), prompt="x" * 900), "prompt", "past the text length of card 'tiny-qwen-image-edit' (1024)"),
+        (dict(image=_image(0, 32, 32), negative_prompt="x" * 900, true_cfg_scale=2.0), "negative_prompt", "past the text length"),
     ],
 )
 def test_bad_edit_requests_are_refused_naming_the_field(tiny_edit, fields, name, rule):
     [result] = tiny_edit.generate([Request(**{"prompt": "x", "num_inference_steps": 2, **fields})])
     assert result.status == "rejected" and result.error.startswith(f"{name}:") and rule in result.error, result.error
+
+
+@pytest.mark.parametrize("steps_before_save", [0, 2])
+def test_an_edit_saved_mid_run_resumes_bit_for_bit(tmp_path, tiny_edit, steps_before_save):
+    """Saved before the text encode (the image's patches pending) or after the VAE encode (its latents kept)."""
+    request = Request(prompt="a paper boat", negative_prompt=" ", true_cfg_scale=2.0, image=_image(6, 40, 40), seed=9,
+                      num_inference_steps=2, height=32, width=32, output_type="latent")  # fmt: skip
+    uninterrupted = tiny_edit.generate([request])[0]
+    state = tiny_edit.start(request)
+    for _ in range(steps_before_save):
+        tiny_edit.step(state)
+    assert (state.pixel_values is not None) == (steps_before_save == 0) and (state.condition is not None) == (steps_before_save == 2)
+    state.save(tmp_path / "state.pt")
+    fresh = Engine.from_card("tiny-qwen-image-edit", device="cpu")
+    resumed = fresh.finish(fresh.resume(QwenEditState.load(tmp_path / "state.pt")))
+    assert torch.equal(resumed.latents, uninterrupted.latents)
+
+
+def test_a_saved_edit_whose_patches_do_not_fit_its_grid_is_refused(tiny_edit):
+    state = tiny_edit.start(Request(prompt="a fox", image=_image(0, 32, 32), num_inference_steps=2))
+    state.pixel_values = state.pixel_values[:, 1:]
+    with pytest.raises(ValueError, match="pixel_values: must be"):
+        tiny_edit.resume(state)
 
 
 @pytest.fixture(scope="module")

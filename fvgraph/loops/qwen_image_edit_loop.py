@@ -108,10 +108,12 @@ class QwenEditText(QwenText):
         prompts = [self.template.format(text).replace(self.image_token, self.image_token * int(grid[row].prod() // merged))
                    for row, (_, text) in enumerate(texts)]  # fmt: skip
         tokens = self.components.tokenizer(prompts, padding=True, padding_side="right", return_tensors="pt")
-        longest = int(tokens.attention_mask.sum(dim=1).max()) - self.template_drop
-        if longest > self.card.shapes.text_len:
-            raise RequestRejected("prompt", f"the vision-language prompt is {longest} tokens with the image's, past card "
-                                            f"{self.card.card_id!r}'s text length of {self.card.shapes.text_len}: shorten the text")  # fmt: skip
+        kept = tokens.attention_mask.sum(dim=1) - self.template_drop  # each row's embeddings, as take_encoded keeps them
+        row = int(kept.argmax())
+        if kept[row] > self.card.shapes.text_len:
+            field = texts[row][0].removesuffix("_embeds")  # prompt or negative_prompt
+            raise RequestRejected(field, f"its vision-language prompt is {int(kept[row])} tokens with the image's, past the text "
+                                         f"length of card {self.card.card_id!r} ({self.card.shapes.text_len}): shorten it")  # fmt: skip
         state.input_ids, state.attention_mask = tokens.input_ids, tokens.attention_mask
         state.pixel_values, state.image_grid_thw = vision["pixel_values"].unsqueeze(0), grid.unsqueeze(0)
 
