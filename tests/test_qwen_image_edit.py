@@ -153,6 +153,17 @@ def test_an_edit_saved_mid_run_resumes_bit_for_bit(tmp_path, tiny_edit, steps_be
     assert torch.equal(resumed.latents, uninterrupted.latents)
 
 
+def test_a_denoise_step_declares_the_joined_image_tokens_in_its_attention_shape(tiny_edit):
+    """What the compiler picks attention backends by: text, latents and the edited image's tokens (a 32 x 32
+    image resizes to 1024 x 1024: 64 x 64 packed tokens)."""
+    state = tiny_edit.start(Request(prompt="a fox", image=_image(0, 32, 32), num_inference_steps=2, height=32, width=48))
+    tiny_edit.step(state)
+    tiny_edit.step(state)  # text encode, VAE encode
+    plan = tiny_edit.loop.next(state)
+    step = tiny_edit.loop.build_steps()[plan.kind]
+    assert step.attention_shape(plan.inputs)[0] == state.prompt_embeds.shape[1] + 2 * 3 + 64 * 64
+
+
 def test_a_saved_edit_whose_patches_do_not_fit_its_grid_is_refused(tiny_edit):
     state = tiny_edit.start(Request(prompt="a fox", image=_image(0, 32, 32), num_inference_steps=2))
     state.pixel_values = state.pixel_values[:, 1:]
