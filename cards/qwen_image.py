@@ -1,4 +1,5 @@
-"""Qwen-Image text-to-image cards: the released `qwen-image` and the embedded `tiny-qwen-image`.
+"""Qwen-Image cards: text-to-image (the released `qwen-image`, the embedded `tiny-qwen-image`) and image
+editing (the released `qwen-image-edit`, the embedded `tiny-qwen-image-edit`).
 
 diffusers' own classes throughout (QwenImageTransformer2DModel, AutoencoderKLQwenImage, and
 Qwen2.5-VL as the text encoder, read for its last hidden state), so a QwenImagePipeline folder loads
@@ -40,9 +41,9 @@ def _components(dit: dict | None, vae: dict | None, text: dict | None, tokenizer
     }
 
 
-def _recipe(steps: int, precision: str = "bf16") -> RecipeSpec:
+def _recipe(steps: int, precision: str = "bf16", name: str = "qwen-image", loop: str = "qwen_image") -> RecipeSpec:
     # guidance_scale is the denoiser's embedded guidance in diffusers' pipeline; Qwen-Image's weights take none.
-    return RecipeSpec(method="base", name="qwen-image", assumes_loop="qwen_image", sampler=SCHEDULER, default_steps=steps,
+    return RecipeSpec(method="base", name=name, assumes_loop=loop, sampler=SCHEDULER, default_steps=steps,
                       allowed_steps=(1, 100), precision=precision, default_guidance_scale=1.0, cfg_scale="true_cfg_scale",
                       default_true_cfg_scale=4.0)  # fmt: skip
 
@@ -79,4 +80,50 @@ TINY_QWEN_IMAGE = ModelCard(
     quantization=QuantizationSpec(fp8_exclude=EMBEDDERS),
 )  # fmt: skip
 
-CARDS = (TINY_QWEN_IMAGE, QWEN_IMAGE)
+
+def _edit_components(dit: dict | None, vae: dict | None, text: dict | None, tokenizer: dict | None, processor: dict | None,
+                     dtype: str) -> dict:  # fmt: skip
+    """Qwen-Image's components plus the image processor; QwenImageEditPipeline prompts through its
+    `processor` (processor/: the image processor and the tokenizer beside it), so both load from there."""
+    return {**_components(dit, vae, text, None, dtype),
+            "tokenizer": ComponentSpec(kind="tokenizer", cls="transformers.AutoTokenizer", subfolder="processor", config=tokenizer),
+            # Qwen2VLProcessor's image processor, by the name Qwen2VLProcessor loads it (transformers falls back to
+            # its PIL backend where torchvision is absent).
+            "image_processor": ComponentSpec(kind="image_processor", cls="transformers.Qwen2VLImageProcessor",
+                                             subfolder="processor", config=processor)}  # fmt: skip
+
+
+# The vision-language prompt holds the image's tokens (about 1,370 for the ~1024^2 image the released
+# processor sees: 14-pixel patches merged 2x2) beside the text, and QwenImageEditPipeline cuts none of it.
+EDIT_TEXT_LEN = 2048
+
+# Qwen-Image-Edit: image editing (fvgraph/loops/qwen_image_edit_loop.py) on Qwen-Image's architecture and
+# schedule, with QwenImageEditPipeline's defaults (50 steps, true_cfg_scale 4.0).
+QWEN_IMAGE_EDIT = ModelCard(
+    card_id="qwen-image-edit", hub_repos=("Qwen/Qwen-Image-Edit",), family="qwen_image", pipeline_class="QwenImageEditPipeline",
+    loops=("qwen_image_edit",), recipe=_recipe(50, name="qwen-image-edit", loop="qwen_image_edit"), parity=PARITY,
+    components=_edit_components(None, None, None, None, None, "bf16"),
+    shapes=ShapeRules(text_len=EDIT_TEXT_LEN, max_height=2048, max_width=2048, max_frames=1, default_height=1024,
+                      default_width=1024, default_frames=1),
+    quantization=QWEN_IMAGE.quantization,
+)  # fmt: skip
+
+# The vision tokens the tiny processor's tokenizer adds after its bytes (ids 259, 260, 261), and the
+# text encoder told their ids; the tiny image processor sees at most 36 merged tokens of the image.
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+TINY_EDIT_TEXT_ENCODER = {**TINY_TEXT_ENCODER, "text_config": {**TINY_TEXT_ENCODER["text_config"], "vocab_size": 262},
+                          "vision_start_token_id": 259, "image_token_id": 260, "vision_end_token_id": 261}  # fmt: skip
+TINY_IMAGE_PROCESSOR = {"min_pixels": 56 * 56, "max_pixels": 28 * 28 * 36, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}
+
+# tiny-qwen-image's transformer and VAE (the same seeded weights) as an editor, with a text encoder that reads images.
+TINY_QWEN_IMAGE_EDIT = ModelCard(
+    card_id="tiny-qwen-image-edit", family="qwen_image", pipeline_class="QwenImageEditPipeline", loops=("qwen_image_edit",),
+    parity=PARITY, seed=0, recipe=_recipe(8, precision="fp32", name="qwen-image-edit", loop="qwen_image_edit"),
+    components=_edit_components(TINY_TRANSFORMER, TINY_VAE, TINY_EDIT_TEXT_ENCODER,
+                                {"model_max_length": 1024, "special_tokens": VISION_TOKENS}, TINY_IMAGE_PROCESSOR, "fp32"),
+    shapes=ShapeRules(text_len=1024, max_height=256, max_width=256, max_frames=1, default_height=64, default_width=64,
+                      default_frames=1),
+    quantization=QuantizationSpec(fp8_exclude=EMBEDDERS),
+)  # fmt: skip
+
+CARDS = (TINY_QWEN_IMAGE, QWEN_IMAGE, TINY_QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT)

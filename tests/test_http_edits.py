@@ -1,6 +1,7 @@
 """POST /v1/images/edits through the official openai client's `images.edit`, against a live server of
-the tiny-flux-kontext card: the PNG it returns equals the engine's image for the same request; bad
-uploads and fields are 400s naming them, and a card that edits no images refuses the upload unopened."""
+the tiny-flux-kontext card (and one of tiny-qwen-image-edit): the PNG it returns equals the engine's
+image for the same request; bad uploads and fields are 400s naming them, and a card that edits no
+images refuses the upload unopened."""
 
 import base64
 import io
@@ -63,3 +64,16 @@ def test_a_card_that_edits_no_images_refuses_the_upload(tiny_engine, tmp_path):
     with live_server(tiny_engine, tmp_path) as (_, url):
         with pytest.raises(openai.BadRequestError, match="image: card 'tiny-wan' generates from text only"):
             client(url).images.edit(image=("in.png", _png(0), "image/png"), prompt="x")
+
+
+def test_images_edit_on_a_qwen_image_edit_card_returns_the_engines_edit(tmp_path):
+    """The same upload to tiny-qwen-image-edit, with true CFG through extra_body: its PNG is the engine's image."""
+    upload, fields = _png(5), {"num_inference_steps": 2, "seed": 4, "negative_prompt": "blurry", "true_cfg_scale": 3.0}
+    engine = Engine.from_card("tiny-qwen-image-edit", device="cpu")
+    with live_server(engine, tmp_path) as (_, url):
+        answer = client(url).images.edit(model="tiny-qwen-image-edit", image=("in.png", upload, "image/png"), prompt="add a hat",
+                                         size="32x48", extra_body=fields)  # fmt: skip
+    served_image = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))))
+    [direct] = engine.generate([Request(prompt="add a hat", image=Image.open(io.BytesIO(upload)), height=48, width=32, **fields)])
+    assert direct.ok and served_image.shape == (48, 32, 3)
+    assert (served_image == direct.images[0]).all()

@@ -45,12 +45,13 @@ TEXT_BUCKET = 64  # padded text lengths are multiples of this: one compiled step
 MASKS = {"prompt_embeds": "prompt_embeds_mask", "negative_prompt_embeds": "negative_prompt_embeds_mask"}
 
 
-def qwen_denoise_kind(name: str, cfg: bool) -> StepKind:
-    """Latents, timestep and Euler row per step; the texts, their masks and the true-CFG scale constant."""
+def qwen_denoise_kind(name: str, cfg: bool, media: tuple[str, ...] = ()) -> StepKind:
+    """Latents, timestep and Euler row per step; the texts, their masks, the true-CFG scale and `media`
+    (Qwen-Image-Edit's image latents) constant."""
     texts = ("prompt_embeds", "prompt_embeds_mask")
     if cfg:
         texts += ("negative_prompt_embeds", "negative_prompt_embeds_mask", "guidance_scale")
-    return image_denoise_kind(name, texts)
+    return image_denoise_kind(name, texts + media)
 
 
 DENOISE_KINDS = {False: qwen_denoise_kind(DENOISE, cfg=False), True: qwen_denoise_kind(DENOISE_CFG, cfg=True)}
@@ -74,6 +75,7 @@ class QwenText:
 
     kind = TEXT_ENCODE_KIND
     reads = ("prompt_embeds_mask", "negative_prompt_embeds_mask", "max_sequence_length")
+    template, template_drop = PROMPT_TEMPLATE, TEMPLATE_DROP
     device_fields = ("prompt_embeds_mask", "negative_prompt_embeds_mask")
 
     def __init__(self, card: ModelCard, components: Components):
@@ -101,8 +103,8 @@ class QwenText:
         return None if embeds is None else embeds.unsqueeze(0).to(self.components.device, self.dtype)
 
     def tokenize(self, state: QwenImageState, request: Request, texts: list[tuple[str, str]]) -> None:
-        tokens = self.components.tokenizer([PROMPT_TEMPLATE.format(text) for _, text in texts], padding=True, truncation=True,
-                                           max_length=TOKENIZER_MAX_LENGTH + TEMPLATE_DROP, return_tensors="pt")  # fmt: skip
+        tokens = self.components.tokenizer([self.template.format(text) for _, text in texts], padding=True, truncation=True,
+                                           max_length=TOKENIZER_MAX_LENGTH + self.template_drop, return_tensors="pt")  # fmt: skip
         state.input_ids, state.attention_mask = tokens.input_ids, tokens.attention_mask
 
     def encode_inputs(self, state: QwenImageState) -> dict[str, torch.Tensor]:
@@ -114,7 +116,7 @@ class QwenText:
         for row, slot in enumerate(state.encode_slots):
             # QwenImagePipeline._extract_masked_hidden, then e[drop_idx:]: the row's tokens after the system prompt.
             tokens = state.attention_mask[row].bool().nonzero().squeeze(1).to(embeds.device)
-            kept = embeds[row].index_select(0, tokens)[TEMPLATE_DROP:].to(self.dtype)
+            kept = embeds[row].index_select(0, tokens)[self.template_drop :].to(self.dtype)
             setattr(state, slot, kept.unsqueeze(0))
             setattr(state, MASKS[slot], torch.ones(1, kept.shape[0], dtype=torch.int64))
 

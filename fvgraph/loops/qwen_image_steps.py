@@ -45,14 +45,22 @@ class QwenImageDenoiser(nn.Module):
         self.transformer = transformer
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                encoder_hidden_states_mask: torch.Tensor, return_dict: bool = False, **adapter_rows: torch.Tensor):  # fmt: skip
+                encoder_hidden_states_mask: torch.Tensor, return_dict: bool = False, condition: torch.Tensor | None = None,
+                **adapter_rows: torch.Tensor):  # fmt: skip
+        """`condition` [B, C, 1, hc, wc]: an edited image's latents (Qwen-Image-Edit), packed and joined after
+        the latents' tokens with its own entry in the image shapes (the rotary positions' second frame), as
+        QwenImageEditPipeline joins them; the prediction is read from the latents' tokens only."""
         batch, channels, _, h, w = hidden_states.shape
         packed = QwenImagePipeline._pack_latents(hidden_states[:, :, 0], batch, channels, h, w)
-        img_shapes = [[(1, h // 2, w // 2)]] * batch
+        tokens, shapes = packed.shape[1], [(1, h // 2, w // 2)]
+        if condition is not None:
+            _, _, _, hc, wc = condition.shape
+            joined = QwenImagePipeline._pack_latents(condition[:, :, 0].to(packed.dtype), batch, channels, hc, wc)
+            packed, shapes = torch.cat([packed, joined], dim=1), [*shapes, (1, hc // 2, wc // 2)]
         out = self.transformer(hidden_states=packed, timestep=timestep, encoder_hidden_states=encoder_hidden_states,
-                               encoder_hidden_states_mask=encoder_hidden_states_mask, img_shapes=img_shapes,
+                               encoder_hidden_states_mask=encoder_hidden_states_mask, img_shapes=[shapes] * batch,
                                return_dict=False, **adapter_rows)[0]  # fmt: skip
-        return (out,)
+        return (out[:, :tokens],)
 
 
 class QwenImageDenoiseStep(ImageDenoiseStep):
@@ -76,12 +84,15 @@ class QwenImageDenoiseStep(ImageDenoiseStep):
         guidance_scale: torch.Tensor | None = None,  # [B] true_cfg_scale, when cfg
         lora_index: torch.Tensor | None = None,  # [B, K] int64 each row's adapter slots, on an engine with them
         lora_scale: torch.Tensor | None = None,  # [B, K] float32 their scales (0 where unused)
+        condition: torch.Tensor | None = None,  # [B, C, 1, hc, wc] an edit's image latents (Qwen-Image-Edit)
         **carry: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         dtype = prompt_embeds.dtype
         model_input = latents.to(dtype)  # QwenImagePipeline's latents are in the text's dtype
         t = timestep.to(dtype) / 1000  # t.expand(B).to(latents.dtype), passed as timestep / 1000
         side = self.adapter_rows(lora_index, lora_scale)
+        if condition is not None:  # the same image in both branches
+            side["condition"] = mark_request_constant(condition)
         taps = {}
         cond = dict(hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(prompt_embeds),
                     encoder_hidden_states_mask=mark_request_constant(prompt_embeds_mask), **side)  # fmt: skip

@@ -24,6 +24,7 @@ LOOPS: dict[str, str] = {
     "flux": "fvgraph.loops.flux_loop:FluxLoop",
     "flux_kontext": "fvgraph.loops.flux_kontext_loop:FluxKontextLoop",
     "qwen_image": "fvgraph.loops.qwen_image_loop:QwenImageLoop",
+    "qwen_image_edit": "fvgraph.loops.qwen_image_edit_loop:QwenImageEditLoop",
 }
 
 

@@ -3,7 +3,8 @@
 A real Wan checkpoint ships UMT5's sentencepiece tokenizer; a card with seeded weights cannot download
 one. Byte-level BPE with no merges maps any UTF-8 text onto 256 byte tokens plus T5's special tokens,
 so the text path (tokenize -> encoder -> padded embeddings) is the real one, offline and deterministic.
-It saves and loads through transformers like any other tokenizer (tokenizer.json).
+It saves and loads through transformers like any other tokenizer (tokenizer.json). A card may add
+whole-word special tokens after the bytes (a vision-language prompt's `<|image_pad|>`), each one id.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from transformers import PreTrainedTokenizerFast
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
 
 
-def build_byte_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
+def build_byte_tokenizer(model_max_length: int, special_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """`special_tokens` get the ids after the 259 byte and T5 tokens, in order."""
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     # alphabet() comes back in hash order, which differs between calls: sort it, or the same text
     # would map to different ids in two engines.
@@ -31,4 +33,5 @@ def build_byte_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
         eos_token="</s>",
         unk_token="<unk>",
         model_max_length=model_max_length,
+        **({"additional_special_tokens": list(special_tokens)} if special_tokens else {}),
     )

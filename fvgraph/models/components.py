@@ -79,7 +79,8 @@ class Components:
 def _build_seeded(name: str, spec: ComponentSpec, seed: int, card: ModelCard):
     """Deterministic weights: each component draws from its own generator state seeded by card seed + name."""
     if spec.kind == "tokenizer":
-        return build_byte_tokenizer(model_max_length=(spec.config or {}).get("model_max_length", card.shapes.text_len))
+        config = spec.config or {}
+        return build_byte_tokenizer(config.get("model_max_length", card.shapes.text_len), tuple(config.get("special_tokens", ())))
     cls = spec.resolve_class()
     if spec.kind == "image_processor":  # no weights: its config is all of it
         return cls(**spec.config)
@@ -166,7 +167,8 @@ def read_model_index(folder: Path, card: ModelCard, skip: frozenset[str]) -> set
     listed = set()
     for key, value in index.items():
         is_entry = isinstance(value, list) and len(value) == 2 and all(p is None or isinstance(p, str) for p in value)
-        if key in card.components or key == "scheduler":
+        names = _components_listed_as(card, key)
+        if names or key == "scheduler":
             if not is_entry:
                 raise CheckpointError(f"{index_path}: component {key!r} must be [library, class] (or [null, null] "
                                       f"when absent), got {str(value)[:120]!r}")  # fmt: skip
@@ -174,22 +176,32 @@ def read_model_index(folder: Path, card: ModelCard, skip: frozenset[str]) -> set
             continue  # a pipeline setting (boundary_ratio, expand_timesteps) or an absent component
         if key == "scheduler":
             continue  # the card's recipe sets the sampler
-        if key not in card.components:
+        if not names:
             raise CheckpointError(
                 f"{index_path} lists component {key!r} ({value[0]}.{value[1]}), which card {card.card_id!r} does not "
                 f"load (it loads {', '.join(card.components)}): use a card made for this folder"
             )
-        spec = card.components[key]
-        expected = spec.cls.rpartition(".")[2]
-        if spec.kind not in ("tokenizer", "image_processor") and value[1] != expected:
-            raise CheckpointError(f"{index_path}: component {key!r} is {value[1]!r}, card {card.card_id!r} loads "
-                                  f"{expected!r}: use a card made for this folder")  # fmt: skip
-        listed.add(key)
+        for name in names:
+            spec = card.components[name]
+            expected = spec.cls.rpartition(".")[2]
+            if spec.kind not in ("tokenizer", "image_processor") and value[1] != expected:
+                raise CheckpointError(f"{index_path}: component {key!r} is {value[1]!r}, card {card.card_id!r} loads "
+                                      f"{expected!r}: use a card made for this folder")  # fmt: skip
+        listed.update(names)
     for name, spec in card.components.items():
         if name not in listed and name not in skip and not spec.optional:
             raise CheckpointError(f"{index_path} does not list component {name!r} (or lists it as [null, null]), "
                                   f"which card {card.card_id!r} needs")  # fmt: skip
     return listed
+
+
+def _components_listed_as(card: ModelCard, key: str) -> list[str]:
+    """The card's components a model_index.json key stands for: the one of that name, else those kept in
+    the folder of that name (Qwen-Image-Edit's `processor`: the image processor and the tokenizer its
+    pipeline prompts with)."""
+    if key in card.components:
+        return [key]
+    return [name for name, spec in card.components.items() if spec.subfolder == key]
 
 
 def _own_storage(module: nn.Module) -> None:

@@ -2,7 +2,7 @@
 POST /v1/images/generations runs `n` one-frame requests through the same engine and answers when all
 have ended (b64_json, or a URL to GET /v1/images/{id}/content); a client that hangs up cancels them.
 POST /v1/images/edits does the same from an uploaded `image` (the openai SDK's `images.edit`), on a
-card that edits images (FLUX.1 Kontext)."""
+card that edits images (FLUX.1 Kontext, Qwen-Image-Edit)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class ImageRoutes:
         if not isinstance(upload, bytes):  # a URL or file id: fetching what a client names is not done here
             raise RequestRejected("image", "must be the image itself, uploaded as a file; this server fetches no URLs or file ids")
         edits = "image" in self.served.engine.loop.reads and self.card.shapes.max_frames == 1
-        image = check_input_reference(upload, self.card, edits, field="image", serve="an image-editing card (FLUX.1 Kontext)")
+        image = check_input_reference(upload, self.card, edits, field="image", serve="an image-editing card (FLUX.1 Kontext, Qwen-Image-Edit)")
         return await self._images(http, fields, image)
 
     async def _images(self, http: HttpRequest, fields: dict, image: Image.Image | None):
