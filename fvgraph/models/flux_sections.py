@@ -164,8 +164,5 @@ def packed_attention_shape(transformer: nn.Module, inputs: dict[str, torch.Tenso
     text tokens plus the packed image tokens of the step's one-frame latents and, on an edit, of the
     image latents joined after them (`condition`)."""
     _, _, _, h, w = inputs["latents"].shape
-    tokens = inputs["prompt_embeds"].shape[1] + (h // 2) * (w // 2)
-    if inputs.get("condition") is not None:
-        _, _, _, hc, wc = inputs["condition"].shape
-        tokens += (hc // 2) * (wc // 2)
+    tokens = inputs["prompt_embeds"].shape[1] + (h // 2) * (w // 2) + condition_tokens(inputs.get("condition"))
     return tokens, int(transformer.config.attention_head_dim), inputs["prompt_embeds"].dtype
