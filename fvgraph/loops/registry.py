@@ -24,6 +24,7 @@ LOOPS: dict[str, str] = {
     "flux": "fvgraph.loops.flux_loop:FluxLoop",
     "flux_kontext": "fvgraph.loops.flux_kontext_loop:FluxKontextLoop",
     "qwen_image": "fvgraph.loops.qwen_image_loop:QwenImageLoop",
+    "hunyuan_video15_t2v": "fvgraph.loops.hunyuan_video15_loop:HunyuanVideo15Loop",
 }
 
 

@@ -79,7 +79,8 @@ class Components:
 def _build_seeded(name: str, spec: ComponentSpec, seed: int, card: ModelCard):
     """Deterministic weights: each component draws from its own generator state seeded by card seed + name."""
     if spec.kind == "tokenizer":
-        return build_byte_tokenizer(model_max_length=(spec.config or {}).get("model_max_length", card.shapes.text_len))
+        config = spec.config or {}
+        return build_byte_tokenizer(config.get("model_max_length", card.shapes.text_len), config.get("chat_template"))
     cls = spec.resolve_class()
     if spec.kind == "image_processor":  # no weights: its config is all of it
         return cls(**spec.config)
@@ -172,8 +173,8 @@ def read_model_index(folder: Path, card: ModelCard, skip: frozenset[str]) -> set
                                       f"when absent), got {str(value)[:120]!r}")  # fmt: skip
         if not is_entry or value == [None, None] or key.startswith("_"):
             continue  # a pipeline setting (boundary_ratio, expand_timesteps) or an absent component
-        if key == "scheduler":
-            continue  # the card's recipe sets the sampler
+        if key in ("scheduler", "guider"):
+            continue  # the card's recipe sets the sampler (and the guidance, a guider folder's: the family's loop reads it)
         if key not in card.components:
             raise CheckpointError(
                 f"{index_path} lists component {key!r} ({value[0]}.{value[1]}), which card {card.card_id!r} does not "
