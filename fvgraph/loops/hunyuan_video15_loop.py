@@ -40,6 +40,7 @@ from fvgraph.loops.loop_parts import Decoder, FamilyParts, LoopConfig
 from fvgraph.loops.samplers import SamplerPlan
 from fvgraph.loops.taps import TapPoints
 from fvgraph.models.components import Components
+from fvgraph.models.hunyuan_video15_forward import HunyuanVideo15TextToVideo
 from fvgraph.request import Request, RequestRejected
 
 LOOP = "hunyuan_video15_t2v"
@@ -162,11 +163,13 @@ class HunyuanDenoiser:
         self.card = card
 
     def step(self, transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module:
-        return HunyuanDenoiseStep(transformer, sampler, cfg, tap_points)
+        return HunyuanDenoiseStep(HunyuanVideo15TextToVideo(transformer), sampler, cfg, tap_points)
 
     def steps(self, components: Components, sampler: Any, tap_points: Callable[[nn.Module], TapPoints | None]) -> dict[str, nn.Module]:
-        taps = tap_points(components.transformer)
-        return {kind.name: self.step(components.transformer, sampler, cfg, taps) for cfg, kind in DENOISE_KINDS.items()}
+        """Both kinds call one denoiser, whose blocks the parity taps (one set of hooks) read."""
+        denoiser = HunyuanVideo15TextToVideo(components.transformer)
+        taps = tap_points(denoiser)
+        return {kind.name: HunyuanDenoiseStep(denoiser, sampler, cfg, taps) for cfg, kind in DENOISE_KINDS.items()}
 
     def sections(self, transformer: nn.Module) -> DenoiserSections | None:
         return None

@@ -46,9 +46,9 @@ class HunyuanDenoiseStep(nn.Module):
     """One HunyuanVideo15Pipeline denoise step for text-to-video: the cond branch, the uncond branch
     (when `cfg`), ClassifierFreeGuidance's combine, the flow-matching Euler update."""
 
-    def __init__(self, transformer: nn.Module, sampler: FlowEulerSampler, cfg: bool, tap_points: TapPoints | None = None):
+    def __init__(self, denoiser: HunyuanVideo15TextToVideo, sampler: FlowEulerSampler, cfg: bool, tap_points: TapPoints | None = None):
         super().__init__()
-        self.denoiser = HunyuanVideo15TextToVideo(transformer)
+        self.denoiser = denoiser
         self.sampler = sampler
         self.cfg = cfg
         self.tap_points = tap_points  # parity runs only: block outputs as "tap.*" outputs

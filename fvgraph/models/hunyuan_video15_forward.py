@@ -18,13 +18,28 @@ from torch import nn
 VISION_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens: the image tokens every call carries
 
 
+class StreamsBlock(nn.Module):
+    """A dual-stream block returning (text stream, image stream), the order parity taps read a block's
+    output in (fvgraph/loops/taps.py: the image stream last; the last block's text stream is dead code)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states, tokens = self.block(*args)
+        return tokens, hidden_states
+
+
 class HunyuanVideo15TextToVideo(nn.Module):
     """`transformer` called as HunyuanVideo15Pipeline calls it for text-to-video (zero image embeddings);
-    every argument has the batch dimension, so the CFG-fusion pass can concatenate two branches' calls."""
+    every argument has the batch dimension, so the CFG-fusion pass can concatenate two branches' calls.
+    `blocks` are the transformer's own blocks, in the order taps read."""
 
     def __init__(self, transformer: nn.Module):
         super().__init__()
         self.transformer = transformer
+        self.blocks = nn.ModuleList(StreamsBlock(block) for block in transformer.transformer_blocks)
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_attention_mask: torch.Tensor, encoder_hidden_states_2: torch.Tensor,
@@ -48,8 +63,8 @@ class HunyuanVideo15TextToVideo(nn.Module):
         # 3. valid tokens first (image, ByT5, Qwen), then the invalid ones (the text's zeroed), each group in order
         tokens, mask = _valid_first(image, image_mask, glyph, encoder_attention_mask_2.bool(), text, encoder_attention_mask.bool())
         # 4. the dual-stream blocks
-        for block in model.transformer_blocks:
-            hidden_states, tokens = block(hidden_states, tokens, temb, mask, rotary)
+        for block in self.blocks:
+            tokens, hidden_states = block(hidden_states, tokens, temb, mask, rotary)
         # 5. the output projection, unpatchified
         hidden_states = model.proj_out(model.norm_out(hidden_states, temb))
         hidden_states = hidden_states.reshape(batch, frames // p_t, height // p, width // p, -1, p_t, p, p)
