@@ -58,7 +58,9 @@ def default_size(target_size: int, vae_spatial: int) -> tuple[int, int]:
 
 
 def card_for_weights(card: ModelCard, components: Components) -> ModelCard:
-    """`card` with the folder's scheduler config, guidance scale and default size (from its transformer's target_size)."""
+    """`card` with the folder's scheduler config, guidance scale and default size (from its transformer's
+    target_size). The transformer's `task_type` is not read: its forward decides text-to-video by the
+    image embeddings being zero (and diffusers' conversion script writes "i2v" for the 480p t2v release)."""
     recipe, shapes = card.recipe, card.shapes
     sampler_config, guidance = recipe.sampler.config, recipe.default_guidance_scale
     if components.checkpoint is not None:
