@@ -15,7 +15,7 @@ from transformers import ByT5Tokenizer
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
-from fvgraph.loops.hunyuan_video15_loop import SYSTEM_MESSAGE
+from fvgraph.loops.hunyuan_video15_loop import SYSTEM_MESSAGE, HunyuanVideo15State
 from fvgraph.models.components import load_components
 from fvgraph.models.hunyuan_video15_forward import HunyuanVideo15TextToVideo
 from fvgraph.parity import Setting, compare
@@ -162,6 +162,29 @@ def test_the_cfg_step_is_traced_fused_and_a_second_wave_compiles_nothing(tiny):
                                    "guidance_scale": 1.0 if r.guidance_scale == 1.0 else 3.0 + i}) for i, r in enumerate(_mixed())]  # fmt: skip
     assert all(r.ok for r in engine.generate(second))
     assert engine.counters.snapshot()["compiles"] == compiles
+
+
+@pytest.mark.parametrize("steps_before_save", [0, 1, 3])
+def test_a_state_saved_mid_run_resumes_bit_for_bit(tmp_path, tiny, steps_before_save):
+    """Saved before the text encode (both encoders' token ids), after it (four tensors per text) or between steps."""
+    request = Request(prompt='a paper boat named "Ada"', negative_prompt=" ", guidance_scale=3.0, seed=9, num_inference_steps=2,
+                      num_frames=5, output_type="latent")  # fmt: skip
+    uninterrupted = tiny.generate([request])[0]
+    state = tiny.start(request)
+    for _ in range(steps_before_save):
+        tiny.step(state)
+    state.save(tmp_path / "state.pt")
+    fresh = Engine.from_card("tiny-hunyuanvideo1.5", device="cpu")
+    resumed = fresh.finish(fresh.resume(HunyuanVideo15State.load(tmp_path / "state.pt")))
+    assert torch.equal(resumed.latents, uninterrupted.latents)
+
+
+def test_a_saved_state_with_a_bad_glyph_mask_is_refused(tiny):
+    state = tiny.start(Request(prompt="a fox", seed=0, num_inference_steps=2, num_frames=5, guidance_scale=1.0))
+    tiny.step(state)  # text encode: the four tensors of the prompt
+    state.prompt_embeds_mask_2 = state.prompt_embeds_mask_2[:, :100]
+    with pytest.raises(ValueError, match="prompt_embeds_mask_2: must have shape"):
+        tiny.resume(state)
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,7 @@ from transformers import PreTrainedTokenizerFast
 SPECIAL_TOKENS = ("<pad>", "</s>", "<unk>")  # T5's ids 0, 1, 2
 
 
-def build_byte_tokenizer(model_max_length: int, chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """`chat_template`: the Jinja template `apply_chat_template` renders (saved with the tokenizer), for
-    a family whose pipeline wraps its texts in a chat (HunyuanVideo-1.5); None: the tokenizer has none."""
+def build_byte_tokenizer(model_max_length: int) -> PreTrainedTokenizerFast:
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     # alphabet() comes back in hash order, which differs between calls: sort it, or the same text
     # would map to different ids in two engines.
@@ -33,5 +31,4 @@ def build_byte_tokenizer(model_max_length: int, chat_template: str | None = None
         eos_token="</s>",
         unk_token="<unk>",
         model_max_length=model_max_length,
-        chat_template=chat_template,
     )

@@ -80,7 +80,9 @@ def _build_seeded(name: str, spec: ComponentSpec, seed: int, card: ModelCard):
     """Deterministic weights: each component draws from its own generator state seeded by card seed + name."""
     if spec.kind == "tokenizer":
         config = spec.config or {}
-        return build_byte_tokenizer(config.get("model_max_length", card.shapes.text_len), config.get("chat_template"))
+        tokenizer = build_byte_tokenizer(model_max_length=config.get("model_max_length", card.shapes.text_len))
+        tokenizer.chat_template = config.get("chat_template")  # a pipeline that wraps texts in a chat (HunyuanVideo-1.5's)
+        return tokenizer
     cls = spec.resolve_class()
     if spec.kind == "image_processor":  # no weights: its config is all of it
         return cls(**spec.config)
