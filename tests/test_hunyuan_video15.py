@@ -135,14 +135,25 @@ def test_interleaved_requests_equal_each_alone_bit_for_bit(tiny):
         assert torch.equal(together[request.request_id].latents, alone.latents), request.request_id
 
 
-def test_compiled_equals_eager_within_the_card_tolerance():
-    """-O1 (aot_eager: the CFG branches fused into one call, request constants hoisted) against -O0, tap by tap."""
-    requests = [Request(prompt='a sign saying "hi"', negative_prompt="blurry", guidance_scale=4.0, seed=1, num_inference_steps=2,
-                        num_frames=5),
-                Request(prompt="a blue bird", guidance_scale=1.0, seed=2, num_inference_steps=2, num_frames=5)]  # fmt: skip
-    report = compare("tiny-hunyuanvideo1.5", requests, Setting(0), Setting(1, backend="aot_eager"))
+def _parity_requests() -> list[Request]:
+    return [Request(prompt='a sign saying "hi"', negative_prompt="blurry", guidance_scale=4.0, seed=1, num_inference_steps=2,
+                    num_frames=5),
+            Request(prompt="a blue bird", guidance_scale=1.0, seed=2, num_inference_steps=2, num_frames=5)]  # fmt: skip
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_compiled_equals_eager_within_the_card_tolerance(level):
+    """-O1 / -O2 (aot_eager: the CFG branches fused into one call, request constants hoisted) against -O0, tap by tap."""
+    report = compare("tiny-hunyuanvideo1.5", _parity_requests(), Setting(0), Setting(level, backend="aot_eager"))
     assert report.passed, report.first_divergence
-    assert {c.tap for c in report.comparisons} >= {"tap.noise", "tap.latents"}
+    assert {c.tap for c in report.comparisons} >= {"tap.noise", "tap.latents", "tap.block.1.0", "tap.block.1.1"}
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_eager_on_a_gpu():
+    """-O2 with inductor on CUDA (the fused CFG step captured as a CUDA graph) against -O0 on CUDA."""
+    report = compare("tiny-hunyuanvideo1.5", _parity_requests(), Setting(0), Setting(2), device="cuda")
+    assert report.passed, report.first_divergence
 
 
 def test_the_cfg_step_is_traced_fused_and_a_second_wave_compiles_nothing(tiny):
