@@ -198,6 +198,11 @@ def test_a_saved_state_with_a_bad_glyph_mask_is_refused(tiny):
         tiny.resume(state)
 
 
+def test_an_engine_without_its_text_encoders_is_refused_at_build():
+    with pytest.raises(ValueError, match="encodes its texts itself.*text_encoder=True"):
+        Engine.from_card("tiny-hunyuanvideo1.5", device="cpu", text_encoder=False)
+
+
 @pytest.mark.parametrize(
     "fields,name,rule",
     [

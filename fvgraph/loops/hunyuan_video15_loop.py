@@ -226,6 +226,9 @@ class HunyuanLatents:
 
 class HunyuanVideo15Loop(DenoiseLoop):
     def __init__(self, card: ModelCard, components: Components, config: LoopConfig | None = None):
+        if components.text_encoder is None:  # its requests carry texts only: without the encoders none could run
+            raise ValueError(f"card {card.card_id!r} encodes its texts itself (four tensors per text; prompt_embeds are not "
+                             "taken): build its engine with the text encoders (text_encoder=True)")  # fmt: skip
         card = card_for_weights(card, components)  # the folder's shift, guidance scale and default size
         parts = FamilyParts(LOOP, HunyuanVideo15State, HunyuanText(card, components), HunyuanDenoiser(card), HunyuanLatents(card), DECODER)
         super().__init__(card, components, parts, config)
