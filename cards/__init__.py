@@ -6,6 +6,7 @@ import difflib
 
 from fvgraph.card import ModelCard
 from fvgraph.cards.flux import CARDS as _FLUX_CARDS
+from fvgraph.cards.hunyuan_video15 import CARDS as _HUNYUAN_VIDEO15_CARDS
 from fvgraph.cards.qwen_image import CARDS as _QWEN_IMAGE_CARDS
 from fvgraph.cards.wan import CARDS as _WAN_CARDS
 from fvgraph.cards.wan22 import CARDS as _WAN_2_2_CARDS
@@ -15,7 +16,7 @@ from fvgraph.cards.wan_i2v import CARDS as _WAN_I2V_CARDS
 
 DEFAULT_CARD = "tiny-wan"
 _REGISTRY: dict[str, ModelCard] = {card.card_id: card for card in (*_WAN_CARDS, *_WAN_I2V_CARDS, *_WAN_2_2_CARDS, *_WAN_2_2_TI2V_CARDS, *_WAN_DISTILL_CARDS, *_FLUX_CARDS,
-                                                 *_QWEN_IMAGE_CARDS)}
+                                                 *_QWEN_IMAGE_CARDS, *_HUNYUAN_VIDEO15_CARDS)}
 
 
 class UnknownCardError(KeyError):

@@ -37,7 +37,7 @@ def test_the_cards_table_lists_every_card_and_its_hub_repo():
 
 def test_the_families_table_names_every_family():
     families = README[README.index("## Families"):README.index("## Cards")]
-    for name in ("Wan 2.1 / 2.2", "FLUX.1", "Qwen-Image"):
+    for name in ("Wan 2.1 / 2.2", "HunyuanVideo-1.5", "FLUX.1", "Qwen-Image"):
         assert f"| {name} |" in families
 
 

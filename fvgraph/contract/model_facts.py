@@ -41,7 +41,10 @@ class ModelFacts:
         read here; an image denoiser that takes 2x2-packed latents (in_channels = 4 x the VAE's
         channels, patch_size 1: FLUX, Qwen-Image) counts that packing as its spatial patch."""
         dit, vae_cfg = transformer.config, vae.config
-        if "z_dim" in vae_cfg:
+        if "spatial_compression_ratio" in vae_cfg:  # a video VAE that states its ratios (HunyuanVideo-1.5's)
+            latent_channels = int(vae_cfg.latent_channels)
+            temporal, spatial = int(vae_cfg.temporal_compression_ratio), int(vae_cfg.spatial_compression_ratio)
+        elif "z_dim" in vae_cfg:
             latent_channels = int(vae_cfg.z_dim)
             downsample = list(vae_cfg.temperal_downsample)
             temporal = int(getattr(vae_cfg, "scale_factor_temporal", None) or 2 ** sum(downsample))
@@ -50,10 +53,12 @@ class ModelFacts:
             latent_channels, temporal = int(vae_cfg.latent_channels), 1
             spatial = 2 ** (len(vae_cfg.block_out_channels) - 1)
         patch = dit.patch_size
+        if isinstance(patch, int) and "patch_size_t" in dit:  # (t, h, w) given as two ints
+            patch = (dit.patch_size_t, patch, patch)
         if isinstance(patch, int):
             packed = 2 if patch == 1 and int(dit.in_channels) == 4 * latent_channels else patch
             patch = (1, packed, packed)
-        text_dim = dit.get("text_dim") or dit.get("joint_attention_dim")
+        text_dim = dit.get("text_dim") or dit.get("joint_attention_dim") or dit.get("text_embed_dim")
         return cls(
             text_dim=int(text_dim),
             latent_channels=latent_channels,

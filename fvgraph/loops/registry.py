@@ -25,6 +25,7 @@ LOOPS: dict[str, str] = {
     "flux_kontext": "fvgraph.loops.flux_kontext_loop:FluxKontextLoop",
     "qwen_image": "fvgraph.loops.qwen_image_loop:QwenImageLoop",
     "qwen_image_edit": "fvgraph.loops.qwen_image_edit_loop:QwenImageEditLoop",
+    "hunyuan_video15_t2v": "fvgraph.loops.hunyuan_video15_loop:HunyuanVideo15Loop",
 }
 
 

@@ -80,7 +80,9 @@ def _build_seeded(name: str, spec: ComponentSpec, seed: int, card: ModelCard):
     """Deterministic weights: each component draws from its own generator state seeded by card seed + name."""
     if spec.kind == "tokenizer":
         config = spec.config or {}
-        return build_byte_tokenizer(config.get("model_max_length", card.shapes.text_len), tuple(config.get("special_tokens", ())))
+        tokenizer = build_byte_tokenizer(config.get("model_max_length", card.shapes.text_len), tuple(config.get("special_tokens", ())))
+        tokenizer.chat_template = config.get("chat_template")  # a pipeline that wraps texts in a chat (HunyuanVideo-1.5's)
+        return tokenizer
     cls = spec.resolve_class()
     if spec.kind == "image_processor":  # no weights: its config is all of it
         return cls(**spec.config)
@@ -174,8 +176,8 @@ def read_model_index(folder: Path, card: ModelCard, skip: frozenset[str]) -> set
                                       f"when absent), got {str(value)[:120]!r}")  # fmt: skip
         if not is_entry or value == [None, None] or key.startswith("_"):
             continue  # a pipeline setting (boundary_ratio, expand_timesteps) or an absent component
-        if key == "scheduler":
-            continue  # the card's recipe sets the sampler
+        if key in ("scheduler", "guider"):
+            continue  # the card's recipe sets the sampler (and the guidance, a guider folder's: the family's loop reads it)
         if not names:
             raise CheckpointError(
                 f"{index_path} lists component {key!r} ({value[0]}.{value[1]}), which card {card.card_id!r} does not "

@@ -1,0 +1,89 @@
+"""HunyuanVideo-1.5 text-to-video cards: the released 480p model and the embedded `tiny-hunyuanvideo1.5`.
+
+diffusers' own classes throughout (HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15,
+Qwen2.5-VL's text model read at its third-to-last hidden state, T5's encoder as ByT5 for quoted text),
+so a HunyuanVideo15Pipeline folder loads as it is. The recipe is the pipeline's: flow-matching Euler
+on sigmas linspace(1, 0, N + 1)[:-1] shifted by the scheduler's `shift`, and guidance as its
+ClassifierFreeGuidance at `guidance_scale`. A checkpoint's own scheduler shift, guider scale and
+transformer `target_size` (the default size) replace the card's values when the loop is built
+(fvgraph/loops/hunyuan_video15_recipe.py); the card's are what a folder that says nothing runs.
+"""
+
+from __future__ import annotations
+
+from fvgraph.card import ComponentSpec, ModelCard, QuantizationSpec, RecipeSpec, SamplerSpec, ShapeRules
+from fvgraph.cards.wan import PARITY as WAN_PARITY
+
+LOOP = "hunyuan_video15_t2v"
+PIPELINE = "HunyuanVideo15Pipeline"
+TEXT_LEN = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length: Qwen2.5-VL's tokens after the template's prefix
+PARITY = WAN_PARITY  # the Wan cards' bounds (measured on tiny-wan) until this family's own are measured
+EMBEDDERS = ("x_embedder.*", "image_embedder.*", "context_embedder.*", "context_embedder_2.*", "time_embed.*",
+             "cond_type_embed", "norm_out.*", "proj_out")  # fmt: skip
+
+# Qwen2.5-VL's chat template as it renders a conversation of plain-text messages (what the pipeline hands it).
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+
+
+def _components(dit: dict | None, vae: dict | None, text: dict | None, glyph: dict | None, tokenizer: dict | None,
+                dtype: str) -> dict:  # fmt: skip
+    spec = lambda kind, cls, folder, config, dt=dtype: ComponentSpec(kind=kind, cls=cls, subfolder=folder, config=config, dtype=dt)  # noqa: E731
+    return {
+        "transformer": spec("dit", "diffusers.HunyuanVideo15Transformer3DModel", "transformer", dit),
+        "vae": spec("vae", "diffusers.AutoencoderKLHunyuanVideo15", "vae", vae, "fp32"),  # decoded in fp32, as the other cards do
+        "text_encoder": spec("text_encoder", "transformers.Qwen2_5_VLTextModel", "text_encoder", text),
+        "tokenizer": spec("tokenizer", "transformers.AutoTokenizer", "tokenizer", tokenizer),
+        "text_encoder_2": spec("text_encoder", "transformers.T5EncoderModel", "text_encoder_2", glyph),
+        "tokenizer_2": spec("tokenizer", "transformers.AutoTokenizer", "tokenizer_2", None if glyph is None else {"model_max_length": 256}),
+    }
+
+
+def _recipe(shift: float, guidance: float, steps: int, precision: str) -> RecipeSpec:
+    sampler = SamplerSpec(name="flow_euler", config={"num_train_timesteps": 1000, "shift": shift})
+    return RecipeSpec(method="base", name="hunyuanvideo1.5", assumes_loop=LOOP, sampler=sampler, default_steps=steps,
+                      allowed_steps=(1, 100), precision=precision, default_guidance_scale=guidance)  # fmt: skip
+
+
+# The 480p text-to-video release: shift 5 and guidance 6 as its scheduler and guider folders say (the
+# loop reads the folder's own), 121 frames at the 480p bucket nearest 16:9.
+HUNYUANVIDEO15_480P_T2V = ModelCard(
+    card_id="hunyuanvideo1.5-480p-t2v", hub_repos=("hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v",), family="hunyuan_video15",
+    pipeline_class=PIPELINE, loops=(LOOP,), recipe=_recipe(5.0, 6.0, 50, "bf16"), parity=PARITY,
+    components=_components(None, None, None, None, None, "bf16"),
+    shapes=ShapeRules(text_len=TEXT_LEN, max_height=1280, max_width=1280, max_frames=129, default_height=480, default_width=848,
+                      default_frames=121),
+    quantization=QuantizationSpec(fp8_exclude=(*EMBEDDERS, "transformer_blocks.0.*", "transformer_blocks.53.*")),
+    fps=24,
+)  # fmt: skip
+
+# diffusers' own test sizes (tests/pipelines/hunyuan_video1_5) for the transformer; the released VAE's
+# ratios (16x spatial, 4x temporal: sizes are multiples of 16 as every card's) at 8 channels and 4 latent
+# channels; Qwen2.5-VL of three layers (hidden state -3 is a layer's output) over the byte tokenizer
+# with Qwen's chat template; ByT5's vocabulary (384) for its encoder. target_size 48: a 32x48 default.
+TINY_TRANSFORMER = {
+    "in_channels": 9, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2,
+    "num_refiner_layers": 1, "mlp_ratio": 2.0, "patch_size": 1, "patch_size_t": 1, "text_embed_dim": 16,
+    "text_embed_2_dim": 32, "image_embed_dim": 12, "rope_axes_dim": (2, 2, 4), "target_size": 48, "task_type": "t2v",
+}  # fmt: skip
+TINY_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": (8, 8, 8, 8, 8), "layers_per_block": 1,
+            "spatial_compression_ratio": 16, "temporal_compression_ratio": 4, "downsample_match_channel": False,
+            "upsample_match_channel": False}  # fmt: skip
+TINY_TEXT_ENCODER = {"vocab_size": 259, "hidden_size": 16, "intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2,
+                     "num_key_value_heads": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 1, "rope_theta": 1000000.0,
+                     "rope_scaling": {"mrope_section": [1, 1, 2], "rope_type": "default", "type": "default"}}  # fmt: skip
+TINY_GLYPH_ENCODER = {"vocab_size": 384, "d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 1, "num_heads": 4,
+                      "relative_attention_num_buckets": 8, "dropout_rate": 0.0}  # fmt: skip
+
+TINY_HUNYUANVIDEO15 = ModelCard(
+    card_id="tiny-hunyuanvideo1.5", family="hunyuan_video15", pipeline_class=PIPELINE, loops=(LOOP,), parity=PARITY, seed=0,
+    components=_components(TINY_TRANSFORMER, TINY_VAE, TINY_TEXT_ENCODER, TINY_GLYPH_ENCODER,
+                           {"model_max_length": 2048, "chat_template": CHATML}, "fp32"),
+    recipe=_recipe(7.0, 6.0, 8, "fp32"),
+    shapes=ShapeRules(text_len=TEXT_LEN, max_height=128, max_width=128, max_frames=33, default_height=32, default_width=48,
+                      default_frames=9),
+    quantization=QuantizationSpec(fp8_exclude=EMBEDDERS),
+    fps=24,
+)  # fmt: skip
+
+CARDS = (TINY_HUNYUANVIDEO15, HUNYUANVIDEO15_480P_T2V)
