@@ -12,14 +12,13 @@ import torch
 from diffusers import FluxPipeline
 from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
-from fvgraph.cards import get_card
 from fvgraph.caching.fb_cache_steps import AFTER_FIRST_KINDS
 from fvgraph.caching.mag_cache import MagCache
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.models.components import diffusers_scheduler, load_components
 from fvgraph.request import Request
-from cache_helpers import run_together_and_alone
+from cache_helpers import flux_block_calls, run_recording_blocks, run_together_and_alone
 from reference_helpers import assert_matches_reference, assert_within_compiled_noise
 
 STEPS = 10
@@ -53,19 +52,10 @@ def _pipeline(card):
     return pipe
 
 
-def _blocks_ran(transformer) -> tuple[list[bool], list]:
-    """Per denoiser call, in order: whether its last block computed (its attention runs only then;
-    a cache hook replaces a skipped block's forward, so the block's own call still happens)."""
-    calls: list[bool] = []
-    handles = [transformer.x_embedder.register_forward_pre_hook(lambda m, a: calls.append(False)),
-               transformer.single_transformer_blocks[-1].attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(-1, True))]  # fmt: skip
-    return calls, handles
-
-
 def _reference(engine, config, text: dict) -> tuple[torch.Tensor, list[bool]]:
     pipe = _pipeline(engine.card)
     pipe.transformer.enable_cache(config)
-    calls, handles = _blocks_ran(pipe.transformer)
+    calls, handles = flux_block_calls(pipe.transformer)
     try:
         packed = pipe(generator=torch.Generator().manual_seed(5), output_type="latent", **text, **SHAPE).images
     finally:
@@ -75,22 +65,9 @@ def _reference(engine, config, text: dict) -> tuple[torch.Tensor, list[bool]]:
 
 
 def _ours(engine, cache: dict, text: dict):
-    """The result, and per denoiser call whether its blocks ran: FBCache's from the kind of each step's
-    second launch (one letter per branch), the others' from the blocks' own calls."""
-    calls, handles = _blocks_ran(engine.loop.components.transformer)
-    decided: list[bool] = []
-
-    def record(state, plan, result):
-        if plan.kind in AFTER_FIRST_KINDS.values():
-            decided.extend(letter == "c" for letter in plan.kind.rsplit("_", 1)[1])
-
-    try:
-        [result] = engine.generate([Request(seed=5, output_type="latent", cache=cache, **text, **SHAPE)], on_result=record)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert result.ok, result.error
-    return result, decided if cache["method"] == "fbcache" else calls
+    """The result, and per denoiser call whether its blocks ran (tests/cache_helpers.py)."""
+    request = Request(seed=5, output_type="latent", cache=cache, **text, **SHAPE)
+    return run_recording_blocks(engine, request, fbcache=cache["method"] == "fbcache")
 
 
 @pytest.mark.parametrize("text", [PROMPT, TRUE_CFG], ids=["guidance", "true_cfg"])

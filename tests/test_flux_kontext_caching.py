@@ -15,11 +15,10 @@ import torch
 from diffusers import FluxKontextPipeline
 from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 
-from fvgraph.caching.fb_cache_steps import AFTER_FIRST_KINDS
-from fvgraph.cards import get_card
 from fvgraph.engine.engine import Engine
 from fvgraph.models.components import diffusers_scheduler, load_components
 from fvgraph.request import Request
+from cache_helpers import flux_block_calls, run_recording_blocks
 from reference_helpers import assert_matches_reference
 
 STEPS = 8
@@ -45,14 +44,6 @@ def _pipeline(card):
     return pipe
 
 
-def _blocks_ran(transformer) -> tuple[list[bool], list]:
-    """Per denoiser call, whether its last block computed (a hook replaces a skipped block's forward)."""
-    calls: list[bool] = []
-    handles = [transformer.x_embedder.register_forward_pre_hook(lambda m, a: calls.append(False)),
-               transformer.single_transformer_blocks[-1].attn.register_forward_pre_hook(lambda m, a: calls.__setitem__(-1, True))]  # fmt: skip
-    return calls, handles
-
-
 class _InCacheContexts:
     """The transformer as FluxKontextPipeline calls it, each call inside the cache context FluxPipeline
     sets for that branch ("cond", then "uncond" under true CFG). FluxKontextPipeline (diffusers 0.42.1)
@@ -76,7 +67,7 @@ def _reference(engine, config, args: dict) -> tuple[torch.Tensor, list[bool]]:
     pipe = _pipeline(engine.card)
     transformer = pipe.transformer
     transformer.enable_cache(config)
-    calls, handles = _blocks_ran(transformer)
+    calls, handles = flux_block_calls(transformer)
     pipe.transformer = _InCacheContexts(transformer, 2 if "true_cfg_scale" in args else 1)
     try:
         # max_area = the output's own: the pipeline rescales its output to max_area, fvgraph keeps the request's size
@@ -89,22 +80,9 @@ def _reference(engine, config, args: dict) -> tuple[torch.Tensor, list[bool]]:
 
 
 def _ours(engine, cache: dict, args: dict):
-    """The result, and per denoiser call whether its blocks ran (FBCache's from each step's second
-    launch's kind, one letter per branch; the others' from the blocks' own calls)."""
-    calls, handles = _blocks_ran(engine.loop.components.transformer)
-    decided: list[bool] = []
-
-    def record(state, plan, result):
-        if plan.kind in AFTER_FIRST_KINDS.values():
-            decided.extend(letter == "c" for letter in plan.kind.rsplit("_", 1)[1])
-
-    try:
-        [result] = engine.generate([Request(image=IMAGE, seed=5, output_type="latent", cache=cache, **args)], on_result=record)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert result.ok, result.error
-    return result, decided if cache["method"] == "fbcache" else calls
+    """The result, and per denoiser call whether its blocks ran (tests/cache_helpers.py)."""
+    request = Request(image=IMAGE, seed=5, output_type="latent", cache=cache, **args)
+    return run_recording_blocks(engine, request, fbcache=cache["method"] == "fbcache")
 
 
 @pytest.mark.parametrize("args", [EDIT, TRUE_CFG], ids=["guidance", "true_cfg"])
