@@ -104,8 +104,10 @@ class AdapterRegistry:
 
     def read(self, name: str, path: str | Path, expert: str | None = None) -> LoraWeights:
         """Read and check a file for `expert` (the keys against that denoiser's linears)."""
+        return self._read(name, path, self.expert(expert))
+
+    def _read(self, name: str, path: str | Path, expert: str) -> LoraWeights:
         check_name(name)
-        expert = self.expert(expert)
         if name in self.adapters:
             raise AdapterError(f"lora {name!r} is already loaded (from {self.adapters[name].weights.path}); unload it first")
         if self.transformer_2 is None:
@@ -128,7 +130,7 @@ class AdapterRegistry:
                 raise AdapterError(f"lora {name!r} is already loaded (from {self.adapters[name].weights.path}); unload it first")
             weights = source
         else:
-            weights = self.read(name, source, expert)
+            weights = self._read(name, source, expert)
         store = self.store_of(expert)
         store.check(weights)
         free = [i for i, digest in enumerate(store.digests) if digest is None]

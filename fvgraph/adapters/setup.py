@@ -98,8 +98,7 @@ def apply_adapters(components, pipeline_class: str, setup: AdapterSetup) -> Adap
     merged = []
     for name, scale in setup.merge.items():
         path, expert = lora_source(setup.loras[name])
-        expert = registry.expert(expert)
-        merged.append((name, registry.read(name, path, expert), scale, expert))
+        merged.append((name, registry.read(name, path, expert), scale, registry.expert(expert)))
     for name, weights, scale, expert in merged:
         components.weights_version += merge_lora(registry.module_of(expert), weights, scale)
         registry.record_merged(name, weights, scale, expert)

@@ -42,9 +42,8 @@ class AdapterAdmin:
         state, so a server runs it on a worker thread and hands the result to `load_lora`."""
         if self._adapters is None or self._adapters.store is None:
             raise AdapterError("this engine has no adapter slots: build it with lora_slots (or --max-loras) to load adapters")
-        expert = self._adapters.expert(expert)
         weights = self._adapters.read(name, path, expert)
-        self._adapters.store_of(expert).check(weights)
+        self._adapters.store_of(self._adapters.expert(expert)).check(weights)
         return weights
 
     def load_lora(self, name: str, source: str | Path | LoraWeights, expert: str | None = None) -> dict[str, Any]:
