@@ -165,3 +165,25 @@ def test_a_request_combines_at_most_max_loras_per_request_on_each_expert(files):
                                      _request(loras={"lo": 1.0, "lo2": 1.0}, num_inference_steps=2)])  # fmt: skip
     assert ok.ok, ok.error
     assert refused.status == "rejected" and "2 loras for transformer_2 in one request" in refused.error
+
+
+def test_cli_lora_takes_an_expert_suffix(files, tmp_path):
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from fvgraph.cli import app
+    from fvgraph.cli.options import adapter_options
+
+    loras = adapter_options([f"lo={files['lo']}@transformer_2", f"hi={files['hi']}@transformer", "v=a@b.safetensors"], [], None, None)["loras"]
+    assert loras == {"lo": LoraFile(files["lo"], "transformer_2"), "hi": LoraFile(files["hi"], "transformer"), "v": Path("a@b.safetensors")}
+    with pytest.raises(ValueError, match=r"--lora lo=.*the suffix @transformer_3 must be @transformer .* or @transformer_2"):
+        adapter_options([f"lo={files['lo']}@transformer_3"], [], None, None)
+    runner = CliRunner()
+    common = ["generate", "--card", CARD, "-O0", "--frames", "5", "--height", "32", "--width", "32", "--steps", "3", "--seed", "1"]
+    plain = runner.invoke(app, [*common, "-o", str(tmp_path / "plain.gif")])
+    adapted = runner.invoke(app, [*common, "--lora", f"lo={files['lo']}@transformer_2", "-o", str(tmp_path / "lo.gif")])
+    assert plain.exit_code == 0 and adapted.exit_code == 0, adapted.output
+    assert (tmp_path / "plain.gif").read_bytes() != (tmp_path / "lo.gif").read_bytes()
+    bad = runner.invoke(app, [*common, "--lora", f"lo={files['lo']}@low", "-o", str(tmp_path / "bad.gif")])
+    assert bad.exit_code == 2 and "the suffix @low must be @transformer" in bad.output
