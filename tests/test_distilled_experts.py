@@ -71,7 +71,7 @@ class LightX2VWan22StepDistill:
         return (x.to(sample.dtype),)
 
 
-def _lightx2v_reference(pipe, high_lora, low_lora, seed: int, prompt_embeds):
+def _lightx2v_reference(pipe, high_lora, low_lora, seed: int, prompt_embeds, **call):
     """The recipe on diffusers' pipeline: each expert's LoRA through diffusers' loader at strength 1.0,
     the transcribed scheduler, one branch (enable_cfg false), and LightX2V's expert switch. WanPipeline
     runs `transformer` while t >= boundary_ratio x 1000; with the boundary at the timestep of step
@@ -82,7 +82,7 @@ def _lightx2v_reference(pipe, high_lora, low_lora, seed: int, prompt_embeds):
     pipe.scheduler.set_timesteps(len(DENOISING_STEP_LIST))
     pipe.register_to_config(boundary_ratio=float(pipe.scheduler.timesteps[BOUNDARY_STEP_INDEX - 1]) / 1000)
     return pipe(prompt_embeds=prompt_embeds, guidance_scale=1.0, guidance_scale_2=1.0, output_type="latent",
-                generator=torch.Generator().manual_seed(seed), num_inference_steps=len(DENOISING_STEP_LIST), **SHAPE).frames  # fmt: skip
+                generator=torch.Generator().manual_seed(seed), num_inference_steps=len(DENOISING_STEP_LIST), **SHAPE, **call).frames  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -172,3 +172,38 @@ def test_requests_outside_the_recipe_are_rejected_naming_it(engine, values, fiel
 def test_the_boundary_is_part_of_the_distilled_schedule():
     with pytest.raises(ValueError, match="boundary_ratio: .* whose schedule is the one it was distilled on"):
         with_recipe(get_card(CARD), {"boundary_ratio": 0.9})
+
+
+def test_i2v_twin_matches_lightx2v_two_expert_loop_on_wan_image_to_video_pipeline(loras, tmp_path):
+    """The I2V card on tiny two-expert I2V weights (no image encoder, the first frame through the VAE)."""
+    import numpy as np
+    import PIL.Image
+    from diffusers import WanImageToVideoPipeline
+
+    folder, _ = loras
+    distilled, tiny = get_card("wan2.2-i2v-a14b-lightx2v-4step"), get_card("tiny-wan2.2-a14b")
+    dit = {**tiny.components["transformer"].config, "in_channels": 36}
+    components = {name: spec.model_copy(update={"config": dit if name.startswith("transformer") else tiny.components[name].config,
+                                                "dtype": "fp32"})
+                  for name, spec in distilled.components.items()}  # fmt: skip
+    card = distilled.model_copy(update={"card_id": "tiny-wan2.2-i2v-a14b-lightx2v-4step", "components": components, "seed": 0,
+                                        "recipe": distilled.recipe.model_copy(update={"precision": "fp32"}), "shapes": tiny.shapes})  # fmt: skip
+    parents = card.recipe.parents
+    for adapter, source in ((parents.adapter, get_card(CARD).recipe.parents.adapter), (parents.adapter_2, get_card(CARD).recipe.parents.adapter_2)):
+        (folder / adapter.weight_name).write_bytes((folder / source.weight_name).read_bytes())  # the t2v files' attention fits
+    engine = Engine.from_card(card, device="cpu", loras={parents.adapter.name: folder, parents.adapter_2.name: folder})
+    checkpoint = saved_pipeline(WanImageToVideoPipeline, load_components(card, None, torch.device("cpu")), tmp_path / "checkpoint",
+                                scheduler=diffusers_scheduler(get_card("wan2.2-i2v-a14b").recipe.sampler),
+                                boundary_ratio=card.recipe.boundary_ratio)  # fmt: skip
+    pipe = reference_pipeline(WanImageToVideoPipeline, checkpoint)
+    assert_shares_no_storage(engine, pipe)
+    image = PIL.Image.fromarray(np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8))
+    positive = torch.randn(1, card.shapes.text_len, engine.facts.text_dim, generator=torch.Generator().manual_seed(6))
+    reference = _lightx2v_reference(pipe, folder / parents.adapter.weight_name, folder / parents.adapter_2.weight_name, 4, positive,
+                                    image=image)  # fmt: skip
+    kinds = []
+    [result] = engine.generate([Request(image=image, prompt_embeds=positive, seed=4, output_type="latent", **SHAPE)],
+                               on_step=lambda state, kind: kinds.append(kind))  # fmt: skip
+    assert result.ok, result.error
+    assert [k for k in kinds if k.startswith("denoise")] == ["denoise", "denoise", "denoise_2", "denoise_2"]
+    assert_matches_reference(result.latents, reference)
