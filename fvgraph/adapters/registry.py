@@ -199,9 +199,10 @@ class AdapterRegistry:
             return {}
         k = self.store.slots.max_loras_per_request
         index, scale = [0] * k, [0.0] * k
-        if choice is not None:
-            for j, name in enumerate(self.chosen_on(choice, expert)):
-                index[j], scale[j] = self.current_slot(name, choice.digests[name]), choice.scales[name]
+        names = self.chosen_on(choice, expert)
+        slots = [self.current_slot(name, choice.digests[name]) for name in names]  # refuses a gone adapter first
+        for j, (name, slot) in enumerate(zip(names, slots)):
+            index[j], scale[j] = slot, choice.scales[name]
         return {"lora_index": torch.tensor([index], dtype=torch.long, device=device),
                 "lora_scale": torch.tensor([scale], dtype=torch.float32, device=device)}  # fmt: skip
 
