@@ -50,7 +50,8 @@ def with_recipe(card: ModelCard, choices: dict[str, Any]) -> ModelCard:
     unknown = sorted(set(choices) - set(RECIPE_CHOICES))
     if unknown:
         raise ValueError(f"recipe: unknown key {unknown[0]!r}; the keys a run may set are {list(RECIPE_CHOICES)}")
-    fixed = sorted({"flow_shift", "default_steps"} & set(choices)) if card.recipe.step_distilled else []
+    # a distill's expert boundary falls between two of its listed timesteps: it is part of the schedule
+    fixed = sorted({"flow_shift", "default_steps", "boundary_ratio"} & set(choices)) if card.recipe.step_distilled else []
     if fixed:
         raise ValueError(f"recipe: {fixed[0]}: card {card.card_id!r} runs recipe {card.recipe.name!r} ({card.recipe.method}), "
                          "whose schedule is the one it was distilled on")  # fmt: skip

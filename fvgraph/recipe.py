@@ -102,10 +102,18 @@ class RecipeAdapter(_Spec):
 
 
 class RecipeParents(_Spec):
-    """What a distilled recipe was made from: the base card and, for a LoRA distill, the adapter."""
+    """What a distilled recipe was made from: the base card and, for a LoRA distill, the adapter (of
+    a two-expert card, one per expert: LightX2V's Wan 2.2 A14B distill is a high-noise and a low-noise file)."""
 
     base_card: str
-    adapter: RecipeAdapter | None = None
+    adapter: RecipeAdapter | None = Field(default=None, description="The LoRA of `transformer` (the high-noise or only denoiser).")
+    adapter_2: RecipeAdapter | None = Field(default=None, description="The LoRA of `transformer_2` (a two-expert card's low-noise denoiser).")
+
+    @model_validator(mode="after")
+    def _two_names(self) -> RecipeParents:
+        if self.adapter_2 is not None and (self.adapter is None or self.adapter.name == self.adapter_2.name):
+            raise ValueError("parents: adapter_2 (the low-noise expert's LoRA) comes with an adapter of another name")
+        return self
 
 
 class RecipeSpec(_Spec):
@@ -165,8 +173,9 @@ class RecipeSpec(_Spec):
         elif steps is not None and self.allowed_steps != (len(steps), len(steps)):
             raise ValueError(f"recipe {self.name!r}: sampler {self.sampler.name!r} runs its {len(steps)} listed timesteps; "
                              f"allowed_steps={self.allowed_steps} must be ({len(steps)}, {len(steps)})")
-        if self.cfg_distilled and self.default_guidance_scale != 1.0:
-            raise ValueError(f"recipe {self.name!r} ({self.method}): default_guidance_scale must be 1.0 (guidance is distilled in)")
+        if self.cfg_distilled and (self.default_guidance_scale != 1.0 or self.default_guidance_scale_2 not in (None, 1.0)):
+            raise ValueError(f"recipe {self.name!r} ({self.method}): default_guidance_scale must be 1.0 "
+                             "(and default_guidance_scale_2 1.0 or unset): guidance is distilled in")  # fmt: skip
         if (self.method == "base") != (self.parents is None):
             raise ValueError(f"recipe {self.name!r}: a base recipe has no parents and a distilled one names its base card")
         return self
@@ -197,8 +206,10 @@ class RecipeSpec(_Spec):
                                            f"(sampler {self.sampler.name!r})")  # fmt: skip
         if self.cfg_distilled:
             why = f"{who}: guidance is distilled into its one branch"
-            if request.guidance_scale is not None and request.guidance_scale != self.default_guidance_scale:
-                return "guidance_scale", f"{request.guidance_scale}: {why}; leave guidance_scale unset (or {self.default_guidance_scale})"
+            for name in ("guidance_scale", "guidance_scale_2"):
+                value = getattr(request, name)
+                if value is not None and value != self.default_guidance_scale:
+                    return name, f"{value}: {why}; leave {name} unset (or {self.default_guidance_scale})"
             for name in ("negative_prompt", "negative_prompt_embeds"):
                 if getattr(request, name) is not None:
                     return name, f"{why}, so a negative prompt would be ignored; leave {name} unset"

@@ -149,6 +149,11 @@ class SlotStore(nn.Module):
             if module.rank > self.slots.max_lora_rank:
                 raise AdapterError(f"lora key transformer.{name}.lora_A.weight has rank {module.rank} > max_lora_rank="
                                    f"{self.slots.max_lora_rank}: build the engine with a larger max_lora_rank")  # fmt: skip
+            t = self.target(name)  # read for another denoiser (a two-expert card's other expert) it may not fit this one
+            if module.down.shape[1] != t.down.shape[2] or module.up.shape[0] != t.up.shape[2]:
+                raise AdapterError(f"lora key transformer.{name}.lora_A.weight: factors {list(module.down.shape)} and "
+                                   f"{list(module.up.shape)} do not fit this denoiser's {name} "
+                                   f"({t.down.shape[2]} -> {t.up.shape[2]})")  # fmt: skip
 
 
 class SlotLinear:

@@ -65,7 +65,8 @@ def parse_cache_methods(text: Optional[str]) -> Optional[tuple[str, ...]]:
 
 
 # LoRA adapters (docs/adapters.md), shared by generate, serve, warmup and parity.
-LORA_OPTION = typer.Option([], "--lora", help="NAME=PATH: load a local LoRA file as adapter NAME (repeatable); requests choose it by name.")
+LORA_OPTION = typer.Option([], "--lora", help="NAME=PATH[@EXPERT]: load a local LoRA file as adapter NAME (repeatable); requests choose it "
+                           "by name. On a two-expert card, @transformer_2 loads it into the low-noise expert (default @transformer).")
 MERGE_LORA_OPTION = typer.Option([], "--merge-lora", help="NAME=SCALE: fuse --lora NAME into the weights at SCALE instead of a slot (repeatable).")
 MAX_LORAS_OPTION = typer.Option(None, "--max-loras", help="Adapter slots (default 4 when an adapter needs one).")
 MAX_LORA_RANK_OPTION = typer.Option(None, "--max-lora-rank", help="Every slot's rank (default 64); a higher-rank adapter is refused.")
@@ -75,7 +76,7 @@ def adapter_options(lora: list[str], merge_lora: list[str], max_loras: Optional[
     """Engine.from_card's loras / merge_loras / lora_slots from the flags; ValueError naming the flag."""
     from fvgraph.adapters.slots import LoraSlots
 
-    loras = {name: Path(path) for name, path in _pairs(lora, "--lora", "NAME=PATH").items()}
+    loras = {name: _lora_file(name, value) for name, value in _pairs(lora, "--lora", "NAME=PATH[@EXPERT]").items()}
     merge = {}
     for name, text in _pairs(merge_lora, "--merge-lora", "NAME=SCALE").items():
         try:
@@ -92,6 +93,21 @@ def adapter_options(lora: list[str], merge_lora: list[str], max_loras: Optional[
         except ValueError as err:
             raise ValueError(f"--max-loras / --max-lora-rank: {err}") from None
     return {"loras": loras or None, "merge_loras": merge or None, "lora_slots": slots}
+
+
+def _lora_file(name: str, value: str):
+    """--lora's PATH, or a LoraFile for PATH@EXPERT: the text after the last '@' is an expert when it
+    holds no '/' or '.' (so a file named 'v@2.safetensors' stays a path)."""
+    from fvgraph.adapters.registry import EXPERTS
+    from fvgraph.adapters.setup import LoraFile
+
+    path, at, suffix = value.rpartition("@")
+    if not at or "/" in suffix or "." in suffix:
+        return Path(value)
+    if suffix not in EXPERTS or not path:
+        raise ValueError(f"--lora {name}={value!r}: the suffix @{suffix} must be @transformer (the high-noise or only "
+                         "denoiser) or @transformer_2 (a two-expert card's low-noise expert), after a PATH")  # fmt: skip
+    return LoraFile(Path(path), expert=suffix)
 
 
 def _pairs(items: list[str], option: str, form: str) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """Loading and unloading LoRA adapters on a running engine (the Engine's adapter methods delegate here).
 
     engine.load_lora("style", "style.safetensors")   # into a free slot: nothing recompiles
+    engine.load_lora("low", "low.safetensors", expert="transformer_2")   # a two-expert card's low-noise expert
     engine.generate([Request(prompt="...", loras={"style": 0.7})])
     engine.unload_lora("style")                        # refused while a request in flight uses it
 
@@ -39,22 +40,25 @@ class AdapterAdmin:
         """The loaded adapters: name, path, digest, rank, adapted modules, slot (None: merged)."""
         return [] if self._adapters is None else self._adapters.describe()
 
-    def read_lora(self, name: str, path: str | Path) -> LoraWeights:
-        """Read and check a local LoRA file for `name` without loading it: touches no engine state, so
-        a server runs it on a worker thread and hands the result to `load_lora`."""
+    def read_lora(self, name: str, path: str | Path, expert: str | None = None) -> LoraWeights:
+        """Read and check a local LoRA file for `name` (on `expert`) without loading it: touches no engine
+        state, so a server runs it on a worker thread and hands the result to `load_lora`."""
         if self._adapters is None or self._adapters.store is None:
             raise AdapterError("this engine has no adapter slots: build it with lora_slots (or --max-loras) to load adapters")
-        weights = self._adapters.read(name, path)
-        self._adapters.store.check(weights)
+        weights = self._adapters.read(name, path, expert)
+        self._adapters.store_of(self._adapters.expert(expert)).check(weights)
         return weights
 
-    def load_lora(self, name: str, source: str | Path | LoraWeights) -> dict[str, Any]:
+    def load_lora(self, name: str, source: str | Path | LoraWeights, expert: str | None = None) -> dict[str, Any]:
         """Read a local LoRA file (any format diffusers converts for this family; or take what
-        `read_lora` read) into a free slot. AdapterError names the key or rule when it does not fit."""
+        `read_lora` read) into a free slot of `expert` (a two-expert card's 'transformer' or
+        'transformer_2'; None: 'transformer'). AdapterError names the key or rule when it does not fit."""
         self._between_ticks("load_lora")
         if self._adapters is None or self._adapters.store is None:
             raise AdapterError("this engine has no adapter slots: build it with lora_slots (or --max-loras) to load adapters")
-        loaded = self._adapters.load(name, source)
+        if self.ranks is not None and expert not in (None, "transformer"):  # the workers write one expert's slots
+            raise AdapterError(f"lora {name!r}: expert={expert!r}: a parallel engine loads adapters into 'transformer' only")
+        loaded = self._adapters.load(name, source, expert)
         if self.ranks is not None:  # all or nothing: a worker's refusal unloads it here too
             self.ranks.load(self._adapters, loaded)
         return loaded.describe()

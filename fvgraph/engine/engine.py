@@ -40,7 +40,7 @@ from fvgraph.compile.compiler import CompileConfig, StepCompiler
 from fvgraph.contract.counters import Counters
 from fvgraph.adapters.lora_file import LoraWeights
 from fvgraph.adapters.registry import AdapterRegistry
-from fvgraph.adapters.setup import engine_adapter_setup
+from fvgraph.adapters.setup import LoraFile, engine_adapter_setup
 from fvgraph.adapters.slots import LoraSlots
 from fvgraph.behavior import BehaviorRecord
 from fvgraph.engine.adapter_admin import AdapterAdmin
@@ -154,7 +154,7 @@ class Engine:
         parallel: ParallelConfig | None = None,
         dtype: str | torch.dtype | None = None,
         recipe: dict | None = None,
-        loras: dict[str, str | Path] | None = None,
+        loras: dict[str, str | Path | LoraFile] | None = None,
         merge_loras: dict[str, float] | None = None,
         lora_slots: LoraSlots | None = None,
         run_ahead: bool | None = None,
@@ -177,8 +177,9 @@ class Engine:
         calibrated step-caching settings. `cache_methods`: the step-caching methods requests may pick (None: all; empty: exact
         only; docs/serving.md). `parallel`: worker processes that split each denoise step (docs/parallel.md).
         `dtype` ("fp32", "bf16", "fp16", a torch dtype) and `recipe` (fvgraph/card_choices.py) choose over the
-        card. `loras` (name -> local file): adapters requests choose with `Request.loras`, fused when named
-        in `merge_loras` (a LoRA distill's recipe adapter is: docs/recipes.md); `lora_slots` sizes the slots.
+        card. `loras` (name -> local file; LoraFile(path, expert="transformer_2") for a two-expert card's
+        low-noise expert): adapters requests choose with `Request.loras`, fused when named in
+        `merge_loras` (a LoRA distill's recipe adapter is: docs/recipes.md); `lora_slots` sizes the slots.
         `run_ahead` (None: on CUDA only): the host prepares the next batch while the device runs the last
         one, with the same results as the serial order (fvgraph/engine/run_ahead.py). `vae_tiling`: True tiles
         the VAE's decode and encode with diffusers' defaults for its class, a dict with the keywords of its
@@ -219,13 +220,14 @@ class Engine:
         """The loaded adapters: name, path, digest, rank, adapted modules, slot (None: merged)."""
         return self._adapter_admin.loras()
 
-    def read_lora(self, name: str, path: str | Path) -> LoraWeights:
+    def read_lora(self, name: str, path: str | Path, expert: str | None = None) -> LoraWeights:
         """Read and check a LoRA file for `name`, changing nothing (any thread; fvgraph/engine/adapter_admin.py)."""
-        return self._adapter_admin.read_lora(name, path)
+        return self._adapter_admin.read_lora(name, path, expert)
 
-    def load_lora(self, name: str, source: str | Path | LoraWeights) -> dict[str, Any]:
-        """A local LoRA file (or what read_lora read) into a free slot, between ticks (fvgraph/engine/adapter_admin.py)."""
-        return self._adapter_admin.load_lora(name, source)
+    def load_lora(self, name: str, source: str | Path | LoraWeights, expert: str | None = None) -> dict[str, Any]:
+        """A local LoRA file (or what read_lora read) into a free slot, between ticks; `expert`: a two-expert
+        card's 'transformer' (default, high noise) or 'transformer_2' (fvgraph/engine/adapter_admin.py)."""
+        return self._adapter_admin.load_lora(name, source, expert)
 
     def unload_lora(self, name: str) -> dict[str, Any]:
         """Free `name`'s slot; refused while a request in flight chose it (fvgraph/engine/adapter_admin.py)."""

@@ -268,10 +268,11 @@ class DenoiseLoop:
             inputs.update(zip(facts.carry_names, state.carry))
             if state.fresh_noise is not None:
                 inputs["fresh_noise"] = state.fresh_noise
+            places = self.adapters.places(state, self.step_kinds[facts.kind].component)
             if state.caching is not None:
                 state.derived = facts  # its signature stays unset: a cached step's kind and inputs vary
-                return self.caching.plan(state, facts, inputs, self._signatures, self.adapters.places(state))
-            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, facts.signature, self.adapters.places(state))
+                return self.caching.plan(state, facts, inputs, self._signatures, places)
+            plan = WorkPlan(state.request_id, facts.kind, inputs, i, facts.pixels, facts.signature, places)
             if facts.signature is None:  # the first step; every later one has the same input shapes
                 # One object per distinct signature: grouping and graph lookups then match by identity.
                 plan.signature = self._signatures.setdefault(plan.signature, plan.signature)
@@ -299,11 +300,11 @@ class DenoiseLoop:
         constants.update(self.denoiser.constants(state))
         if self.conditioning is not None:
             constants.update(self.conditioning.constants(state))
-        constants.update(self.adapters.rows(state))
         _, _, frames, h, w = state.latents.shape
         pixels = ((frames - 1) * self.temporal_scale + 1, h * self.spatial_scale, w * self.spatial_scale)
         kind = self.denoiser.kinds[state.cfg].name if state.rollout is None else SDE_KINDS[state.cfg]
         kind, constants = self.denoiser.at_step(state, kind, constants)
+        constants.update(self.adapters.rows(state, self.step_kinds[kind].component))  # the rows of this kind's expert
         timesteps, coeffs = to_device(state.timesteps, device).split(1), to_device(state.coeffs, device).split(1)
         return DenoiseFacts(kind, timesteps, coeffs, constants, pixels, carry_names(len(state.carry)), signature=None)
 

@@ -2,7 +2,9 @@
 
 It checks a request's `loras` against the engine's adapters, records the choice (the loop state's one
 `adapters` field), gives each denoise step (a step-caching one too) the request's slot rows, and refuses to resume a
-state whose adapters this engine does not hold with the same digests.
+state whose adapters this engine does not hold with the same digests. On a two-expert card a step's
+rows are those of the adapters loaded into the expert its kind runs (StepKind.component), so each
+adapter applies on its own expert's steps only.
 """
 
 from __future__ import annotations
@@ -39,22 +41,23 @@ class LoopAdapters:
             raise RequestRejected("loras", str(err)) from None
         return choice
 
-    def rows(self, state: DenoiseState) -> dict[str, torch.Tensor]:
-        """The request's adapter rows on an engine with slots: every denoise step takes them, cached or
-        not (zero scales for a request without adapters), so requests with any adapters share one graph."""
+    def rows(self, state: DenoiseState, expert: str = "transformer") -> dict[str, torch.Tensor]:
+        """The request's adapter rows for `expert`'s steps on an engine with slots: every denoise step takes
+        them, cached or not (zero scales for a request without adapters), so requests with any adapters
+        share one graph."""
         if self.registry is None or self.registry.store is None:
             return {}
         try:
-            return self.registry.rows(state.adapters, self.device)
+            return self.registry.rows(state.adapters, self.device, expert)
         except AdapterError as err:  # unloaded or replaced since the request started (Engine.step by hand)
             raise RequestRejected("loras", f"request {state.request_id}: {err}") from None
 
-    def places(self, state: DenoiseState) -> int | None:
-        """How many places of its adapter rows the request uses (WorkPlan.adapter_places); None on an
-        engine without slots, whose steps take no rows."""
+    def places(self, state: DenoiseState, expert: str = "transformer") -> int | None:
+        """How many places of its adapter rows the request uses on `expert`'s steps (WorkPlan.adapter_places);
+        None on an engine without slots, whose steps take no rows."""
         if self.registry is None or self.registry.store is None:
             return None
-        return 0 if state.adapters is None else len(state.adapters.scales)
+        return len(self.registry.chosen_on(state.adapters, expert))
 
     def merged(self) -> dict[str, float]:
         """The adapters fused into the weights (a recipe's), by scale: every request runs them."""
