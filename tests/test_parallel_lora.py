@@ -109,6 +109,10 @@ def test_a_load_refused_on_any_rank_is_loaded_on_none(files):
         with pytest.raises(AdapterError, match=r"lora_A.weight has rank 16 > max_lora_rank=8"):
             engine.load_lora("wide", files["wide"])
         assert _names(engine) == {0: ["a"], 1: ["a"]}
+        # the workers write the high-noise (or only) expert's slots: another expert is refused before rank 0 reads
+        with pytest.raises(AdapterError, match=r"a parallel engine loads adapters into 'transformer' only"):
+            engine.load_lora("b", files["b"], expert="transformer_2")
+        assert _names(engine) == {0: ["a"], 1: ["a"]}
         # refused by worker rank 1 alone: its slot 1 taken behind the engine's back, as a diverged rank's would be
         weights = read_lora(files["b"], CARD.pipeline_class, fresh_transformer())
         assert group.ask((MESSAGE, "load", "stray", weights, 1), "a test's stray load", [1]) == {1: ("ok", None)}
