@@ -399,7 +399,7 @@ class AsyncEngine:
         steps: list[tuple[str, str, int, int, float]] = []
 
         kinds, take_preview, previews = self.engine.loop.step_kinds, self.engine.loop.take_preview, {}
-        take_frames, frames = self.engine.loop.take_frames, []
+        take_frames, frames, listen_frames = self.engine.loop.take_frames, [], bool(self.frame_listeners)
 
         def on_step(state, kind: str) -> None:
             phase = kinds[kind].phase
@@ -410,7 +410,7 @@ class AsyncEngine:
                 previews[len(steps)] = RequestEvent(preview.request_id, "preview", step=preview.step, total=preview.total,
                                                     image_png=encode_image(preview.image, "png"))  # fmt: skip
             steps.append((state.request_id, kind, state.step_index, state.num_steps, spent - seen.get(phase, 0.0)))
-            if (decoded := take_frames(state)) is not None:  # taken whether or not anyone listens: once each
+            if listen_frames and (decoded := take_frames(state)) is not None:  # a decode step's frames (a video stream)
                 frames.append(decoded)
             seen[phase] = spent
 
@@ -436,7 +436,7 @@ class AsyncEngine:
             if position in previews:
                 events.append(previews[position])
         self._send(events)
-        if frames and self.frame_listeners:  # after the step events, before any end: a video's last frames precede its `done`
+        if frames:  # after the step events, before any end: a video's last frames precede its `done`
             self._loop.call_soon_threadsafe(self._deliver_frames, frames)
         if batches and self.batch_listeners:
             self._loop.call_soon_threadsafe(self._deliver_batches, [tuple(b) for b in batches])
