@@ -11,8 +11,9 @@ segment back until the first fragment, so it carries the edit list that puts the
 0, as the stored file's does (libx264's B-frames give the first packet a decode time of -2 / fps;
 without the edit list the stream's frames would start at 2 / fps, a gap a player waits at).
 Fragments go out as media.chunk events, whole boxes only, each with the media time range its frames
-cover. libx264 holds a few frames
-back (its lookahead), so the first chunk comes a few frames after the first frames arrive.
+cover. libx264 holds frames back
+before its first packet (its lookahead and B-frames; 4 to 12 in the videos tried), so the first chunk
+comes that many frames after the first frames arrive.
 
     encoder = Fmp4Encoder(request_id, fps=16)
     for frames in decoded:                      # fvgraph.events.DecodedFrames, in order
