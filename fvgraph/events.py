@@ -2,7 +2,8 @@
 
 Each event is a frozen dataclass checked when it is built, so an invalid one cannot exist: a preview
 of step 0 or of a step past the last, an image that is not uint8 [h, w, 3], a media chunk with no
-stream or a negative time range, media of a preview stream marked final. `event_type` is the
+stream or a negative time range, media of a preview stream marked final, decoded frames that are not
+uint8 [t, H, W, 3] or run past the video's end. `event_type` is the
 dotted name a client sees (`step.preview`, `media.chunk`, ...).
 
     engine.generate([Request(..., preview_every=2)], on_preview=lambda e: show(e.image))
@@ -91,6 +92,33 @@ class PreviewEvent:
     def last(self) -> bool:
         """Whether this is the preview of the last step (the final latents)."""
         return bool(self.total) and self.step == self.total
+
+
+@dataclass(frozen=True)
+class DecodedFrames:
+    """media.frames: frames `start` .. `start + len(frames) - 1` (0-based) of the request's video, final,
+    as the decode made them (fvgraph/loops/causal_decode.py); `frames` uint8 [t, H, W, 3]; `total` the
+    frames the video will have. They come in order, with no gap: the one with `last` ends the video."""
+
+    event_type: ClassVar[str] = "media.frames"
+    request_id: str
+    start: int
+    frames: np.ndarray = field(repr=False, compare=False)
+    total: int
+
+    def __post_init__(self) -> None:
+        _check_id("decoded frames", self.request_id)
+        frames = self.frames
+        _need(isinstance(frames, np.ndarray) and frames.dtype == np.uint8 and frames.ndim == 4 and frames.shape[-1] == 3
+              and frames.shape[0] >= 1, "decoded frames", f"frames must be uint8 [t>=1, H, W, 3], got {_describe(frames)}")  # fmt: skip
+        _need(isinstance(self.start, int) and self.start >= 0, "decoded frames", f"start must be an int >= 0, got {self.start!r}")
+        _need(isinstance(self.total, int) and self.total >= self.start + len(frames), "decoded frames",
+              f"total must be an int >= start + len(frames) = {self.start + len(frames)}, got {self.total!r}")  # fmt: skip
+
+    @property
+    def last(self) -> bool:
+        """Whether these frames end the video."""
+        return self.start + len(self.frames) == self.total
 
 
 @dataclass(frozen=True)

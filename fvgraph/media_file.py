@@ -19,6 +19,12 @@ from PIL import Image
 VIDEO_SUFFIXES = (".gif", ".mp4")
 FASTSTART = {"movflags": "+faststart"}  # the mp4 muxer's option: moov before mdat
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+# libx264's settings for every mp4 fvgraph writes, stored or streamed (fvgraph/serving/fmp4_stream.py),
+# so the two hold the same bitstream. mbtree off: with it, on a CPU with AVX-512, libx264 encoded the
+# same 32x32 frames to different bitstreams from call to call in one process (one frame's decisions
+# differed); without it, one input is one bitstream again (tests/test_http_*.py compare served
+# videos bit for bit).
+X264_OPTIONS = {"crf": "18", "preset": "veryfast", "x264-params": "mbtree=0"}
 
 
 def check_video_output(path: str | Path, fps: int) -> None:
@@ -83,11 +89,7 @@ def write_mp4(frames: np.ndarray, path: Path, rate: Fraction | int, codec: str =
         stream = container.add_stream(codec, rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if codec == "libx264":
-            # mbtree off: with it, on a CPU with AVX-512, libx264 encoded the same 32x32 frames to
-            # different bitstreams from call to call in one process (one frame's decisions differed);
-            # without it, one input is one bitstream again (tests/test_http_*.py compare served videos
-            # bit for bit).
-            stream.options = {"crf": "18", "preset": "veryfast", "x264-params": "mbtree=0"}
+            stream.options = dict(X264_OPTIONS)
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(frame), format="rgb24")))
         container.mux(stream.encode())  # flush the encoder's delayed frames

@@ -21,6 +21,10 @@ BLOCK_TENSORS, BLOCK_BYTES = 27, 52_096
 RESIDENT = {"text_encoder": 115_968, "transformer": 96_128 + 2 * 3 * 8, "vae": 283_212}  # + the copy counter
 
 
+# The decode runs one latent frame per step (fvgraph/loops/causal_decode.py): 5 frames are 2 latent frames.
+DECODE = [("vae_decode_chunk", {})] * 2
+
+
 def _request(steps: int = 3, **fields) -> Request:
     return Request(**{"prompt": "a red fox", "seed": 5, "guidance_scale": 4.0, "num_inference_steps": steps, **SHAPE, **fields})
 
@@ -63,7 +67,7 @@ def test_groups_of_one_equal_no_offload_and_each_cfg_branch_copies_every_group()
     assert torch.equal(want.latents, got.latents) and (want.frames == got.frames).all()
     # Eager CFG calls the transformer once per branch: each group is copied twice a step.
     denoise = {"transformer.blocks.0": _group(1, 2), "transformer.blocks.1": _group(1, 2)}
-    assert _copies(offloaded) == _steps_rows([("text_encode", {}), *[("denoise_cfg", denoise)] * 3, ("vae_decode", {})])
+    assert _copies(offloaded) == _steps_rows([("text_encode", {}), *[("denoise_cfg", denoise)] * 3, *DECODE])
     slots = 2 * BLOCK_BYTES  # two slots of one block
     assert all(s.resident == {**RESIDENT, "block_slots": slots} for s in offloaded.residency.steps)
     assert offloaded.residency.planned_peak == sum(RESIDENT.values()) + slots
@@ -77,7 +81,7 @@ def test_groups_that_do_not_divide_the_blocks_equal_no_offload():
     [got] = offloaded.generate([request])
     assert torch.equal(want.latents, got.latents) and (want.frames == got.frames).all()
     denoise = {"transformer.blocks.0-1": _group(2, 2), "transformer.blocks.2": _group(1, 2)}
-    assert _copies(offloaded) == _steps_rows([("text_encode", {}), *[("denoise_cfg", denoise)] * 2, ("vae_decode", {})])
+    assert _copies(offloaded) == _steps_rows([("text_encode", {}), *[("denoise_cfg", denoise)] * 2, *DECODE])
     assert offloaded.residency.steps[0].resident["block_slots"] == 2 * 2 * BLOCK_BYTES  # two slots of two blocks
 
 
@@ -115,7 +119,7 @@ def test_compiled_blocks_offload_equals_compiled_without_and_serves_without_reco
     first = {"transformer.blocks.0": _group(1, 2), "transformer.blocks.1": _group(1, 2)}
     later = {"transformer.blocks.0": _group(1, 1), "transformer.blocks.1": _group(1, 1)}
     assert _copies(offloaded) == _steps_rows(
-        [("text_encode", {}), ("denoise_cfg", first), ("denoise_cfg", later), ("denoise_cfg", later), ("vae_decode", {})]
+        [("text_encode", {}), ("denoise_cfg", first), ("denoise_cfg", later), ("denoise_cfg", later), *DECODE]
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,40 @@ def test_the_page_generates_streams_progress_and_plays_the_video(browser, tiny_e
         assert not problems, problems  # a blocked script (CSP), an uncaught error, a failed request
         shot = _save_screenshot(browser, tmp_path)
         assert shot.stat().st_size > 10_000
+
+
+def test_the_page_plays_the_video_from_its_first_streamed_fragment(browser, tiny_engine, tmp_path, monkeypatch):
+    """Each decode step slowed by 0.6 s: the page's <video> has frames to show (and plays) while the
+    request is still running, from GET /v1/videos/{id}/content?stream=true, and ends with every frame."""
+    run_batch = tiny_engine.executor.run_batch
+
+    def slow_decode(plans, slots, lane=0):
+        if plans[0].kind == "vae_decode_chunk":
+            time.sleep(0.6)
+        return run_batch(plans, slots, lane)
+
+    monkeypatch.setattr(tiny_engine.executor, "run_batch", slow_decode)
+    monkeypatch.setitem(FORM, "frames", "17")  # 5 decode steps: 1 frame, then 4 each
+    with live_server(tiny_engine, tmp_path) as (srv, url):
+        browser.get(url + "/")
+        by_id = lambda name: browser.find_element("id", name)  # noqa: E731
+        _connect_and_submit(browser, by_id)
+        video_id = _wait(browser, lambda d: by_id("video-id").text.startswith("video_") and by_id("video-id").text, 15,
+                         "the video to be accepted")  # fmt: skip
+        playing = _wait(browser, lambda d: d.execute_script(
+            "const v = document.getElementById('video');"
+            "return v.readyState >= 2 && !v.error ? {src: v.currentSrc, width: v.videoWidth} : null;"
+        ) and {"running": srv.served.knows(video_id)}, 120, "the streamed video to show a frame")  # fmt: skip
+        assert playing["running"], "the video only played once the request had ended"
+        _wait(browser, lambda d: by_id("timings").text.count(" s") > 1, 120, "the video to finish")
+        ended = _wait(browser, lambda d: d.execute_script(
+            "const v = document.getElementById('video');"
+            "return v.currentTime > 0 && !v.error ? {src: v.currentSrc, length: v.duration} : null;"
+        ), 20, "the video to play on")  # fmt: skip
+        assert ended["src"].startswith("blob:" + url)  # the MediaSource the stream fills
+        assert ended["length"] == pytest.approx(17 / 8, abs=0.05)  # every frame arrived: 17 at 8 fps
+        loaded = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+        assert f"{url}/v1/videos/{video_id}/content?stream=true" in loaded
+        assert f"{url}/v1/videos/{video_id}/content" not in loaded  # the stream was played; no second download
+        problems = [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+        assert not problems, problems

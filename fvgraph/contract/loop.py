@@ -78,6 +78,7 @@ class Loop(Protocol[S]):
 
     def finalize(self, state: S) -> Result: ...
     def take_preview(self, state: S) -> Any: ...  # the PreviewEvent the last step made for it (once), else None
+    def take_frames(self, state: S) -> Any: ...  # the DecodedFrames its last decode step made final (once), else None
 
     def adopt(self, state: S) -> S: ...  # a state saved elsewhere (same card), moved onto this loop's device
 

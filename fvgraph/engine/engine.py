@@ -45,7 +45,7 @@ from fvgraph.adapters.slots import LoraSlots
 from fvgraph.behavior import BehaviorRecord
 from fvgraph.engine.adapter_admin import AdapterAdmin
 from fvgraph.engine.builder import build_engine_parts
-from fvgraph.engine.fold_back import PreviewCallback, ResultCallback, StepCallback, with_previews
+from fvgraph.engine.fold_back import FramesCallback, PreviewCallback, ResultCallback, StepCallback, with_previews
 from fvgraph.engine.rollouts import Rollouts
 from fvgraph.engine.run_ahead import RunAhead
 from fvgraph.engine.sleep import EngineSleep
@@ -374,26 +374,29 @@ class Engine:
         return len(self._in_flight)
 
     def tick(self, on_step: StepCallback | None = None, on_result: ResultCallback | None = None,
-             on_preview: PreviewCallback | None = None) -> list[Result]:  # fmt: skip
+             on_preview: PreviewCallback | None = None, on_frames: FramesCallback | None = None) -> list[Result]:  # fmt: skip
         """One scheduler round: admit waiting requests, run every group of compatible steps once and
         fold the results back. Returns the requests that ended in it (done, failed or cancelled).
         With `submit` this is the serving loop: requests join while others are mid-run.
-        `on_preview` as in generate."""
-        on_step = with_previews(self.loop, on_step, on_preview)
+        `on_preview` and `on_frames` as in generate."""
+        on_step = with_previews(self.loop, on_step, on_preview, on_frames)
         with torch.compiler.set_stance(self._stance()):
             self._tick(on_step, on_result)
         return self._take_results()
 
     def generate(self, requests: Sequence[Request], on_step: StepCallback | None = None,
-                 on_result: ResultCallback | None = None, on_preview: PreviewCallback | None = None) -> list[Result]:  # fmt: skip
+                 on_result: ResultCallback | None = None, on_preview: PreviewCallback | None = None,
+                 on_frames: FramesCallback | None = None) -> list[Result]:  # fmt: skip
         """Run every request to completion, interleaved step by step; results in request order.
 
         Each tick the scheduler groups the compatible steps of the running requests; a compiled
         engine runs each group as one padded batch, an eager one runs its members one by one. A
         request the card cannot serve comes back 'rejected'. Requests submitted earlier keep running
         alongside; their results wait for the next tick(). `on_preview(PreviewEvent)` is called for each
-        preview a request with `preview_every` makes (docs/previews.md), after that step's on_step."""
-        on_step = with_previews(self.loop, on_step, on_preview)
+        preview a request with `preview_every` makes (docs/previews.md), after that step's on_step;
+        `on_frames(DecodedFrames)` for each run of frames a decode step makes final, in order
+        (docs/serving.md, streamed video)."""
+        on_step = with_previews(self.loop, on_step, on_preview, on_frames)
         for request in requests:  # misuse, not bad input: refused before anything is queued
             if not isinstance(request, Request):
                 raise TypeError(f"requests must be fvgraph.Request objects, got {type(request).__name__}")

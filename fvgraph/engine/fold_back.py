@@ -29,23 +29,29 @@ log = logging.getLogger(__name__)
 StepCallback = Callable[[LoopState, str], None]  # after each request's step: its state and the step kind
 ResultCallback = Callable[[LoopState, WorkPlan, dict], None]  # sees every step's outputs (parity taps)
 PreviewCallback = Callable[[Any], None]  # takes a fvgraph.events.PreviewEvent (Request.preview_every)
+FramesCallback = Callable[[Any], None]  # takes a fvgraph.events.DecodedFrames (a video's frames as they decode)
 
 
-def with_previews(loop: Loop, on_step: StepCallback | None, on_preview: PreviewCallback | None) -> StepCallback | None:
-    """`on_step`, then `on_preview` with the preview the step just made for the request, if it made one.
-    Called where on_step is (a settled step, in group order), so a preview never outruns its step."""
-    if on_preview is None:
+def with_previews(loop: Loop, on_step: StepCallback | None, on_preview: PreviewCallback | None,
+                  on_frames: FramesCallback | None = None) -> StepCallback | None:  # fmt: skip
+    """`on_step`, then `on_preview` with the preview the step just made for the request, if it made one,
+    and `on_frames` with the frames it made final (a decode step). Called where on_step is (a settled
+    step, in group order), so neither outruns its step."""
+    if on_preview is None and on_frames is None:
         return on_step
-    take = loop.take_preview
+    take_preview, take_frames = loop.take_preview, loop.take_frames
 
-    def step_and_preview(state: LoopState, kind: str) -> None:
+    def step_and_media(state: LoopState, kind: str) -> None:
         if on_step is not None:
             on_step(state, kind)
-        preview = take(state)
-        if preview is not None:
+        preview = take_preview(state)
+        if preview is not None and on_preview is not None:
             on_preview(preview)
+        frames = take_frames(state)
+        if frames is not None and on_frames is not None:
+            on_frames(frames)
 
-    return step_and_preview
+    return step_and_media
 
 
 def fold_back(loop: Loop, group: list[tuple[LoopState, WorkPlan]], results: list[StepResult], elapsed: float,

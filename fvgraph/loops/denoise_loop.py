@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,7 +38,7 @@ from fvgraph.loops.taps import TapPoints
 from fvgraph.loops.tiled_coding import VAE_DECODE, Decoding, TiledEncoding
 from fvgraph.models.components import Components
 from fvgraph.models.vae_tiles import vae_tiling
-from fvgraph.events import PreviewEvent
+from fvgraph.events import DecodedFrames, PreviewEvent
 from fvgraph.request import Request, RequestRejected, Result
 
 TEXT_ENCODE = "text_encode"
@@ -74,7 +75,7 @@ class DenoiseLoop:
         self.rollouts = LoopRollouts(card, parts.denoiser.step, config.run_facts) if parts.rollouts else None
         self.run_facts = dict(config.run_facts)  # opt level and parallel plan, for the artifacts' provenance
         tiling = None if components.vae is None else vae_tiling(components.vae, config.vae_tiling)
-        self.decoding = Decoding(parts.decoder, tiling)
+        self.decoding = Decoding(parts.decoder, tiling, components.vae)
         # A media conditioning's VAE encode, in tiles as the decode (None: untiled, or no media encode).
         self.encoding = TiledEncoding(tiling) if tiling is not None and parts.conditioning is not None else None
         self.step_kinds = self._declared_kinds()
@@ -358,11 +359,16 @@ class DenoiseLoop:
         preview, state.preview = state.preview, None
         return preview
 
+    def take_frames(self, state: DenoiseState) -> DecodedFrames | None:
+        """The frames the last decode step made final for this request, once, in order; else None."""
+        if state.new_frames is None:
+            return None
+        (start, pixels), state.new_frames = state.new_frames, None
+        total = (state.latents.shape[2] - 1) * self.temporal_scale + 1
+        return DecodedFrames(state.request_id, start, to_frames(pixels), total)
+
     def finalize(self, state: DenoiseState) -> Result:
-        frames = None
-        if state.decoded is not None:
-            video = state.decoded[0].permute(1, 2, 3, 0).float().cpu()  # [F, H, W, 3]
-            frames = (video * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+        frames = None if state.decoded is None else to_frames(state.decoded)
         latents, provenance = state.latents.cpu(), self._provenance(state)
         return Result(
             request_id=state.request_id,
@@ -419,6 +425,13 @@ class DenoiseLoop:
             state.caching.to(device)
         state.derived = None  # derived on the other engine's device; rebuilt here on demand
         return state
+
+
+def to_frames(video: torch.Tensor) -> np.ndarray:
+    """Decoded pixels [1, 3, t, H, W] in [0, 1] -> uint8 [t, H, W, 3] (per pixel: a chunk of frames
+    converts to exactly what the same frames of the whole video do)."""
+    video = video[0].permute(1, 2, 3, 0).float().cpu()
+    return (video * 255).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
 def _texts_to_encode(state: DenoiseState, request: Request) -> list[tuple[str, str]]:

@@ -21,6 +21,7 @@ from fvgraph.contract.phase import Phase
 from fvgraph.contract.plan import ShapeSignature
 from fvgraph.events import PreviewEvent
 from fvgraph.loops.rollout_trace import RolloutTrace
+from fvgraph.loops.causal_decode import ChunkedDecode
 from fvgraph.loops.tiled_coding import TileAssembly
 
 
@@ -88,6 +89,10 @@ class DenoiseState(SerializableState):
     preview: PreviewEvent | None = field(default=None, metadata={"transient": True})
     # A tiled decode's tiles so far (fvgraph/loops/tiled_coding.py); not saved: a resumed decode starts over.
     tiles: TileAssembly | None = field(default=None, metadata={"transient": True})
+    # A chunked decode's progress (fvgraph/loops/causal_decode.py), and the frames the last decode step
+    # made final until the engine hands them on; neither saved: a resumed decode starts over.
+    chunks: ChunkedDecode | None = field(default=None, metadata={"transient": True})
+    new_frames: tuple[int, torch.Tensor] | None = field(default=None, metadata={"transient": True})
     # What next() derives at the first denoise step (on this engine's device); rebuilt after resume.
     derived: DenoiseFacts | None = field(default=None, metadata={"transient": True})
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.contract.step_kind import Role, StepKind
+from fvgraph.loops.causal_decode import VAE_DECODE_CHUNK, ChunkDecodeStep, ChunkedDecode, chunk_kind, is_causal_video_vae
 from fvgraph.loops.loop_parts import Decoder
 from fvgraph.models.vae_tiles import TileGrid, VaeTiling
 
@@ -117,22 +118,33 @@ class TileAssembly:
 
 
 class Decoding:
-    """How a loop decodes its latents: the family's `decoder` whole, or one tile per step."""
+    """How a loop decodes its latents: the family's `decoder` whole, one tile per step, or (a causal
+    video VAE, untiled) one latent frame per step (fvgraph/loops/causal_decode.py). Each decode step
+    that makes frames final leaves them in `state.new_frames` (start frame, pixels) for the engine."""
 
-    def __init__(self, decoder: Decoder, tiling: VaeTiling | None):
+    def __init__(self, decoder: Decoder, tiling: VaeTiling | None, vae: nn.Module | None = None):
         self.decoder, self.tiling = decoder, tiling
         self.step_kinds = {VAE_DECODE: decoder.kind}
         if tiling is not None:
             self.step_kinds[VAE_DECODE_TILE] = VAE_DECODE_TILE_KIND
+        self.chunked = tiling is None and is_causal_video_vae(vae)
+        if self.chunked:
+            self.step_kinds[VAE_DECODE_CHUNK] = chunk_kind(vae)
 
     def build(self, components) -> dict[str, nn.Module]:
         whole = self.decoder.build(components)
         steps = {VAE_DECODE: whole}
         if self.tiling is not None:
             steps[VAE_DECODE_TILE] = TileDecodeStep(whole, self.tiling)
+        if self.chunked:
+            steps[VAE_DECODE_CHUNK] = ChunkDecodeStep(whole)
         return steps
 
     def plan(self, state) -> WorkPlan:
+        if self.chunked:
+            if state.chunks is None:  # the first chunk (also after a resume: a saved state keeps no chunks)
+                state.chunks = ChunkedDecode()
+            return WorkPlan(state.request_id, VAE_DECODE_CHUNK, state.chunks.inputs(state.latents), state.chunks.index)
         tiles = self._tiles(state)
         if tiles is None:
             return WorkPlan(state.request_id, VAE_DECODE, {"latents": state.latents})
@@ -141,13 +153,21 @@ class Decoding:
 
     def take(self, state, result: StepResult) -> None:
         """Fold a decode step's result in; `state.decoded` is set once the whole decode is there."""
+        if self.chunked:
+            start = state.chunks.frames_done
+            state.new_frames = (start, state.chunks.take(result))
+            if state.chunks.finished(state.latents):
+                state.decoded, state.chunks = state.chunks.whole(), None
+            return
         if state.tiles is None:
             state.decoded = result["video"]
-            return
-        state.tiles.add(result["tile"], self.tiling)
-        if state.tiles.done:
+        else:
+            state.tiles.add(result["tile"], self.tiling)
+            if not state.tiles.done:
+                return
             state.decoded = self.decoder.postprocess(self.tiling.decoded(state.tiles.stitched()))
             state.tiles = None
+        state.new_frames = (0, state.decoded)
 
     def _tiles(self, state) -> TileAssembly | None:
         """The request's tiles so far, started at its first decode step (also after a resume: a saved

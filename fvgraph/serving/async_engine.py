@@ -33,6 +33,7 @@ from fvgraph.engine.engine import Engine
 from fvgraph.engine.sleep import EngineAsleep, RequestsInFlight
 from fvgraph.serving.engine_commands import Accepted, Call, Cancel, EngineCommand, Refused, Sleep, Stop, Wake, Warmup
 from fvgraph.serving.memory_reservation import MemoryModel, default_budget
+from fvgraph.events import DecodedFrames
 from fvgraph.request import Request, RequestRejected, Result
 from fvgraph.serving.media_encode import encode_image
 from fvgraph.serving.request_events import CancelReason, RequestEvent
@@ -41,6 +42,7 @@ from fvgraph.serving.wait_events import WaitRelay
 log = logging.getLogger(__name__)
 Listener = Callable[[RequestEvent], None]
 BatchListener = Callable[[str, int, float], None]  # (step kind, requests in the batch, seconds it took)
+FrameListener = Callable[[DecodedFrames], None]
 _TERMINAL_KIND = {"ok": "done", "failed": "failed", "rejected": "failed", "cancelled": "cancelled"}
 
 
@@ -59,6 +61,7 @@ class AsyncEngine:
         )
         self.listeners: list[Listener] = []
         self.batch_listeners: list[BatchListener] = []
+        self.frame_listeners: list[FrameListener] = []  # a video's frames as they decode (events.DecodedFrames)
         self.accepting = False
         self.asleep: int | None = None  # the sleep level, set as soon as a sleep begins (requests are refused)
         self.error: BaseException | None = None  # set if the engine thread died
@@ -282,6 +285,14 @@ class AsyncEngine:
         if events:
             self._loop.call_soon_threadsafe(self._deliver, events)
 
+    def _deliver_frames(self, decoded: list[DecodedFrames]) -> None:
+        for frames in decoded:
+            for listener in self.frame_listeners:
+                try:
+                    listener(frames)
+                except Exception:  # one video's stream failing must not stop the others'
+                    log.exception("frame listener failed on %s", frames.request_id)
+
     def _deliver_batches(self, batches: list[tuple[str, int, float]]) -> None:
         for batch in batches:
             for listener in self.batch_listeners:
@@ -388,6 +399,7 @@ class AsyncEngine:
         steps: list[tuple[str, str, int, int, float]] = []
 
         kinds, take_preview, previews = self.engine.loop.step_kinds, self.engine.loop.take_preview, {}
+        take_frames, frames, listen_frames = self.engine.loop.take_frames, [], bool(self.frame_listeners)
 
         def on_step(state, kind: str) -> None:
             phase = kinds[kind].phase
@@ -398,6 +410,8 @@ class AsyncEngine:
                 previews[len(steps)] = RequestEvent(preview.request_id, "preview", step=preview.step, total=preview.total,
                                                     image_png=encode_image(preview.image, "png"))  # fmt: skip
             steps.append((state.request_id, kind, state.step_index, state.num_steps, spent - seen.get(phase, 0.0)))
+            if listen_frames and (decoded := take_frames(state)) is not None:  # a decode step's frames (a video stream)
+                frames.append(decoded)
             seen[phase] = spent
 
         results = self.engine.tick(on_step)
@@ -422,6 +436,8 @@ class AsyncEngine:
             if position in previews:
                 events.append(previews[position])
         self._send(events)
+        if frames:  # after the step events, before any end: a video's last frames precede its `done`
+            self._loop.call_soon_threadsafe(self._deliver_frames, frames)
         if batches and self.batch_listeners:
             self._loop.call_soon_threadsafe(self._deliver_batches, [tuple(b) for b in batches])
         for result in results:

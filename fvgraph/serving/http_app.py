@@ -4,7 +4,8 @@
     GET    /v1/videos                     list, newest first (after, limit, order)
     GET    /v1/videos/{id}                the Video object
     GET    /v1/videos/{id}/content        the mp4; ?variant=thumbnail: a JPEG of the first frame,
-                                          ?variant=spritesheet: a JPEG of every frame in a grid
+                                          ?variant=spritesheet: a JPEG of every frame in a grid;
+                                          ?stream=true: fragmented mp4 as it decodes (http_video_stream.py)
     POST   /v1/videos/{id}/remix          a new video: a new prompt on a completed video's settings
     GET    /v1/videos/{id}/events         Server-Sent Events: started, one per step, the end, the final Video
     DELETE /v1/videos/{id}                cancel at the next step boundary and delete the content
@@ -49,6 +50,7 @@ from fvgraph.serving.http_guard import HttpGuard
 from fvgraph.serving.http_images import ImageRoutes
 from fvgraph.serving.http_playground import PLAYGROUND_ROUTES, PlaygroundApi
 from fvgraph.serving.http_same_origin import SameOriginGuard
+from fvgraph.serving.http_video_stream import stream_flag, streamed_mp4
 from fvgraph.serving.media_encode import encode_image, encode_mp4, encode_spritesheet
 from fvgraph.serving.model_names import MODEL_ROUTES, ModelsApi, ServedNames
 from fvgraph.serving.openai_requests import (
@@ -66,6 +68,7 @@ from fvgraph.serving.request_events import RequestEvent
 from fvgraph.serving.serving_metrics import ServingMetrics
 from fvgraph.serving.video_remix import RemixBody, remix_request, remix_settings, with_seed
 from fvgraph.serving.video_store import StoredVideo, VideoStore
+from fvgraph.serving.video_streams import VideoStreams
 from fvgraph.serving.video_upload import decode_video_upload, is_video_upload
 
 log = logging.getLogger(__name__)
@@ -112,6 +115,9 @@ class VideoApi(ImageRoutes):
         self.draining = False
         self._encodes: set[asyncio.Task] = set()
         served.listeners.append(self.track)
+        self.streams = VideoStreams()  # each video's fragmented mp4 while it decodes
+        served.listeners.append(self.streams.track)
+        served.frame_listeners.append(lambda frames: self.streams.frames(frames, self._video_fps(frames.request_id)))
 
     # -- life cycle --------------------------------------------------------------------------------
 
@@ -186,6 +192,12 @@ class VideoApi(ImageRoutes):
         except Exception as err:  # the request ran; its file could not be written
             log.exception("video %s: encoding failed", item.id)
             self.store.finish(item.id, "failed", {"code": "encoding_failed", "message": f"writing the mp4: {err!r}"})
+        finally:  # from here on ?stream=true serves the stored file
+            self.streams.drop(item.id)
+
+    def _video_fps(self, request_id: str) -> float | None:
+        item = self.store.get(request_id)
+        return item.fps if item is not None and item.object == "video" else None
 
     # -- request bodies ----------------------------------------------------------------------------
 
@@ -284,10 +296,13 @@ class VideoApi(ImageRoutes):
     async def get_video(self, video_id: str):
         return self._find(video_id).to_json()
 
-    async def video_content(self, video_id: str, http: HttpRequest, variant: str = "video"):
+    async def video_content(self, video_id: str, http: HttpRequest, variant: str = "video", stream: str | None = None):
         if variant not in CONTENT_TYPES:
             raise RequestRejected("variant", f"{variant!r} must be one of {', '.join(map(repr, CONTENT_TYPES))}")
+        streamed = stream_flag(stream, variant)
         item = self._find(video_id)
+        if streamed and (item.status in ("queued", "in_progress") or item.id in self.streams.live):
+            return streamed_mp4(http, self.streams.open(item.id, item.fps))
         path = self.store.content(item.id, variant)
         if path is None and item.status == "completed":
             raise ApiError(404, f"video {video_id!r} has no {variant}: it was made before this server wrote them",
@@ -329,6 +344,7 @@ class VideoApi(ImageRoutes):
     async def delete_video(self, video_id: str):
         item = self._find(video_id)
         self.store.remove(item.id)
+        self.streams.drop(item.id)
         await self.served.cancel(item.id)
         return {"id": item.id, "object": "video.deleted", "deleted": True}
 
