@@ -3,6 +3,8 @@ warmup with nothing compiled while serving), the ledger's copies per step and pe
 not divide the blocks, the two experts sharing the slots, the refusals, and on a GPU the CUDA graph's
 replay and the device memory the weights hold."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -149,6 +151,21 @@ def test_groups_larger_than_the_transformer_are_refused_naming_the_card():
 def test_a_transformer_without_blocks_is_refused_naming_the_card():
     with pytest.raises(ValueError, match=r"offload='blocks:1': card 'tiny-flux'.s transformer .* has no `blocks` list"):
         Engine.from_card("tiny-flux", device="cpu", offload="blocks:1")
+
+
+def test_the_default_budget_on_a_gpu_takes_off_no_weight_block_offload_already_holds(monkeypatch):
+    """On a GPU the budget is a share of the free device memory, read with block offload's resident
+    weights and slots already there: taking `planned_peak` off again would count them twice. (This
+    machine has no GPU: the engine's device and the free memory are given; the arithmetic is the code's.)"""
+    from fvgraph.serving import memory_reservation
+
+    offloaded = Engine.from_card("tiny-wan", device="cpu", offload="blocks:1")
+    assert offloaded.residency.held_from_build == offloaded.residency.planned_peak > 0
+    free = 8 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free, 2 * free))
+    on_gpu = SimpleNamespace(loop=SimpleNamespace(components=SimpleNamespace(device=torch.device("cuda", 0))),
+                             residency=offloaded.residency)  # fmt: skip
+    assert memory_reservation.default_budget(on_gpu) == int(free * memory_reservation.CUDA_BUDGET_SHARE)
 
 
 @pytest.mark.gpu
