@@ -2,7 +2,8 @@
 tiny-wan with `offload="blocks:1"` (groups 2 and 3 are each the second fetch into a slot): at
 aot_eager each compiled step allocates no more than the same step without offload (peak of the CPU
 allocator's live bytes, from the profiler's allocation events); under inductor the results equal no
-offload bit for bit and every copy writes the slots themselves. On toy streams of four groups: the
+offload bit for bit and every copy writes the slots themselves; a step loaded from the capture cache
+is written in place too. On toy streams of four groups: the
 rewrite keeps a copy functional (a clone) where a later node reads the value it would overwrite, and
 inductor reads each group's weights before the next fetch into its slot."""
 
@@ -195,3 +196,18 @@ def test_inductor_reads_each_group_before_the_next_fetch_into_its_slot_and_write
     torch.testing.assert_close(got, want)
     assert torch.equal(toy.slot0, toy.host2) and torch.equal(toy.slot1, toy.host3)
     assert "clone" not in "".join(code)
+
+
+def test_a_step_with_streamed_blocks_loads_from_the_capture_cache_and_is_written_in_place(tmp_path):
+    """aot_eager's artifact is the graph before AOTAutograd: a load compiles it through the same
+    rewrite, so a second engine on the cache compiles nothing, equals no offload, and holds no clone."""
+    config = dict(device="cpu", opt_level=1, compile_config=CompileConfig(backend="aot_eager"), buckets=BucketSpec(batch_sizes=(1,)))
+    want, plain, _ = _run("aot_eager", None)
+    Engine.from_card(four_block_wan(), offload="blocks:1", cache_dir=tmp_path, **config).warmup([REQUEST])
+    loaded = Engine.from_card(four_block_wan(), offload="blocks:1", cache_dir=tmp_path, **config)
+    loaded.warmup([REQUEST])
+    assert (loaded.counters.compiles, loaded.counters.capture_cache_hits) == (0, 1)
+    peaks = _step_peaks(loaded)
+    [got] = loaded.generate([REQUEST])
+    assert torch.equal(want, got.latents)
+    assert all(0 < loaded_peak <= plain_peak for (_, loaded_peak), (_, plain_peak) in zip(peaks, plain, strict=True))
