@@ -21,6 +21,7 @@ from torch import nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.nn.attention import sdpa_kernel
 
+from fvgraph.compile.compiled_block_copies import aot_eager_in_place, inductor_config
 from fvgraph.compile.capture_cache import CacheEntry, CaptureCache
 from fvgraph.contract.counters import Counters
 from fvgraph.contract.flops import graph_flops
@@ -269,7 +270,7 @@ class StepCompiler:
     def _compile_through_cache(self, signature, gm, prologue, base_args, hoisted, meta, began):
         """Compile each graph to a file, publish the files, and run what was published (another
         process's entry, when it published this signature first). Returns (step_fn, prologue_fn, meta)."""
-        kind, patches = self._artifact_kind, self._inductor_patches(signature.attention)
+        kind = self._artifact_kind
         in_child, suffix = self._aoti_in_child, SUFFIX.get(kind, ".pt2")  # see graph_artifact: AOTInductor never crashes this process
         with self.capture_cache.staging_dir() as staging:
             files = {"step": Path(staging) / f"step{suffix}"}
@@ -278,6 +279,7 @@ class StepCompiler:
                 files["prologue"] = Path(staging) / f"prologue{suffix}"
                 graphs.append((prologue, base_args, files["prologue"]))
             for graph, args, path in graphs:
+                patches = self._inductor_patches(signature.attention, graph)
                 if in_child:
                     save_graph_in_child(graph, args, path, patches)
                 else:
@@ -350,19 +352,22 @@ class StepCompiler:
         backend = self.config.backend
         if backend == "eager":
             return gm
-        if backend == "aot_eager":
-            return torch._dynamo.lookup_backend("aot_eager")(gm, example_args)
+        if backend == "aot_eager":  # dynamo's aot_eager, with block offload's copies written in place
+            return aot_eager_in_place(gm, example_args)
         from torch._inductor.compile_fx import compile_fx
 
         with torch.no_grad():
-            return compile_fx(gm, example_args, config_patches=self._inductor_patches(attention))
+            return compile_fx(gm, example_args, config_patches=self._inductor_patches(attention, gm))
 
-    def _inductor_patches(self, attention: str = "default") -> dict:
+    def _inductor_patches(self, attention: str = "default", gm: torch.fx.GraphModule | None = None) -> dict:
         """Inductor config for one compile. The mode's options come first and fvgraph's settings after,
         so a mode cannot turn back on what fvgraph turns off ("max-autotune" and "reduce-overhead"
-        both set triton.cudagraphs). `attention` is the signature's SDPA choice (see AttentionChoice)."""
+        both set triton.cudagraphs). `attention` is the signature's SDPA choice (see AttentionChoice);
+        `gm`, the graph compiled: one with block offload's copies adds what those need (compiled_block_copies)."""
         patches = {} if self.config.mode == "default" else dict(torch._inductor.list_mode_options(self.config.mode))
         patches.update(INDUCTOR_CONFIG)
+        if gm is not None:
+            patches.update(inductor_config(gm))
         if attention != "default":
             patches["post_grad_custom_pre_pass"] = AttentionChoice(attention)
         return patches

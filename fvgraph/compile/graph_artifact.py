@@ -140,6 +140,7 @@ def probe_load(path: Path, backend: str) -> None:
 def register_custom_ops() -> None:
     """Import the modules that register fvgraph's custom ops: a child process loading or building a
     graph that calls them needs them registered (a process running fvgraph has them already)."""
+    import fvgraph.contract.block_copies  # noqa: F401
     import fvgraph.contract.markers  # noqa: F401
     import fvgraph.kernels.fp8_linear  # noqa: F401
     import fvgraph.kernels.norm_modulate  # noqa: F401
@@ -161,6 +162,8 @@ for path in sys.argv[3:]:
 # What a build child runs: the exported program and the inductor patches (pickled) to an AOTInductor package.
 _BUILD_CHILD = _OPS + """
 import pickle, sys, torch
+from fvgraph.compile.compiled_block_copies import register_lowerings
+register_lowerings()  # block offload's copies lower with their readers first
 program = torch.export.load(sys.argv[1])
 with open(sys.argv[2], "rb") as handle:
     patches = pickle.load(handle)

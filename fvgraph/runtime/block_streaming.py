@@ -153,6 +153,7 @@ class BlockStreaming:
             self.streamed[name] = streamed
         self.resident = _resident_bytes(modules, self.streamed, list(shared.values()))
         ledger.planned_peak = sum(self.resident.values())
+        ledger.held_from_build = ledger.planned_peak  # none of it leaves the device
 
     @contextlib.contextmanager
     def around(self, kind: str) -> Iterator[None]:

@@ -76,6 +76,9 @@ class ResidencyLedger:
     written_back: Counter = field(default_factory=Counter)
     peak_resident: int = 0  # the most device bytes held by components at once
     planned_peak: int = 0  # the most it can hold, bounded from the plan (ComponentResidency.planned_peak_bytes)
+    # Of planned_peak, what is on the device from the engine's build on (block offload: all of it, the
+    # resident weights and the slots); a budget read from the device's free memory already lacks it.
+    held_from_build: int = 0
     _pending_in: dict[str, int] = field(default_factory=dict, repr=False)
     _pending_out: dict[str, int] = field(default_factory=dict, repr=False)
     _pending_tensors: dict[str, int] = field(default_factory=dict, repr=False)

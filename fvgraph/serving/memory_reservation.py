@@ -129,15 +129,17 @@ class MemoryModel:
 
 def default_budget(engine) -> int:
     """The memory requests may reserve when no `--memory-budget` is given (see the shares above). With
-    offload, the weights are in host memory when this is read, so the most they bring onto the device
-    at once (`engine.residency.planned_peak`) is taken off; a budget that leaves nothing is refused."""
+    offload, the most weight bytes it brings onto the device at once (`engine.residency.planned_peak`)
+    are taken off, less on a GPU what is there already when the free memory is read (block offload's
+    resident weights and slots, `held_from_build`); a budget that leaves nothing is refused."""
     device = engine.loop.components.device
+    weights = 0 if engine.residency is None else engine.residency.planned_peak
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * CUDA_BUDGET_SHARE)
+        weights -= 0 if engine.residency is None else engine.residency.held_from_build
     else:
         budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * CPU_BUDGET_SHARE)
-    weights = 0 if engine.residency is None else engine.residency.planned_peak
     if budget - weights <= 0:
         raise ValueError(f"offload: the weights it brings onto the device at once ({weights / 2**30:.2f} GiB) leave no "
                          f"memory for requests in the default budget of {budget / 2**30:.2f} GiB")  # fmt: skip
