@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 
 import pytest
@@ -66,3 +67,16 @@ def wait_for(predicate, timeout_s: float = 30.0, what: str = "condition"):
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
     return value
+
+
+def sse_events(url: str, video_id: str, timeout_s: float = 60.0) -> list[tuple[str, dict]]:
+    """(event name, data) of each event a video's `/events` stream sends, until it ends."""
+    events, kind = [], None
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream("GET", f"{url}/v1/videos/{video_id}/events", headers=headers, timeout=timeout_s) as response:
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+            elif line.startswith("data: "):
+                events.append((kind, json.loads(line[6:])))
+    return events

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import av
 import pytest
-from http_helpers import httpx, KEY, QUICK, client, live_server, slow_steps, wait_for
+from http_helpers import sse_events, httpx, KEY, QUICK, client, live_server, slow_steps, wait_for
 from PIL import EpsImagePlugin, Image
 
 from fvgraph.request import RequestRejected
@@ -293,17 +293,6 @@ def test_a_restarted_store_adopts_its_records_and_removes_what_it_cannot(tmp_pat
 # -- streams --------------------------------------------------------------------------------------
 
 
-def _events(url: str, video_id: str) -> list[tuple[str, dict]]:
-    events, kind = [], None
-    with httpx.stream("GET", f"{url}/v1/videos/{video_id}/events", headers=HEADERS, timeout=30) as response:
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                events.append((kind, json.loads(line[6:])))
-    return events
-
-
 def test_the_stream_of_an_ended_video_sends_its_final_video_once(server, tiny_engine, monkeypatch):
     _, url = server
     api = client(url)
@@ -314,7 +303,7 @@ def test_the_stream_of_an_ended_video_sends_its_final_video_once(server, tiny_en
                                 poll_interval_ms=20)  # fmt: skip
     assert timed_out.status == "failed" and timed_out.error.code == "timeout"
     for video in (done, timed_out):
-        events = _events(url, video.id)
+        events = sse_events(url, video.id, timeout_s=30)
         assert [kind for kind, _ in events] == ["video"] and events[0][1]["status"] == video.status
 
 

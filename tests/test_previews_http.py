@@ -3,11 +3,10 @@ the video's event stream, each right after its step's event; bad values are a 40
 
 import base64
 import io
-import json
 
 import numpy as np
 import pytest
-from http_helpers import KEY, QUICK, client, httpx, live_server
+from http_helpers import sse_events, KEY, QUICK, client, httpx, live_server
 from PIL import Image
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks the videos API deprecated
@@ -20,22 +19,11 @@ def server(tiny_engine, tmp_path_factory):
         yield srv, url
 
 
-def _events(url: str, video_id: str) -> list[tuple[str, dict]]:
-    events, kind = [], None
-    with httpx.stream("GET", f"{url}/v1/videos/{video_id}/events", headers=HEADERS, timeout=60) as response:
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                kind = line[7:]
-            elif line.startswith("data: "):
-                events.append((kind, json.loads(line[6:])))
-    return events
-
-
 def test_preview_events_follow_their_steps_as_png(server):
     _, url = server
     video = client(url).videos.create(prompt="previewed", size="32x32",
                                       extra_body={**QUICK, "num_inference_steps": 5, "preview_every": 2})  # fmt: skip
-    events = _events(url, video.id)
+    events = sse_events(url, video.id)
     previews = [(i, body) for i, (kind, body) in enumerate(events) if kind == "preview"]
     assert [(body["step"], body["total"]) for _, body in previews] == [(2, 5), (4, 5), (5, 5)]
     for i, body in previews:
@@ -50,7 +38,7 @@ def test_preview_events_follow_their_steps_as_png(server):
 def test_a_video_without_preview_every_streams_no_previews(server):
     _, url = server
     video = client(url).videos.create(prompt="plain", size="32x32", extra_body={**QUICK, "num_inference_steps": 2})
-    assert "preview" not in [kind for kind, _ in _events(url, video.id)]
+    assert "preview" not in [kind for kind, _ in sse_events(url, video.id)]
 
 
 @pytest.mark.parametrize("value", [0, -1, 1001, 2.5, "two", True, 5])
