@@ -86,4 +86,56 @@ TINY_HUNYUANVIDEO15 = ModelCard(
     fps=24,
 )  # fmt: skip
 
-CARDS = (TINY_HUNYUANVIDEO15, HUNYUANVIDEO15_480P_T2V)
+# HunyuanVideo15Transformer3DModel's default config: the 480p release's sizes (54 dual-stream blocks of
+# 16 heads x 128, a 2-layer token refiner, 32 latent channels, target_size 640: a 480x848 default).
+RELEASED_TRANSFORMER = {
+    "in_channels": 65, "out_channels": 32, "num_attention_heads": 16, "attention_head_dim": 128, "num_layers": 54,
+    "num_refiner_layers": 2, "mlp_ratio": 4.0, "patch_size": 1, "patch_size_t": 1, "text_embed_dim": 3584,
+    "text_embed_2_dim": 1472, "image_embed_dim": 1152, "rope_axes_dim": (16, 56, 56), "target_size": 640, "task_type": "i2v",
+}  # fmt: skip
+BENCH_VAE = {**TINY_VAE, "latent_channels": 32}  # the released latent channels, the tiny VAE's blocks
+BENCH_QWEN_ROPE = {"mrope_section": [16, 24, 24], "rope_type": "default", "type": "default"}  # heads of 128, as released
+
+# The default CPU workload of perf/bench_step.py for this family: the released blocks' head size at
+# wan-cpu-bench's width (4 heads of 128), 2 dual-stream blocks and a 1-layer token refiner, over the
+# released conditioning lengths (1000 Qwen + 256 ByT5 + 729 image tokens) beside 180 latent tokens
+# (9x96x160, target_size 128's 16:9 bucket): a step is compute, not Python. Seeded weights, a 3-layer
+# Qwen2.5-VL text model and a 1-layer ByT5 of the text widths; its outputs mean nothing, only their cost does.
+HUNYUANVIDEO_CPU_BENCH = ModelCard.model_validate(
+    {
+        **TINY_HUNYUANVIDEO15.model_dump(),
+        "card_id": "hunyuanvideo-cpu-bench",
+        "components": _components(
+            {**RELEASED_TRANSFORMER, "num_attention_heads": 4, "num_layers": 2, "num_refiner_layers": 1, "text_embed_dim": 256,
+             "text_embed_2_dim": 64, "target_size": 128, "task_type": "t2v"},
+            BENCH_VAE,
+            {**TINY_TEXT_ENCODER, "hidden_size": 256, "intermediate_size": 256, "rope_scaling": BENCH_QWEN_ROPE},
+            {**TINY_GLYPH_ENCODER, "d_model": 64},
+            {"model_max_length": 2048, "chat_template": CHATML}, "fp32",
+        ),
+        "shapes": ShapeRules(text_len=TEXT_LEN, max_height=256, max_width=448, max_frames=33, default_height=96, default_width=160,
+                             default_frames=9),
+    }
+)  # fmt: skip
+
+# The released 480p transformer (8.3B) with seeded weights, beside tiny text encoders of the real widths
+# (Qwen2.5-VL 3584, ByT5 1472) and the tiny VAE at 32 latent channels: what perf/gpu_check.sh times on a
+# GPU without a checkpoint. Step time depends on shapes, not on weight values.
+HUNYUANVIDEO15_480P_BENCH = ModelCard.model_validate(
+    {
+        **HUNYUANVIDEO_CPU_BENCH.model_dump(),
+        "card_id": "hunyuanvideo1.5-480p-bench",
+        "components": _components(
+            RELEASED_TRANSFORMER, BENCH_VAE,
+            {**TINY_TEXT_ENCODER, "hidden_size": 3584, "intermediate_size": 256, "num_attention_heads": 28, "num_key_value_heads": 4,
+             "rope_scaling": BENCH_QWEN_ROPE},
+            {**TINY_GLYPH_ENCODER, "d_model": 1472, "d_kv": 64, "num_heads": 6, "d_ff": 256},
+            {"model_max_length": 2048, "chat_template": CHATML}, "bf16",
+        ),
+        "recipe": HUNYUANVIDEO15_480P_T2V.recipe,
+        "shapes": HUNYUANVIDEO15_480P_T2V.shapes,
+        "quantization": HUNYUANVIDEO15_480P_T2V.quantization,
+    }
+)  # fmt: skip
+
+CARDS = (TINY_HUNYUANVIDEO15, HUNYUANVIDEO15_480P_T2V, HUNYUANVIDEO_CPU_BENCH, HUNYUANVIDEO15_480P_BENCH)

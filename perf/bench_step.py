@@ -5,9 +5,12 @@ beside fvgraph at each opt level, at batch 1 and at a batch of requests in locks
     python perf/bench_step.py                        # wan-cpu-bench on the CPU, -O0 -O1 -O3, batch 1 and 4
     python perf/bench_step.py --gpu                  # Wan 1.3B config, bf16, 480x832x33 and 256x256x17
     python perf/bench_step.py --card flux-cpu-bench  # FLUX's blocks on the CPU, 192x192 (GPU: --gpu --card flux.1-dev-bench --shapes 1024x1024x1)
+    python perf/bench_step.py --card hunyuanvideo-cpu-bench --batch 1  # HunyuanVideo-1.5's blocks, 9x96x160 (GPU: perf/gpu_check.sh's hv15_step)
 
 A Wan step is the whole CFG step: cond + uncond forward, guidance combine and the UniPC update; a
-FLUX step is FLUX.1-dev's: one forward with the embedded guidance and the Euler update. The
+FLUX step is FLUX.1-dev's: one forward with the embedded guidance and the Euler update; a
+HunyuanVideo-1.5 step is its text-to-video CFG step at the card's guidance scale (the texts encoded
+untimed: perf/bench_step_hunyuan_video15.py). The
 diffusers cases run the body of the family's pipeline loop (perf/diffusers_baselines.py); at batch B they run B requests as one diffusers
 batch (same step, same guidance). fvgraph runs B requests through `Engine.submit` / `tick`, one tick
 per step, as served: admission and each request's first step (its prologue) are untimed, and no timed
@@ -27,6 +30,7 @@ from fvgraph.contract.flops import flop_counter
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
+from fvgraph.perf import bench_step_hunyuan_video15 as hunyuan_video15
 from fvgraph.perf.diffusers_baselines import BASELINES, baseline_transformer, diffusers_step_case, flux_step_case, untouched_components
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 from fvgraph.request import Request
@@ -112,8 +116,11 @@ class Workload:
         card, shapes = engine.card, engine.card.shapes
         g = torch.Generator().manual_seed(0)
         pe, ne = (torch.randn(shapes.text_len, engine.facts.text_dim, generator=g) for _ in range(2))
-        self.flux = card.family == "flux"
-        if self.flux:
+        self.flux, self.hunyuan = card.family == "flux", card.family == hunyuan_video15.FAMILY
+        if self.hunyuan:  # it encodes its texts itself: the texts, not embeddings, in the request
+            self.guidance = card.recipe.default_guidance_scale
+            text = dict(hunyuan_video15.TEXTS, guidance_scale=self.guidance)
+        elif self.flux:
             self.guidance = card.recipe.default_guidance_scale
             pooled = torch.randn(engine.loop.components.transformer.config.pooled_projection_dim, generator=g)
             text = dict(prompt_embeds=pe, pooled_prompt_embeds=pooled, guidance_scale=self.guidance)
@@ -126,14 +133,19 @@ class Workload:
         self.dtype = engine.loop.components.transformer.dtype
         self.pe, self.ne = pe[None].to(device, self.dtype), ne[None].to(device, self.dtype)
         self.pooled = pooled[None].to(device, self.dtype) if self.flux else None
+        family_inputs = hunyuan_video15.attention_inputs(engine.loop.components) if self.hunyuan else {}
+        self.text_inputs = {"prompt_embeds": self.pe, **family_inputs}  # what the step's attention_shape reads
         self.engine, self.device, self.steps, self.card_id = engine, device, steps, card.card_id
         self.branches = 1 if self.flux else 2
 
     def diffusers_case(self, name: str, kind: str, batch: int) -> Case:
         """Baseline `kind` on its own untouched copy of the weights (a compiled copy keeps its graph)."""
         version = self.engine.loop.components.weights_version
-        transformer = baseline_transformer(kind, untouched_components(self.card_id, self.device, version))
+        components = untouched_components(self.card_id, self.device, version)
+        transformer = baseline_transformer(kind, components)
         sampler, latents = self.engine.card.recipe.sampler, torch.cat(self.latents[:batch])
+        if self.hunyuan:
+            return hunyuan_video15.step_case(name, transformer, components, sampler, latents, self.guidance, self.steps)
         if self.flux:
             return flux_step_case(name, transformer, sampler, latents, self.pe, self.pooled, self.guidance, self.steps,
                                   self.engine.loop.spatial_scale)  # fmt: skip
@@ -180,7 +192,7 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     # FLOPs per step: diffusers' math counted once on an eager step (batch 1, scaled by the batch)
     counted = cases[0] if cases[0].name == "diffusers_eager" else None
     step_flops = eager_step_flops(counted) if counted is not None else None
-    inputs = {"latents": latents[0], "prompt_embeds": work.pe}
+    inputs = {"latents": latents[0], **work.text_inputs}
     gemms = gemm_cases(step_gemm_shapes(any_engine, inputs, work.branches), device, dtype)
     cases += [case for case, _ in gemms.values()]
     flops.update({name: f for name, (_, f) in gemms.items()})
