@@ -24,7 +24,7 @@
 #   FVGRAPH_GPU_PART=distilled   bash perf/gpu_check.sh  # bench_distilled: s per request, 4-step distilled vs 50-step CFG base, 480x832x81, -O1, one round; est. 450 s (2 compiles + 2 base requests)
 #   FVGRAPH_GPU_PART=rollouts    bash perf/gpu_check.sh  # bench_rollouts: samples/s of engine.rollout K=8 vs a per-sample loop, 480x832x33, 10 CFG steps, -O2; est. 400 s (1 compile + 6 groups of 8)
 #   FVGRAPH_GPU_PART=flux_step   bash perf/gpu_check.sh  # bench_step on FLUX.1-dev's config (seeded, bf16), 1024x1024, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 500 s (12B seeded init + 2 compiles)
-#   FVGRAPH_GPU_PART=hv15_step   bash perf/gpu_check.sh  # bench_step on HunyuanVideo-1.5's 480p transformer (8.3B, seeded, bf16), 480x848x17, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 450 s (four 8.3B seeded inits + 2 compiles)
+#   FVGRAPH_GPU_PART=hv15_step   bash perf/gpu_check.sh  # bench_step on HunyuanVideo-1.5's 480p transformer (8.3B, seeded, bf16), 480x848x17, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 470 s (four 8.3B seeded inits + 2 compiles)
 #   FVGRAPH_GPU_PART=run_ahead   bash perf/gpu_check.sh  # device idle between replays, serial vs run-ahead: Wan 1.3B config, 256x256x17, -O2, buckets 4, 8 (bucket 1 measured 2026-12-04; FVGRAPH_IDLE_BUCKETS); est. 400 s
 #   FVGRAPH_GPU_PART=memory      bash perf/gpu_check.sh  # bench_memory: Wan 2.2 A14B's config (seeded, bf16) at 720x1280x81 under an 80 GB cap, one expert resident + tiled decode; est. 450 s (two 14B seeded inits)
 #   FVGRAPH_GPU_PART=memory_resident bash perf/gpu_check.sh  # the same with everything resident (expected: out of memory under the cap); est. 400 s
