@@ -20,6 +20,7 @@ from fvgraph.engine.engine import Engine
 from fvgraph.loops.hunyuan_video15_i2v_loop import HunyuanVideo15I2VState
 from fvgraph.models.components import load_components
 from fvgraph.models.hunyuan_video15_forward import HunyuanVideo15TextToVideo
+from fvgraph.parity import Setting, compare
 from fvgraph.request import Request, RequestRejected
 from reference_helpers import assert_matches_reference, assert_shares_no_storage, assert_within_compiled_noise, reference_pipeline
 
@@ -151,6 +152,27 @@ def test_compiled_equals_eager_and_a_second_wave_compiles_nothing(checkpoint, re
                                    "guidance_scale": 1.0 if r.guidance_scale == 1.0 else 3.0 + i}) for i, r in enumerate(_mixed())]  # fmt: skip
     assert all(r.ok for r in engine.generate(second))
     assert engine.counters.snapshot()["compiles"] == compiles
+
+
+def _parity_requests() -> list[Request]:
+    return [Request(image=_image(7), prompt='a sign saying "hi"', negative_prompt="blurry", guidance_scale=4.0, seed=1,
+                    num_inference_steps=2, num_frames=5),
+            Request(image=_image(8), prompt="a blue bird", guidance_scale=1.0, seed=2, num_inference_steps=2, num_frames=5)]  # fmt: skip
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_compiled_taps_equal_eager_within_the_card_tolerance(level):
+    """-O1 / -O2 (aot_eager) against -O0 on tiny-hunyuanvideo1.5-i2v, tap by tap (the blocks see the image tokens)."""
+    report = compare("tiny-hunyuanvideo1.5-i2v", _parity_requests(), Setting(0), Setting(level, backend="aot_eager"))
+    assert report.passed, report.first_divergence
+    assert {c.tap for c in report.comparisons} >= {"tap.noise", "tap.latents", "tap.block.1.0", "tap.block.1.1"}
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_equal_eager_on_a_gpu():
+    """-O2 with inductor on CUDA (the fused CFG step with the image's constants captured as a CUDA graph) against -O0 on CUDA."""
+    report = compare("tiny-hunyuanvideo1.5-i2v", _parity_requests(), Setting(0), Setting(2), device="cuda")
+    assert report.passed, report.first_divergence
 
 
 @pytest.mark.parametrize("steps_before_save", [1, 2, 3])
