@@ -17,8 +17,8 @@ from transformers import ByT5Tokenizer
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
-from fvgraph.loops.hunyuan_video15_i2v_loop import HunyuanVideo15I2VState
-from fvgraph.models.components import load_components
+from fvgraph.loops.hunyuan_video15_i2v_loop import HunyuanVideo15I2VState, HunyuanVideo15ImageToVideoLoop
+from fvgraph.models.components import CheckpointError, load_components
 from fvgraph.models.hunyuan_video15_forward import HunyuanVideo15TextToVideo
 from fvgraph.parity import Setting, compare
 from fvgraph.request import Request, RequestRejected
@@ -207,3 +207,13 @@ def test_the_text_to_video_card_refuses_an_image():
     engine = Engine.from_card("tiny-hunyuanvideo1.5", device="cpu")
     with pytest.raises(RequestRejected, match="takes no image"):
         engine.loop.check_request(Request(prompt="x", image=_image(0)))
+
+
+def test_a_meanflow_transformer_is_refused_at_build():
+    """HunyuanVideo-1.5's MeanFlow distills take the next timestep as well (timestep_r): not run here."""
+    card = get_card("tiny-hunyuanvideo1.5-i2v")
+    spec = card.components["transformer"]
+    card = card.model_copy(update={"components": {**card.components, "transformer": spec.model_copy(
+        update={"config": {**spec.config, "use_meanflow": True}})}})  # fmt: skip
+    with pytest.raises(CheckpointError, match="use_meanflow=True"):
+        HunyuanVideo15ImageToVideoLoop(card, load_components(card, None, torch.device("cpu")))
