@@ -14,6 +14,7 @@ from diffusers.guiders import ClassifierFreeGuidance
 from PIL import Image
 from transformers import ByT5Tokenizer
 
+from fvgraph.card_for_checkpoint import card_for_checkpoint
 from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
@@ -55,6 +56,11 @@ def released(checkpoint):
 @pytest.fixture(scope="module")
 def pipe(checkpoint):
     return reference_pipeline(HunyuanVideo15ImageToVideoPipeline, checkpoint)
+
+
+def test_the_pipelines_folder_is_served_by_the_released_i2v_card(checkpoint):
+    """A folder of HunyuanVideo15ImageToVideoPipeline, no card named: model_index.json's class picks it."""
+    assert card_for_checkpoint(checkpoint, checkpoint).card_id == CARD
 
 
 def _with_guidance(pipe, scale: float) -> HunyuanVideo15ImageToVideoPipeline:
