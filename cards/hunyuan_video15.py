@@ -1,8 +1,10 @@
-"""HunyuanVideo-1.5 text-to-video cards: the released 480p model and the embedded `tiny-hunyuanvideo1.5`.
+"""HunyuanVideo-1.5 cards: the released 480p text- and image-to-video models and their embedded tiny twins
+(`tiny-hunyuanvideo1.5`, `tiny-hunyuanvideo1.5-i2v`).
 
 diffusers' own classes throughout (HunyuanVideo15Transformer3DModel, AutoencoderKLHunyuanVideo15,
-Qwen2.5-VL's text model read at its third-to-last hidden state, T5's encoder as ByT5 for quoted text),
-so a HunyuanVideo15Pipeline folder loads as it is. The recipe is the pipeline's: flow-matching Euler
+Qwen2.5-VL's text model read at its third-to-last hidden state, T5's encoder as ByT5 for quoted text;
+SigLIP's vision tower and feature extractor for image-to-video), so a HunyuanVideo15Pipeline or
+HunyuanVideo15ImageToVideoPipeline folder loads as it is. The recipe is the pipeline's: flow-matching Euler
 on sigmas linspace(1, 0, N + 1)[:-1] shifted by the scheduler's `shift`, and guidance as its
 ClassifierFreeGuidance at `guidance_scale`. A checkpoint's own scheduler shift, guider scale and
 transformer `target_size` (the default size) replace the card's values when the loop is built
@@ -39,9 +41,9 @@ def _components(dit: dict | None, vae: dict | None, text: dict | None, glyph: di
     }
 
 
-def _recipe(shift: float, guidance: float, steps: int, precision: str) -> RecipeSpec:
+def _recipe(shift: float, guidance: float, steps: int, precision: str, loop: str = LOOP) -> RecipeSpec:
     sampler = SamplerSpec(name="flow_euler", config={"num_train_timesteps": 1000, "shift": shift})
-    return RecipeSpec(method="base", name="hunyuanvideo1.5", assumes_loop=LOOP, sampler=sampler, default_steps=steps,
+    return RecipeSpec(method="base", name="hunyuanvideo1.5", assumes_loop=loop, sampler=sampler, default_steps=steps,
                       allowed_steps=(1, 100), precision=precision, default_guidance_scale=guidance)  # fmt: skip
 
 
@@ -138,4 +140,46 @@ HUNYUANVIDEO15_480P_BENCH = ModelCard.model_validate(
     }
 )  # fmt: skip
 
-CARDS = (TINY_HUNYUANVIDEO15, HUNYUANVIDEO15_480P_T2V, HUNYUANVIDEO_CPU_BENCH, HUNYUANVIDEO15_480P_BENCH)
+# -- image-to-video: the same parts, SigLIP's image tokens and the image's latents on frame 0 ----------------
+
+I2V_LOOP = "hunyuan_video15_i2v"
+I2V_PIPELINE = "HunyuanVideo15ImageToVideoPipeline"
+
+
+def _image_components(encoder: dict | None, processor: dict | None) -> dict:
+    """SigLIP's vision tower (in fp32, as the VAE: it runs once per request) and its feature extractor,
+    in the folders the pipeline saves them in."""
+    return {
+        "image_encoder": ComponentSpec(kind="image_encoder", cls="transformers.SiglipVisionModel", subfolder="image_encoder",
+                                       config=encoder, dtype="fp32"),  # fmt: skip
+        "image_processor": ComponentSpec(kind="image_processor", cls="transformers.SiglipImageProcessor", subfolder="feature_extractor",
+                                         config=processor),  # fmt: skip
+    }
+
+
+# The 480p image-to-video release: its scheduler, guider and transformer folders give the shift, the
+# guidance scale and the target size the image's bucket is taken from (the loop reads the folder's own).
+HUNYUANVIDEO15_480P_I2V = ModelCard(
+    card_id="hunyuanvideo1.5-480p-i2v", hub_repos=("hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v",), family="hunyuan_video15",
+    pipeline_class=I2V_PIPELINE, loops=(I2V_LOOP,), recipe=_recipe(5.0, 6.0, 50, "bf16", I2V_LOOP), parity=PARITY,
+    components={**_components(None, None, None, None, None, "bf16"), **_image_components(None, None)},
+    shapes=HUNYUANVIDEO15_480P_T2V.shapes, quantization=HUNYUANVIDEO15_480P_T2V.quantization, fps=24,
+)  # fmt: skip
+
+# tiny-hunyuanvideo1.5's sizes with task_type "i2v" and a SigLIP of the transformer's image width (12):
+# 32x32 pixels in patches of 8, 16 image tokens.
+TINY_SIGLIP = {"hidden_size": 12, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 32,
+               "patch_size": 8}  # fmt: skip
+TINY_SIGLIP_PROCESSOR = {"size": {"height": 32, "width": 32}}
+
+TINY_HUNYUANVIDEO15_I2V = ModelCard(
+    card_id="tiny-hunyuanvideo1.5-i2v", family="hunyuan_video15", pipeline_class=I2V_PIPELINE, loops=(I2V_LOOP,), parity=PARITY, seed=0,
+    components={**_components({**TINY_TRANSFORMER, "task_type": "i2v"}, TINY_VAE, TINY_TEXT_ENCODER, TINY_GLYPH_ENCODER,
+                              {"model_max_length": 2048, "chat_template": CHATML}, "fp32"),
+                **_image_components(TINY_SIGLIP, TINY_SIGLIP_PROCESSOR)},
+    recipe=_recipe(7.0, 6.0, 8, "fp32", I2V_LOOP), shapes=TINY_HUNYUANVIDEO15.shapes, quantization=TINY_HUNYUANVIDEO15.quantization,
+    fps=24,
+)  # fmt: skip
+
+CARDS = (TINY_HUNYUANVIDEO15, HUNYUANVIDEO15_480P_T2V, TINY_HUNYUANVIDEO15_I2V, HUNYUANVIDEO15_480P_I2V,
+         HUNYUANVIDEO_CPU_BENCH, HUNYUANVIDEO15_480P_BENCH)

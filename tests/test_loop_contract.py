@@ -115,7 +115,7 @@ def test_the_registry_picks_the_cards_loop_and_names_the_known_ones():
     with pytest.raises(ValueError, match="loop 'v2v' is not registered; known loops: .*t2v"):
         loop_class("v2v")
     assert set(LOOPS) == {"t2v", "i2v", "t2v_two_expert", "i2v_two_expert", "ti2v", "flux", "flux_kontext", "qwen_image", "qwen_image_edit",
-                          "hunyuan_video15_t2v"}
+                          "hunyuan_video15_t2v", "hunyuan_video15_i2v"}
 
 
 def test_the_loop_declares_its_kinds_and_the_compiler_reads_them(tiny_engine):

@@ -152,15 +152,16 @@ class HunyuanText:
 
 
 class HunyuanDenoiser:
-    """HunyuanVideo15Transformer3DModel's steps with ClassifierFreeGuidance; no denoiser sections yet."""
+    """HunyuanVideo15Transformer3DModel's steps with ClassifierFreeGuidance; no denoiser sections yet.
+    `kinds`: the denoise kinds by CFG (image-to-video's take the image's two constants besides)."""
 
-    kinds = DENOISE_KINDS
-    step_kinds = {DENOISE: DENOISE_KINDS[False], DENOISE_CFG: DENOISE_KINDS[True]}
     reads: tuple[str, ...] = ()
     teacache_signal = None
 
-    def __init__(self, card: ModelCard):
+    def __init__(self, card: ModelCard, kinds: dict[bool, StepKind] = DENOISE_KINDS):
         self.card = card
+        self.kinds = kinds
+        self.step_kinds = {kind.name: kind for kind in kinds.values()}
 
     def step(self, transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module:
         return HunyuanDenoiseStep(HunyuanVideo15TextToVideo(transformer), sampler, cfg, tap_points)
@@ -169,7 +170,7 @@ class HunyuanDenoiser:
         """Both kinds call one denoiser, whose blocks the parity taps (one set of hooks) read."""
         denoiser = HunyuanVideo15TextToVideo(components.transformer)
         taps = tap_points(denoiser)
-        return {kind.name: HunyuanDenoiseStep(denoiser, sampler, cfg, taps) for cfg, kind in DENOISE_KINDS.items()}
+        return {kind.name: HunyuanDenoiseStep(denoiser, sampler, cfg, taps) for cfg, kind in self.kinds.items()}
 
     def sections(self, transformer: nn.Module) -> DenoiserSections | None:
         return None

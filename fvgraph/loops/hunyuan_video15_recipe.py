@@ -61,6 +61,9 @@ def card_for_weights(card: ModelCard, components: Components) -> ModelCard:
     """`card` with the folder's scheduler config, guidance scale and default size (from its transformer's
     target_size). The transformer's `task_type` is not read: its forward decides text-to-video by the
     image embeddings being zero (and diffusers' conversion script writes "i2v" for the 480p t2v release)."""
+    if components.transformer.config.get("use_meanflow", False):  # the pipeline then feeds the next timestep too
+        raise CheckpointError(f"card {card.card_id!r}: the transformer's config says use_meanflow=True (a MeanFlow "
+                              "distilled release); the HunyuanVideo-1.5 loops run the base recipe, without timestep_r")  # fmt: skip
     recipe, shapes = card.recipe, card.shapes
     sampler_config, guidance = recipe.sampler.config, recipe.default_guidance_scale
     if components.checkpoint is not None:

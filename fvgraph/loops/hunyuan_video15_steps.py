@@ -2,9 +2,10 @@
 
 - text encode: Qwen2.5-VL's third-to-last hidden state over the chat-templated tokens, the template's
   prefix dropped, and ByT5 over the quoted text (rows without one come out zero: their mask is zero);
-- denoise: the latents with zero condition latents and a zero mask concatenated to their channels
-  (text-to-video), the transformer per CFG branch (fvgraph/models/hunyuan_video15_forward.py), the
-  guidance combine uncond + scale * (cond - uncond) (ClassifierFreeGuidance), the Euler update;
+- denoise: the latents with the condition latents and mask concatenated to their channels (zeros for
+  text-to-video; the image's for image-to-video, fvgraph/loops/hunyuan_video15_image.py), the
+  transformer per CFG branch (fvgraph/models/hunyuan_video15_forward.py), the guidance combine
+  uncond + scale * (cond - uncond) (ClassifierFreeGuidance), the Euler update;
 - decode: the latents divided by the VAE's scaling factor, decoded, mapped to [0, 1].
 """
 
@@ -69,12 +70,17 @@ class HunyuanDenoiseStep(nn.Module):
         negative_prompt_embeds_2: torch.Tensor | None = None,
         negative_prompt_embeds_mask_2: torch.Tensor | None = None,
         guidance_scale: torch.Tensor | None = None,  # [B], when cfg
+        condition: torch.Tensor | None = None,  # [B, C + 1, F, h, w] image-to-video: the image's latents on frame 0, the mask
+        image_embeds: torch.Tensor | None = None,  # [B, N, D'] image-to-video: SigLIP's last hidden state
         **carry: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         dtype = prompt_embeds.dtype
-        # 1. [latents, condition latents, mask] on the channels: zeros for text-to-video, in the denoiser's dtype
+        # 1. [latents, condition latents, mask] on the channels, in the denoiser's dtype: zeros for text-to-video
         batch, _, frames, h, w = latents.shape
-        model_input = torch.cat([latents, torch.zeros_like(latents), latents.new_zeros(batch, 1, frames, h, w)], dim=1).to(dtype)
+        if condition is None:
+            condition = torch.cat([torch.zeros_like(latents), latents.new_zeros(batch, 1, frames, h, w)], dim=1)
+        model_input = torch.cat([latents, condition], dim=1).to(dtype)
+        image = {} if image_embeds is None else {"image_embeds": mark_request_constant(image_embeds)}
         t = timestep.to(dtype)
         texts = {"cond": (prompt_embeds, prompt_embeds_mask, prompt_embeds_2, prompt_embeds_mask_2)}
         if self.cfg:
@@ -82,7 +88,7 @@ class HunyuanDenoiseStep(nn.Module):
         # 2. each branch (fused into one call while traced with CFG fusion)
         calls = {branch: dict(hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(e),
                               encoder_attention_mask=mark_request_constant(m), encoder_hidden_states_2=mark_request_constant(e2),
-                              encoder_attention_mask_2=mark_request_constant(m2))
+                              encoder_attention_mask_2=mark_request_constant(m2), **image)
                  for branch, (e, m, e2, m2) in texts.items()}  # fmt: skip
         outputs = call_branches("denoiser", self._denoiser, calls, self.fuse_branches)
         noise = outputs["cond"][0]
@@ -105,7 +111,9 @@ class HunyuanDenoiseStep(nn.Module):
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
         """(tokens, head_dim, dtype) of the blocks' joint attention (fvgraph.kernels.attention)."""
         transformer = self.denoiser.transformer
-        tokens = attention_tokens(transformer, inputs["latents"], inputs["prompt_embeds"].shape[1], inputs["prompt_embeds_2"].shape[1])
+        image = {} if inputs.get("image_embeds") is None else {"image_tokens": inputs["image_embeds"].shape[1]}
+        tokens = attention_tokens(transformer, inputs["latents"], inputs["prompt_embeds"].shape[1], inputs["prompt_embeds_2"].shape[1],
+                                  **image)  # fmt: skip
         return tokens, transformer.config.attention_head_dim, inputs["prompt_embeds"].dtype
 
 

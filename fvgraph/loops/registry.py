@@ -26,6 +26,7 @@ LOOPS: dict[str, str] = {
     "qwen_image": "fvgraph.loops.qwen_image_loop:QwenImageLoop",
     "qwen_image_edit": "fvgraph.loops.qwen_image_edit_loop:QwenImageEditLoop",
     "hunyuan_video15_t2v": "fvgraph.loops.hunyuan_video15_loop:HunyuanVideo15Loop",
+    "hunyuan_video15_i2v": "fvgraph.loops.hunyuan_video15_i2v_loop:HunyuanVideo15ImageToVideoLoop",
 }
 
 

@@ -1,11 +1,11 @@
-"""HunyuanVideo15Transformer3DModel's forward for text-to-video, as one traceable tensor function.
+"""HunyuanVideo15Transformer3DModel's forward for text- and image-to-video, as one traceable tensor function.
 
 diffusers' forward decides on the data twice: `torch.all(image_embeds == 0)` picks the text-to-video
 branch in Python, and the conditioning tokens are put in order with boolean indexing per batch row
 (valid image, valid ByT5, valid Qwen tokens, then the invalid ones, the invalid text tokens zeroed), a
-shape that depends on the masks. Neither traces with fullgraph=True. Here the branch is fixed at
-construction (text-to-video: the image tokens are masked out, their embeddings the projected zeros
-times 0.0) and the order is a stable sort of each token's group, so the same tokens land in the same
+shape that depends on the masks. Neither traces with fullgraph=True. Here the branch is fixed by the
+call (no `image_embeds`, text-to-video: the image tokens are masked out, their embeddings the projected
+zeros times 0.0; SigLIP's `image_embeds`, image-to-video: every image token valid) and the order is a stable sort of each token's group, so the same tokens land in the same
 places, gathered, with every shape static. The model's own submodules run in its own order, so the
 result equals its forward (tests/test_hunyuan_video15.py compares them bit for bit).
 """
@@ -32,7 +32,8 @@ class StreamsBlock(nn.Module):
 
 
 class HunyuanVideo15TextToVideo(nn.Module):
-    """`transformer` called as HunyuanVideo15Pipeline calls it for text-to-video (zero image embeddings);
+    """`transformer` called as HunyuanVideo15Pipeline calls it for text-to-video (zero image embeddings),
+    or, given `image_embeds`, as HunyuanVideo15ImageToVideoPipeline calls it (SigLIP's tokens, all valid);
     every argument has the batch dimension, so the CFG-fusion pass can concatenate two branches' calls.
     `blocks` are the transformer's own blocks, in the order taps read."""
 
@@ -43,7 +44,8 @@ class HunyuanVideo15TextToVideo(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_attention_mask: torch.Tensor, encoder_hidden_states_2: torch.Tensor,
-                encoder_attention_mask_2: torch.Tensor, return_dict: bool = False) -> tuple[torch.Tensor]:  # fmt: skip
+                encoder_attention_mask_2: torch.Tensor, image_embeds: torch.Tensor | None = None,
+                return_dict: bool = False) -> tuple[torch.Tensor]:  # fmt: skip
         model = self.transformer
         batch, _, frames, height, width = hidden_states.shape
         p_t, p = model.config.patch_size_t, model.config.patch_size
@@ -56,10 +58,8 @@ class HunyuanVideo15TextToVideo(nn.Module):
         text = text + model.cond_type_embed(torch.zeros_like(text[:, :, 0], dtype=torch.long))
         glyph = model.context_embedder_2(encoder_hidden_states_2)
         glyph = glyph + model.cond_type_embed(torch.ones_like(glyph[:, :, 0], dtype=torch.long))
-        image_embeds = text.new_zeros(batch, VISION_TOKENS, model.config.image_embed_dim)
-        image = model.image_embedder(image_embeds) * 0.0  # text-to-video: the image tokens carry nothing
+        image, image_mask = _image_tokens(model, image_embeds, text)
         image = image + model.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
-        image_mask = torch.zeros(batch, VISION_TOKENS, dtype=torch.bool, device=text.device)
         # 3. valid tokens first (image, ByT5, Qwen), then the invalid ones (the text's zeroed), each group in order
         tokens, mask = _valid_first(image, image_mask, glyph, encoder_attention_mask_2.bool(), text, encoder_attention_mask.bool())
         # 4. the dual-stream blocks
@@ -70,6 +70,17 @@ class HunyuanVideo15TextToVideo(nn.Module):
         hidden_states = hidden_states.reshape(batch, frames // p_t, height // p, width // p, -1, p_t, p, p)
         hidden_states = hidden_states.permute(0, 4, 1, 5, 2, 6, 3, 7)
         return (hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3),)
+
+
+def _image_tokens(model: nn.Module, image_embeds: torch.Tensor | None, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The image stream and its mask: SigLIP's embeddings projected, every token valid (image-to-video);
+    without them, the projected zeros times 0.0, every token masked (text-to-video, as the pipeline's zeros)."""
+    batch = text.shape[0]
+    if image_embeds is not None:
+        image = model.image_embedder(image_embeds)
+        return image, torch.ones(batch, image.shape[1], dtype=torch.bool, device=text.device)
+    image = model.image_embedder(text.new_zeros(batch, VISION_TOKENS, model.config.image_embed_dim)) * 0.0
+    return image, torch.zeros(batch, VISION_TOKENS, dtype=torch.bool, device=text.device)
 
 
 def _valid_first(image: torch.Tensor, image_mask: torch.Tensor, glyph: torch.Tensor, glyph_mask: torch.Tensor,
@@ -88,8 +99,9 @@ def _valid_first(image: torch.Tensor, image_mask: torch.Tensor, glyph: torch.Ten
     return tokens, torch.gather(mask, 1, order)
 
 
-def attention_tokens(transformer: nn.Module, latents: torch.Tensor, text_tokens: int, glyph_tokens: int) -> int:
+def attention_tokens(transformer: nn.Module, latents: torch.Tensor, text_tokens: int, glyph_tokens: int,
+                     image_tokens: int = VISION_TOKENS) -> int:  # fmt: skip
     """How many tokens the blocks' joint attention runs over: the latents' patches and every conditioning token."""
     _, _, frames, height, width = latents.shape
     p_t, p = transformer.config.patch_size_t, transformer.config.patch_size
-    return (frames // p_t) * (height // p) * (width // p) + VISION_TOKENS + glyph_tokens + text_tokens
+    return (frames // p_t) * (height // p) * (width // p) + image_tokens + glyph_tokens + text_tokens
