@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fvgraph.contract import block_copies  # noqa: F401  (registers torch.ops.fvgraph.fetch_group / wait_group)
-from fvgraph.runtime.offload import ResidencyLedger
+from fvgraph.runtime.offload import DENOISERS, ResidencyLedger
 
 SLOTS = 2  # one group runs from a slot while the next is copied into the other
 
@@ -127,9 +127,6 @@ class _StreamedForward:
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
-
-
-DENOISERS = ("transformer", "transformer_2")  # Wan 2.2 A14B's two experts share one block layout
 
 
 class BlockStreaming:

@@ -58,9 +58,10 @@ class ComponentResidency:
         self.kind_components = {kind: _reads(step, modules) for kind, step in steps.items()}
         self._tensors = {name: _tensors(m) for name, m in modules.items()}
         self._nbytes = {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in self._tensors.items()}
-        on_cuda = device.type == "cuda"
-        self._host = {name: [t.detach().to("cpu").pin_memory() if on_cuda else t.detach() for t in ts]
-                      for name, ts in self._tensors.items()}  # fmt: skip
+        pin = device.type == "cuda"
+        # Everything starts in host memory (loaded there: fvgraph/models/placement.py), each tensor
+        # swapped for its pinned copy at once, so the host never holds a second copy of a component.
+        self._host = {name: [_to_host(t, pin) for t in ts] for name, ts in self._tensors.items()}
         fixed = set().union(*(self.kind_components[k] for k in graphed_kinds if k in self.kind_components))
         self._slot_of: dict[str, DeviceSlot] = {}
         for members in _shared_slots(self._tensors, self.kind_components.values()):
@@ -69,9 +70,6 @@ class ComponentResidency:
         self._copies = _Copies(device)
         self.upcoming: list[str] = []  # this tick's kinds in run order, as the scheduler arranged them
         self._depth = 0
-        for name, tensors in self._tensors.items():  # everything starts in host memory
-            for t, host in zip(tensors, self._host[name]):
-                t.data = host
         ledger.planned_peak = self.planned_peak_bytes()
 
     @property
@@ -195,6 +193,15 @@ class _Copies:
         for tensor in slot.storage:
             tensor.record_stream(compute)
         slot.ready = None
+
+
+def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    """`tensor` pointed at its host copy (pinned when copies go to a CUDA device), which is returned."""
+    host = tensor.detach().to("cpu")
+    if pin:
+        host = host.pin_memory()
+    tensor.data = host
+    return host
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:
