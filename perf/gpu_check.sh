@@ -28,7 +28,7 @@
 #   FVGRAPH_GPU_PART=memory      bash perf/gpu_check.sh  # bench_memory: Wan 2.2 A14B's config (seeded, bf16) at 720x1280x81 under an 80 GB cap, one expert resident + tiled decode; est. 450 s (two 14B seeded inits)
 #   FVGRAPH_GPU_PART=memory_resident bash perf/gpu_check.sh  # the same with everything resident (expected: out of memory under the cap); est. 400 s
 #   FVGRAPH_GPU_PART=memory_blocks bash perf/gpu_check.sh  # the same with offload="blocks:4" (both experts' blocks streamed) + tiled decode; est. 450 s
-#   FVGRAPH_GPU_PART=offload_blocks bash perf/gpu_check.sh  # tests/test_offload_blocks.py's gpu test: -O2 CUDA-graph replay with three streamed blocks; est. 120 s
+#   FVGRAPH_GPU_PART=offload_blocks bash perf/gpu_check.sh  # tests/test_offload_blocks.py's gpu tests: -O2 CUDA-graph replay with three streamed blocks and its copy counts, the copies' overlap with kernels (-O0, -O2); est. 150 s
 #   FVGRAPH_GPU_PART=all         bash perf/gpu_check.sh  # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
