@@ -239,8 +239,9 @@ def load_components(card: ModelCard, checkpoint: str | Path | None, device: torc
     listed = read_model_index(folder, card, skip) if folder is not None else set(card.components)
     seeded = hashlib.blake2b(card.card_id.encode(), digest_size=12) if folder is None else None
     built, on_host = {}, []
-    # In name order: seeded weights are hashed as each is built, on the CPU, before it is placed.
-    for name in sorted(card.components):
+    # Seeded weights are hashed as each is built, on the CPU, before it is placed: in name order, the
+    # digest's. A folder's load goes in the card's order (its errors name the first missing component).
+    for name in sorted(card.components) if folder is None else card.components:
         if name in skip or name not in listed:  # not listed: an optional component the folder lacks
             continue
         module = load_component(card, name, folder)
