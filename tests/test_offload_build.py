@@ -14,6 +14,7 @@ import fvgraph.engine.builder as builder
 import fvgraph.engine.parts as parts
 from fvgraph.engine.engine import Engine
 from fvgraph.parallel.config import ParallelConfig
+from fvgraph.runtime.pinned_host import pin_in_place
 
 CARD = "tiny-wan2.2-a14b"  # two experts, a text encoder, a VAE
 
@@ -72,3 +73,21 @@ def test_offload_on_a_parallel_engine_is_refused_before_loading_or_starting_work
     monkeypatch.setattr(builder.WorkerGroup, "spawn", must_not_run)
     with pytest.raises(ValueError, match="offload does not run on a parallel engine"):
         Engine.from_card("tiny-wan", device="cpu", offload="components", parallel=ParallelConfig(cfg=2))
+
+
+def test_host_copies_are_packed_into_chunks_and_each_tensor_points_at_its_own():
+    """On CUDA offload pins its host copies so (pinned allocations round up to a power of two: packed,
+    only a component's last chunk is); packing is the same without pinning, which runs here."""
+    weights = [torch.nn.Parameter(torch.randn(100)), torch.nn.Parameter(torch.randn(3, 7).to(torch.bfloat16)),
+               torch.nn.Parameter(torch.zeros(0)), torch.arange(600, dtype=torch.int64), torch.randn(5, 4).t()]  # fmt: skip
+    values, ids = [w.detach().clone() for w in weights], [id(w) for w in weights]
+    copies = pin_in_place(weights, pin=False, chunk_bytes=1024)
+    assert [id(w) for w in weights] == ids  # the same parameters, pointed at their copies
+    for weight, copy, value in zip(weights, copies, values):
+        assert weight.data_ptr() == copy.data_ptr() and weight.dtype == value.dtype and torch.equal(weight, value)
+    first = weights[0].untyped_storage().data_ptr()
+    # 400 and 42 bytes share a chunk at 512-byte steps; 4,800 bytes (over the chunk) stand alone, in 5,120;
+    # the last 80 bytes go to a chunk of their own, no larger than they need.
+    assert weights[1].data_ptr() - first == 512 and weights[1].untyped_storage().data_ptr() == first
+    assert weights[3].untyped_storage().data_ptr() != first and weights[3].untyped_storage().nbytes() == 5_120
+    assert weights[4].untyped_storage().nbytes() == 512 and weights[4].is_contiguous()

@@ -98,7 +98,8 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"})
     check_offload(switches)  # before loading: what offload holds in host memory is never placed on the device
-    components = load_components(card, checkpoint, device, skip, None if switches.offload is None else switches.offload.host_parts)
+    held = None if switches.offload is None else switches.offload.host_parts
+    components = load_components(card, checkpoint, device, skip, held)
     if checkpoint is not None and rank == 0:  # the folder's own recipe, where it differs from the run's
         warn_recipe_differences(card, checkpoint)
     adapters = None

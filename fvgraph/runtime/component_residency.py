@@ -11,8 +11,9 @@ and so every compiled step's parameter list, stay the same objects.
   (FLUX's text_encode reads both text encoders).
 - Before a group runs, every component its kind does not read leaves the device (a device copy that
   was changed in place, e.g. by `update_weights`, is copied back to the host first), then the ones it
-  reads come in. Host copies are pinned on CUDA; on a CPU engine host and device are both the CPU and
-  a move is a real copy, which is how the tests exercise this code.
+  reads come in. Host copies are pinned on CUDA (packed: fvgraph/runtime/pinned_host.py); on a CPU
+  engine host and device are both the CPU and a move is a real copy, which is how the tests exercise
+  this code.
 - Components with the same tensor layout that no kind reads together (the two experts of Wan 2.2
   A14B) share one device slot: the expert that takes over is copied into the storage the other one
   used, so both experts' compiled steps (and CUDA graphs) read fixed addresses. On a CUDA-graphed
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from fvgraph.runtime.offload import ResidencyLedger
+from fvgraph.runtime.pinned_host import pin_in_place
 
 
 @dataclass
@@ -58,10 +60,10 @@ class ComponentResidency:
         self.kind_components = {kind: _reads(step, modules) for kind, step in steps.items()}
         self._tensors = {name: _tensors(m) for name, m in modules.items()}
         self._nbytes = {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in self._tensors.items()}
+        # Everything starts in host memory (loaded there: fvgraph/models/placement.py); on CUDA each
+        # tensor is swapped for its pinned copy at once, so the host never holds a component twice.
         pin = device.type == "cuda"
-        # Everything starts in host memory (loaded there: fvgraph/models/placement.py), each tensor
-        # swapped for its pinned copy at once, so the host never holds a second copy of a component.
-        self._host = {name: [_to_host(t, pin) for t in ts] for name, ts in self._tensors.items()}
+        self._host = {name: pin_in_place(ts) if pin else [_to_host(t) for t in ts] for name, ts in self._tensors.items()}
         fixed = set().union(*(self.kind_components[k] for k in graphed_kinds if k in self.kind_components))
         self._slot_of: dict[str, DeviceSlot] = {}
         for members in _shared_slots(self._tensors, self.kind_components.values()):
@@ -195,11 +197,9 @@ class _Copies:
         slot.ready = None
 
 
-def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
-    """`tensor` pointed at its host copy (pinned when copies go to a CUDA device), which is returned."""
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` pointed at its host copy (on a CPU engine, the tensor itself), which is returned."""
     host = tensor.detach().to("cpu")
-    if pin:
-        host = host.pin_memory()
     tensor.data = host
     return host
 
