@@ -4,6 +4,7 @@ offload mode, and sleep / wake.
     python perf/bench_memory.py                  # tiny-wan on the CPU, 5x256x256, 3 rounds
     python perf/bench_memory.py --repeats 5 --shape 9x256x256
     python perf/bench_memory.py --gpu            # Wan 2.2 A14B's config (seeded, bf16), 720x1280x81, 80 GB of the GPU
+    python perf/bench_memory.py --gpu --device cpu --card tiny-wan2.2-a14b --shape 48x64x5 --blocks 1   # rehearsed on the CPU
 
 CPU: every sample is a fresh process (fvgraph/perf/memory_worker.py) serving one decode-heavy request
 (one denoise step, no CFG), its peak resident growth read from the kernel's high-water mark; the
@@ -19,8 +20,11 @@ GPU (`--gpu`): one process; the Wan 2.2 T2V A14B transformer config twice (two e
 `torch.cuda.set_per_process_memory_fraction` set to 80 GB, as on an 80 GB card. Cases: everything
 resident, one expert resident with tiled decode (`offload="components"`, `vae_tiling=True`), and both
 experts' blocks streamed four at a time with tiled decode (`offload="blocks:4"`).
-Each: the request's peak allocated memory, its seconds per denoise step and for the decode, or the
-out-of-memory error where it does not fit.
+Each: the allocated memory once the engine is built and the most allocated while it was built (with
+offload, what stays in host memory is loaded there and never placed on the device whole:
+fvgraph/models/placement.py), the request's peak, its seconds per denoise step and for the decode, or
+the out-of-memory error where it does not fit. `--device cpu` runs the same cases' code on the CPU
+(with `--card` and `--shape` sized for it), with zeros for memory: a rehearsal of the script.
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ def measure_case(card, device: torch.device, options: dict, shape: tuple[int, in
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     height, width, frames = shape
     engine = Engine.from_card(card, device=device, opt_level=0, **options)
-    loaded = allocated()
+    loaded, build_peak = allocated(), peak()
     state = engine.start(Request(prompt="a fox in the snow", num_inference_steps=steps, height=height, width=width,
                                  num_frames=frames, guidance_scale=4.0, seed=0))  # fmt: skip
     step_s, decode_s = [], 0.0
@@ -139,40 +143,56 @@ def measure_case(card, device: torch.device, options: dict, shape: tuple[int, in
             step_s.append(time.perf_counter() - began)
         elif phase == "decode":
             decode_s += time.perf_counter() - began
-    return {"ok": True, "loaded_gb": round(loaded / 1e9, 2), "peak_gb": round(peak() / 1e9, 2), "step_s": spread(step_s),
-            "decode_s": round(decode_s, 3)}  # fmt: skip
+    return {"ok": True, "loaded_gb": round(loaded / 1e9, 2), "build_peak_gb": round(build_peak / 1e9, 2),
+            "peak_gb": round(peak() / 1e9, 2), "step_s": spread(step_s), "decode_s": round(decode_s, 3)}  # fmt: skip
 
 
 GPU_CASES = {"everything_resident": {}, "one_expert_tiled": {"offload": "components", "vae_tiling": True},
              "blocks_tiled": {"offload": "blocks:4", "vae_tiling": True}}  # fmt: skip
 
 
-def run_gpu(shape: tuple[int, int, int], steps: int, budget_gb: float, cases: list[str]) -> dict:
-    device = torch.device("cuda")
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 1e9 / total), device)
-    card = a14b_bench_card()
-    out = {"budget_gb": budget_gb, "device_total_gb": round(total / 1e9, 1)}
+def gpu_case_options(name: str, blocks: int) -> dict:
+    """The engine options of a GPU case; `blocks`: blocks per group of the block offload case."""
+    options = GPU_CASES[name]
+    return {**options, "offload": f"blocks:{blocks}"} if name == "blocks_tiled" else options
+
+
+def run_gpu(shape: tuple[int, int, int], steps: int, budget_gb: float, cases: list[str], device: torch.device,
+            card_id: str | None, blocks: int = 4) -> dict:  # fmt: skip
+    """The GPU cases on `device` (a CPU rehearses their code: no memory cap, zeros for memory)."""
+    from fvgraph.cards import get_card
+
+    card = a14b_bench_card() if card_id is None else get_card(card_id)
+    out: dict = {"card": card.card_id, "device": str(device)}
+    cuda = device.type == "cuda"
+    if cuda:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_gb * 1e9 / total), device)
+        out.update(budget_gb=budget_gb, device_total_gb=round(total / 1e9, 1))
     for name in cases:
-        options = GPU_CASES[name]
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        options = gpu_case_options(name, blocks)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
         try:
             out[name] = measure_case(card, device, options, shape, steps)
         except torch.OutOfMemoryError as err:  # what "does not fit an 80 GB card" looks like
             out[name] = {"ok": False, "peak_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2), "error": str(err)[:300]}
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpu", action="store_true")
-    parser.add_argument("--card", default="tiny-wan", help="the CPU case's card")
+    parser.add_argument("--card", help="the card (default: tiny-wan on the CPU; with --gpu, Wan 2.2 A14B's config)")
+    parser.add_argument("--device", default="cuda", help="--gpu: the device; cpu rehearses the GPU cases' code")
     parser.add_argument("--shape", help="FxHxW on the CPU (default 5x256x256); HxWxF with --gpu (default 720x1280x81)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="--gpu: denoise steps (the bench card's boundary is crossed at 2)")
     parser.add_argument("--budget-gb", type=float, default=80.0, help="--gpu: the memory the process may use")
+    parser.add_argument("--blocks", type=int, default=4, help="--gpu: blocks per group of the blocks_tiled case")
     parser.add_argument("--case", action="append", help="run only these cases (repeatable; default: all of the mode's)")
     args = parser.parse_args()
     known = list(GPU_CASES) if args.gpu else list(cpu_cases(TILES))
@@ -181,11 +201,13 @@ def main() -> None:
         parser.error(f"--case {', '.join(unknown)}: the cases are {', '.join(known)}")
     if args.gpu:
         shape = tuple(int(v) for v in (args.shape or "720x1280x81").split("x"))
-        emit({**provenance("memory", torch.device("cuda")), "shape": shape, **run_gpu(shape, args.steps, args.budget_gb, args.case or list(GPU_CASES))})
+        device = torch.device(args.device)
+        emit({**provenance("memory", device), "shape": shape,
+              **run_gpu(shape, args.steps, args.budget_gb, args.case or list(GPU_CASES), device, args.card, args.blocks)})  # fmt: skip
     else:
-        shape = args.shape or "5x256x256"
-        emit({**provenance("memory", torch.device("cpu")), "card": args.card, "shape": shape, "tiles": TILES,
-              **run_cpu(args.card, shape, args.repeats, args.case)})  # fmt: skip
+        shape, card = args.shape or "5x256x256", args.card or "tiny-wan"
+        emit({**provenance("memory", torch.device("cpu")), "card": card, "shape": shape, "tiles": TILES,
+              **run_cpu(card, shape, args.repeats, args.case)})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -29,16 +29,18 @@
 #   FVGRAPH_GPU_PART=memory      bash perf/gpu_check.sh  # bench_memory: Wan 2.2 A14B's config (seeded, bf16) at 720x1280x81 under an 80 GB cap, one expert resident + tiled decode; est. 450 s (two 14B seeded inits)
 #   FVGRAPH_GPU_PART=memory_resident bash perf/gpu_check.sh  # the same with everything resident (expected: out of memory under the cap); est. 400 s
 #   FVGRAPH_GPU_PART=memory_blocks bash perf/gpu_check.sh  # the same with offload="blocks:4" (both experts' blocks streamed) + tiled decode; est. 450 s
-#   FVGRAPH_GPU_PART=offload_blocks bash perf/gpu_check.sh  # tests/test_offload_blocks.py's gpu test: -O2 CUDA-graph replay with three streamed blocks; est. 120 s
+#   FVGRAPH_GPU_PART=offload_blocks bash perf/gpu_check.sh  # tests/test_offload_blocks.py's gpu tests: -O2 CUDA-graph replay with three streamed blocks and its copy counts, the copies' overlap with kernels (-O0, -O2); est. 150 s
+#   FVGRAPH_GPU_PART=offload     bash perf/gpu_check.sh  # the gpu tests of tests/test_offload.py (-O2 replay with one expert on the device, the build's device peak) and tests/test_sleep_wake.py (graphs dropped at sleep, captured again after wake); est. 150 s
 #   FVGRAPH_GPU_PART=all         bash perf/gpu_check.sh  # everything, in one long call (default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
-case " probe tests tests_loops aoti aoti_probe step flux_step hv15_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all " in
+PARTS="probe tests tests_loops aoti aoti_probe step flux_step hv15_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks offload all"
+case " $PARTS " in
   *" $PART "*) ;;
-  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step hv15_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all" >&2; exit 2 ;;
+  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: $PARTS" >&2; exit 2 ;;
 esac
 # Before anything else: without the carried wheels every test stops at `import diffusers` (docs/gpu.md).
 if ! compgen -G "wheels/*.whl" >/dev/null; then
@@ -118,9 +120,11 @@ part interceptors && run bench_interceptors 540 python3 "$REPO"/perf/bench_inter
 part parallel && run pytest_gpu_parallel 300 "${PYTEST[@]}" -k degree_1 "$REPO/tests/test_parallel.py"
 part parallel && run generate_parallel 120 python3 -m fvgraph generate --cfg-parallel 1 --ulysses 1 -O2 --device cuda --steps 4 -o "$OUT/parallel.gif"
 # Two 14B experts initialized from a seed on the host each time (about 2-4 min): one case per part.
-part memory && run bench_memory 570 python3 "$REPO"/perf/bench_memory.py --gpu --case one_expert_tiled
-part memory_resident && run bench_memory_resident 570 python3 "$REPO"/perf/bench_memory.py --gpu --case everything_resident
-part memory_blocks && run bench_memory_blocks 570 python3 "$REPO"/perf/bench_memory.py --gpu --case blocks_tiled
+part memory && run bench_memory 540 python3 "$REPO"/perf/bench_memory.py --gpu --case one_expert_tiled
+part memory_resident && run bench_memory_resident 540 python3 "$REPO"/perf/bench_memory.py --gpu --case everything_resident
+part memory_blocks && run bench_memory_blocks 540 python3 "$REPO"/perf/bench_memory.py --gpu --case blocks_tiled
 part offload_blocks && run pytest_gpu_offload_blocks 300 "${PYTEST[@]}" "$REPO/tests/test_offload_blocks.py"
+part offload && run pytest_gpu_offload 300 "${PYTEST[@]}" "$REPO/tests/test_offload.py"
+part offload && run pytest_gpu_sleep 200 "${PYTEST[@]}" "$REPO/tests/test_sleep_wake.py"
 cat "$OUT"/bench_*.log "$OUT"/tf32_probe.log 2>/dev/null | grep -h '^{' >"$OUT/results.jsonl"
 echo "results in $OUT"

@@ -217,3 +217,34 @@ def test_the_next_group_of_the_tick_is_prefetched_while_this_one_runs():
         pass
     assert [(s.kind, s.moved_in, s.moved_out) for s in ledger.steps] == [
         ("encode", {"encoder": 80}, {}), ("decode", {"decoder": 160}, {"encoder": 80})]  # weight + bias, fp32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_replay_with_one_expert_on_the_device_and_the_build_places_no_component():
+    """-O2 on CUDA: the experts share one fixed slot, so both experts' graphs read its addresses and
+    replay; the result equals no offload. The build allocates less on the device, at its peak, than
+    the smallest component (what offload holds stays in host memory, pinned)."""
+    request = _request(steps=4, guidance_scale_2=2.0)
+    config = dict(device="cuda", opt_level=2, buckets=ONE_BUCKET)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    offloaded = Engine.from_card("tiny-wan2.2-a14b", offload="components", **config)
+    built_peak = torch.cuda.max_memory_allocated() - before
+    b = _bytes(offloaded)
+    assert built_peak < min(b.values()), (built_peak, b)
+    assert all(h.is_pinned() for hosts in offloaded.executor.residency._host.values() for h in hosts)
+    plain = Engine.from_card("tiny-wan2.2-a14b", **config)
+    plain.warmup([request])
+    offloaded.warmup([request])
+    offloaded.residency.clear()
+    with offloaded.counters.expect(compiles=0, captures=0, fallbacks=0):
+        [got] = offloaded.generate([request])
+    [want] = plain.generate([request])
+    assert got.ok, got.error
+    assert torch.equal(want.latents, got.latents) and (want.frames == got.frames).all()
+    assert offloaded.counters.replays > 0
+    assert dict(offloaded.residency.moves_in) == {"text_encoder": 1, "transformer": 1, "transformer_2": 1, "vae": 1}
+    for step in offloaded.residency.steps:  # the expert slot stays while the text encoder or the VAE runs
+        assert len({"transformer", "transformer_2"} & set(step.resident)) <= 1

@@ -3,6 +3,7 @@ warmup with nothing compiled while serving), the ledger's copies per step and pe
 not divide the blocks, the two experts sharing the slots, the refusals, and on a GPU the CUDA graph's
 replay and the device memory the weights hold."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -183,12 +184,19 @@ def test_cuda_graph_replays_equal_no_offload_and_the_device_holds_two_groups():
     offloaded = Engine.from_card(card, offload="blocks:1", **config)
     plain.warmup([request])
     offloaded.warmup([request])
+    offloaded.residency.clear()
     with offloaded.counters.expect(compiles=0, captures=0, fallbacks=0):
         [got] = offloaded.generate([request])
     [want] = plain.generate([request])
     assert got.ok, got.error
     assert torch.equal(want.latents, got.latents)
     assert offloaded.counters.replays > 0
+    # The copy op counts on the device, so a replayed graph counts its copies as -O1 does (the test above).
+    first = {f"transformer.blocks.{g}": _group(1, 2) for g in range(3)}
+    later = {f"transformer.blocks.{g}": _group(1, 1) for g in range(3)}
+    assert _copies(offloaded) == _steps_rows(
+        [("text_encode", {}), ("denoise_cfg", first), ("denoise_cfg", later), ("denoise_cfg", later), *DECODE]
+    )
     transformer = offloaded.loop.components.transformer
     streamed = transformer.block_streaming
     on_device = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
@@ -197,3 +205,43 @@ def test_cuda_graph_replays_equal_no_offload_and_the_device_holds_two_groups():
     assert all(not t.is_cuda and t.is_pinned() for t in blocks)
     assert sum(on_device.values()) <= streamed.slots.nbytes + NON_BLOCK_BYTES + streamed.copies.nbytes
     assert streamed.slots.nbytes == 2 * BLOCK_BYTES
+
+
+def wide_block_wan() -> ModelCard:
+    """tiny-wan with three blocks of about 100 MB (fp32) and a few dozen tokens: a group's copy takes
+    far longer than its kernels, so the next group's copy is still running while they run."""
+    card = three_block_wan()
+    spec = card.components["transformer"]
+    wide = {**spec.config, "num_attention_heads": 8, "attention_head_dim": 128, "ffn_dim": 8192}
+    return card.model_copy(update={"card_id": "tiny-wan-wide-blocks",
+                                   "components": {**card.components, "transformer": spec.model_copy(update={"config": wide})}})  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("level", [0, 2])
+def test_a_groups_copy_runs_on_the_copy_stream_while_kernels_run(level, tmp_path):
+    """The profiler's trace of a request (-O2: replayed CUDA graphs): the copies of the blocks' largest
+    tensors run on a stream no kernel runs on, and some of them while a kernel runs (the next group's
+    copy under this group's kernels). Both follow from the streams' order, not from speed: group g+1's
+    copy and group g's kernels each wait only for group g's copy."""
+    card, request = wide_block_wan(), _request(steps=2)
+    engine = Engine.from_card(card, device="cuda", opt_level=level, buckets=ONE_BUCKET, offload="blocks:1")
+    engine.warmup([request])
+    engine.residency.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        [result] = engine.generate([request])
+        torch.cuda.synchronize()
+    assert result.ok, result.error
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    sizes = [t.numel() * t.element_size() for t in engine.loop.components.transformer.blocks[0].parameters()]
+    largest = max(sizes)  # the feed-forward weights, 32 MiB each: nothing else the request copies is that large
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy" and e.get("args", {}).get("bytes") == largest]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    fetches = sum(engine.residency.moves_in.values())  # the group fetches the copy op counted
+    assert fetches > 0 and len(copies) == sizes.count(largest) * fetches, (fetches, len(copies))
+    if level == 0:  # eager: the trace names each kernel's own stream (a replayed graph's may carry its launch stream)
+        assert {e["args"]["stream"] for e in copies}.isdisjoint(e["args"]["stream"] for e in kernels)
+    overlapping = [c for c in copies if any(k["ts"] < c["ts"] + c["dur"] and c["ts"] < k["ts"] + k["dur"] for k in kernels)]
+    assert overlapping, f"no block copy ran while a kernel ran: {len(copies)} copies, {len(kernels)} kernels"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from fvgraph.card import ModelCard
-from fvgraph.engine.parts import EngineParts, EngineSwitches, build_rank_parts
+from fvgraph.engine.parts import EngineParts, EngineSwitches, build_rank_parts, check_offload
 from fvgraph.engine.worker_rank import WorkerBuild, worker_main
 from fvgraph.parallel.executor import ParallelExecutor
 from fvgraph.parallel.plan import DENOISERS
@@ -33,6 +33,7 @@ def build_engine_parts(card: ModelCard, checkpoint: str | Path | None, level: in
     config = switches.parallel
     if switches.taps:
         raise ValueError("taps=True (the parity variant) cannot run with `parallel`: build a parity engine without it")
+    check_offload(switches)
     for name in DENOISERS:
         spec = card.components.get(name)
         if spec is not None and spec.config and "num_attention_heads" in spec.config:

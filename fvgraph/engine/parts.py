@@ -97,7 +97,9 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     effective = opt_level(0) if switches.enforce_eager else requested
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     skip = frozenset() if switches.text_encoder else frozenset({"text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"})
-    components = load_components(card, checkpoint, device, skip)
+    check_offload(switches)  # before loading: what offload holds in host memory is never placed on the device
+    held = None if switches.offload is None else switches.offload.host_parts
+    components = load_components(card, checkpoint, device, skip, held)
     if checkpoint is not None and rank == 0:  # the folder's own recipe, where it differs from the run's
         warn_recipe_differences(card, checkpoint)
     adapters = None
@@ -146,21 +148,29 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
 def _offload(switches: EngineSwitches, card: ModelCard, components, steps: dict, loop: Loop, level: OptLevel,
              device: torch.device) -> ComponentResidency | BlockStreaming | None:  # fmt: skip
     """Offload applied to the built steps' components: whole components (fvgraph/runtime/component_residency.py)
-    or the transformers' blocks in groups (fvgraph/runtime/block_streaming.py)."""
+    or the transformers' blocks in groups (fvgraph/runtime/block_streaming.py). What either keeps in host
+    memory was loaded there (`OffloadPolicy.host_parts`) and reaches the device only through it."""
     policy = switches.offload
     if policy is None:
         return None
-    if switches.parallel is not None:
-        raise ValueError("offload does not run on a parallel engine yet: build it without `parallel`")
     if policy.mode == "blocks":
-        if switches.adapters is not None:
-            raise ValueError(f"offload={str(policy)!r} with LoRA adapters is not built yet: build it without `loras`, "
-                             'or with offload="components"')  # fmt: skip
         return BlockStreaming(components.modules(), device, policy.blocks, ResidencyLedger(), card.card_id)
     graphed = level.compiled and level.cuda_graphs and switches.cuda_graphs and device.type == "cuda"
     # The kinds compiled by default: on a graphed engine their components' device storage stays put.
     captured = frozenset(kind for kind, declared in loop.step_kinds.items() if declared.compiled) if graphed else frozenset()
     return ComponentResidency(components.modules(), steps, device, ResidencyLedger(), captured)
+
+
+def check_offload(switches: EngineSwitches) -> None:
+    """The offload combinations not built yet, refused before anything is loaded (or any worker started)."""
+    policy = switches.offload
+    if policy is None:
+        return
+    if switches.parallel is not None:
+        raise ValueError("offload does not run on a parallel engine yet: build it without `parallel`")
+    if policy.mode == "blocks" and switches.adapters is not None:
+        raise ValueError(f"offload={str(policy)!r} with LoRA adapters is not built yet: build it without `loras`, "
+                         'or with offload="components"')  # fmt: skip
 
 
 def compile_config_for(config: CompileConfig, level: OptLevel, taps: bool) -> CompileConfig:

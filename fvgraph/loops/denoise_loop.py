@@ -121,7 +121,7 @@ class DenoiseLoop:
                 steps.update(self.encoding.build(steps))
         if c.text_encoder is not None:
             steps[TEXT_ENCODE] = self.text.build(c)
-        return {kind: step.to(c.device).eval() for kind, step in steps.items()}
+        return {kind: c.place(step).eval() for kind, step in steps.items()}  # offloaded parts stay in host memory
 
     def _denoise_steps(self, transformer: nn.Module) -> dict[str, nn.Module]:
         """The first expert's denoise steps on `transformer` (a data-free twin, for step caching's FLOPs)."""

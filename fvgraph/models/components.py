@@ -19,6 +19,7 @@ from torch import nn
 from fvgraph.models.byte_tokenizer import build_byte_tokenizer
 from fvgraph.card import ComponentSpec, ModelCard, SamplerSpec
 from fvgraph.contract.model_facts import ModelFacts
+from fvgraph.models.placement import HostParts, place_on_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
@@ -44,6 +45,11 @@ class Components:
     text_encoder_2: nn.Module | None = None  # a second text encoder (FLUX: T5 beside CLIP)
     tokenizer_2: object | None = None
     checkpoint: Path | None = None  # the folder the weights were loaded from (None: the card's seeded weights)
+    on_host: tuple[nn.Module, ...] = ()  # parts offload holds in host memory: never placed on `device` whole
+
+    def place(self, module: nn.Module) -> nn.Module:
+        """`module` (a step holding components) on the device, but for the parts offload holds in host memory."""
+        return place_on_device(module, self.device, self.on_host)
 
     @property
     def facts(self) -> ModelFacts:
@@ -217,9 +223,10 @@ def _own_storage(module: nn.Module) -> None:
 
 
 def load_components(card: ModelCard, checkpoint: str | Path | None, device: torch.device,
-                    skip: frozenset[str] = frozenset()) -> Components:  # fmt: skip
+                    skip: frozenset[str] = frozenset(), host_parts: HostParts | None = None) -> Components:  # fmt: skip
     """Build (card seed) or load (checkpoint folder) every component but those in `skip`, cast and
-    placed on `device`. An optional component absent from the folder's model_index.json is None."""
+    placed on `device`, but for the parts `host_parts` names (offload's: they stay in host memory, each
+    component built on the CPU first). An optional component absent from the folder's model_index.json is None."""
     folder = None
     if checkpoint is not None:
         folder = Path(checkpoint)
@@ -230,22 +237,25 @@ def load_components(card: ModelCard, checkpoint: str | Path | None, device: torc
         raise CheckpointError(f"card {card.card_id!r} has no embedded weights: give its checkpoint (--checkpoint, "
                               f"checkpoint=), a local diffusers folder or a Hub repo id{published}")  # fmt: skip
     listed = read_model_index(folder, card, skip) if folder is not None else set(card.components)
-    built = {}
-    with torch.device("cpu"):
-        for name, spec in card.components.items():
-            if name in skip or name not in listed:  # not listed: an optional component the folder lacks
-                continue
-            if folder is None:
-                module = _build_seeded(name, spec, card.seed or 0, card)
-            else:
-                module = _load_from_folder(name, spec, folder, DTYPES[spec.dtype])
-            if isinstance(module, nn.Module):
-                module = module.to(device).eval().requires_grad_(False)
-                if folder is not None and device.type == "cpu":
-                    _own_storage(module)
-            built[name] = module
-    version = _checkpoint_fingerprint(folder) if folder is not None else _content_hash(card, built)
-    return Components(device=device, weights_version=version, checkpoint=folder,
+    seeded = hashlib.blake2b(card.card_id.encode(), digest_size=12) if folder is None else None
+    built, on_host = {}, []
+    # Seeded weights are hashed as each is built, on the CPU, before it is placed: in name order, the
+    # digest's. A folder's load goes in the card's order (its errors name the first missing component).
+    for name in sorted(card.components) if folder is None else card.components:
+        if name in skip or name not in listed:  # not listed: an optional component the folder lacks
+            continue
+        module = load_component(card, name, folder)
+        if isinstance(module, nn.Module):
+            if seeded is not None:
+                _hash_weights(seeded, name, module)
+            held = host_parts(name, module) if host_parts is not None else ()
+            module = place_on_device(module.eval().requires_grad_(False), device, held)
+            if folder is not None and device.type == "cpu":
+                _own_storage(module)
+            on_host += held
+        built[name] = module
+    version = _checkpoint_fingerprint(folder) if folder is not None else seeded.hexdigest()
+    return Components(device=device, weights_version=version, checkpoint=folder, on_host=tuple(on_host),
                       **{"text_encoder": None, "tokenizer": None, "text_encoder_2": None, "tokenizer_2": None, **built})
 
 
@@ -259,16 +269,11 @@ def load_component(card: ModelCard, name: str, checkpoint: Path | None) -> nn.Mo
         return _load_from_folder(name, spec, Path(checkpoint), DTYPES[spec.dtype])
 
 
-def _content_hash(card: ModelCard, built: dict) -> str:
+def _hash_weights(digest: hashlib.blake2b, name: str, module: nn.Module) -> None:
     """Seeded weights: hash their bytes (they are small, and the init code may change across releases)."""
-    digest = hashlib.blake2b(card.card_id.encode(), digest_size=12)
-    for name in sorted(built):
-        module = built[name]
-        if isinstance(module, nn.Module):
-            for key, tensor in module.state_dict().items():
-                digest.update(f"{name}.{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-                digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+    for key, tensor in module.state_dict().items():
+        digest.update(f"{name}.{key}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
 
 
 def _checkpoint_fingerprint(folder: Path) -> str:

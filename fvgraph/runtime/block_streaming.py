@@ -32,7 +32,8 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from fvgraph.contract import block_copies  # noqa: F401  (registers torch.ops.fvgraph.fetch_group / wait_group)
-from fvgraph.runtime.offload import ResidencyLedger
+from fvgraph.runtime.offload import DENOISERS, ResidencyLedger
+from fvgraph.runtime.pinned_host import pin_in_place
 
 SLOTS = 2  # one group runs from a slot while the next is copied into the other
 
@@ -73,11 +74,11 @@ class StreamedBlocks(nn.Module):
         # Per group: fetches, tensors, bytes; on the device, so a replayed CUDA graph counts its copies too.
         self.register_buffer("copies", torch.zeros(self.groups, 3, dtype=torch.int64, device=device), persistent=False)
         self._blocks = tuple(blocks)  # not a child module: the blocks stay the transformer's alone
-        pin = device.type == "cuda"
+        host = [t for block in blocks for _, t in _named_tensors(block)]  # the block's own tensors are its host copy
+        if device.type == "cuda":  # pinned, for copies that overlap kernels (loaded in host memory already)
+            pin_in_place(host)
         for index, block in enumerate(blocks):
-            names, tensors = zip(*_named_tensors(block))
-            for t in tensors:  # the block's own tensors are its host copy
-                t.data = t.detach().to("cpu").pin_memory() if pin else t.detach()
+            names = tuple(name for name, _ in _named_tensors(block))
             block.forward = _StreamedForward(self, index, block, names)
 
     def group_of(self, index: int) -> tuple[int, int]:
@@ -127,9 +128,6 @@ class _StreamedForward:
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
-
-
-DENOISERS = ("transformer", "transformer_2")  # Wan 2.2 A14B's two experts share one block layout
 
 
 class BlockStreaming:

@@ -11,8 +11,9 @@ and so every compiled step's parameter list, stay the same objects.
   (FLUX's text_encode reads both text encoders).
 - Before a group runs, every component its kind does not read leaves the device (a device copy that
   was changed in place, e.g. by `update_weights`, is copied back to the host first), then the ones it
-  reads come in. Host copies are pinned on CUDA; on a CPU engine host and device are both the CPU and
-  a move is a real copy, which is how the tests exercise this code.
+  reads come in. Host copies are pinned on CUDA (packed: fvgraph/runtime/pinned_host.py); on a CPU
+  engine host and device are both the CPU and a move is a real copy, which is how the tests exercise
+  this code.
 - Components with the same tensor layout that no kind reads together (the two experts of Wan 2.2
   A14B) share one device slot: the expert that takes over is copied into the storage the other one
   used, so both experts' compiled steps (and CUDA graphs) read fixed addresses. On a CUDA-graphed
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from fvgraph.runtime.offload import ResidencyLedger
+from fvgraph.runtime.pinned_host import pin_in_place
 
 
 @dataclass
@@ -58,9 +60,10 @@ class ComponentResidency:
         self.kind_components = {kind: _reads(step, modules) for kind, step in steps.items()}
         self._tensors = {name: _tensors(m) for name, m in modules.items()}
         self._nbytes = {name: sum(t.numel() * t.element_size() for t in ts) for name, ts in self._tensors.items()}
-        on_cuda = device.type == "cuda"
-        self._host = {name: [t.detach().to("cpu").pin_memory() if on_cuda else t.detach() for t in ts]
-                      for name, ts in self._tensors.items()}  # fmt: skip
+        # Everything starts in host memory (loaded there: fvgraph/models/placement.py); on CUDA each
+        # tensor is swapped for its pinned copy at once, so the host never holds a component twice.
+        pin = device.type == "cuda"
+        self._host = {name: pin_in_place(ts) if pin else [_to_host(t) for t in ts] for name, ts in self._tensors.items()}
         fixed = set().union(*(self.kind_components[k] for k in graphed_kinds if k in self.kind_components))
         self._slot_of: dict[str, DeviceSlot] = {}
         for members in _shared_slots(self._tensors, self.kind_components.values()):
@@ -69,9 +72,6 @@ class ComponentResidency:
         self._copies = _Copies(device)
         self.upcoming: list[str] = []  # this tick's kinds in run order, as the scheduler arranged them
         self._depth = 0
-        for name, tensors in self._tensors.items():  # everything starts in host memory
-            for t, host in zip(tensors, self._host[name]):
-                t.data = host
         ledger.planned_peak = self.planned_peak_bytes()
 
     @property
@@ -195,6 +195,13 @@ class _Copies:
         for tensor in slot.storage:
             tensor.record_stream(compute)
         slot.ready = None
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` pointed at its host copy (on a CPU engine, the tensor itself), which is returned."""
+    host = tensor.detach().to("cpu")
+    tensor.data = host
+    return host
 
 
 def _tensors(module: nn.Module) -> list[torch.Tensor]:

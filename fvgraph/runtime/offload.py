@@ -19,6 +19,9 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from torch import nn
+
+DENOISERS = ("transformer", "transformer_2")  # the components block offload streams (Wan 2.2 A14B's experts share a layout)
 RULE = 'offload must be None, "components", or "blocks:N" with N a whole number >= 1 (transformer blocks per group)'
 _BLOCKS = re.compile(r"blocks:(\d+)")
 
@@ -46,6 +49,15 @@ class OffloadPolicy:
 
     def __str__(self) -> str:
         return self.mode if self.mode == "components" else f"blocks:{self.blocks}"
+
+    def host_parts(self, name: str, module: nn.Module) -> tuple[nn.Module, ...]:
+        """The parts of component `name` that stay in host memory from the load on (never placed on the
+        device whole): all of it under "components" (it comes to the device at its first step), a
+        denoiser's `blocks` list under "blocks:N" (streamed a group at a time into fixed slots)."""
+        if self.mode == "components":
+            return (module,)
+        blocks = getattr(module, "blocks", None)
+        return (blocks,) if name in DENOISERS and isinstance(blocks, nn.ModuleList) else ()
 
 
 @dataclass
