@@ -12,8 +12,10 @@ import torch
 
 import fvgraph.engine.builder as builder
 import fvgraph.engine.parts as parts
+from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.parallel.config import ParallelConfig
+from fvgraph.request import Request
 from fvgraph.runtime.pinned_host import pin_in_place
 
 CARD = "tiny-wan2.2-a14b"  # two experts, a text encoder, a VAE
@@ -91,3 +93,19 @@ def test_host_copies_are_packed_into_chunks_and_each_tensor_points_at_its_own():
     assert weights[1].data_ptr() - first == 512 and weights[1].untyped_storage().data_ptr() == first
     assert weights[3].untyped_storage().data_ptr() != first and weights[3].untyped_storage().nbytes() == 5_120
     assert weights[4].untyped_storage().nbytes() == 512 and weights[4].is_contiguous()
+
+
+def test_fp8_weights_are_made_before_offload_and_move_with_their_linears():
+    """-O3's FP8 buffers are made at the build; offload must hold them in host memory and bring them to
+    the device with their weights (made after offload had listed what it moves, they were never moved:
+    on a GPU the step would read host tensors)."""
+    engine = Engine.from_card("tiny-wan", device="cpu", offload="components", opt_level=3,
+                              compile_config=CompileConfig(backend="aot_eager"))  # fmt: skip
+    dit = engine.loop.components.transformer
+    fp8 = [t for name, t in dit.named_buffers() if name.endswith("fp8_weight")]
+    assert fp8, "-O3 quantized no linear of tiny-wan"
+    engine.residency.clear()
+    [result] = engine.generate([Request(prompt="a red fox", seed=5, num_inference_steps=2, height=48, width=64, num_frames=5)])
+    assert result.ok, result.error
+    every = {id(t): t for t in (*dit.parameters(), *dit.buffers())}.values()
+    assert engine.residency.bytes_in["transformer"] == sum(t.numel() * t.element_size() for t in every)

@@ -117,13 +117,13 @@ def build_rank_parts(card: ModelCard, checkpoint: str | Path | None, level: int,
     parallel = None
     if switches.parallel is not None:
         parallel = setup_rank(switches.parallel, steps, loop.step_kinds, components, rank, init_method, device)
+    config = compile_config_for(switches.compile_config or CompileConfig(), effective, switches.taps) if effective.compiled else None
+    weights_version = components.weights_version
+    if config is not None and config.passes.runs("quantize"):  # before offload, which moves the FP8 buffers with their weights
+        weights_version += _apply_fp8(components.transformer, card)
     residency = _offload(switches, card, components, steps, loop, effective, device)
     executor = EagerExecutor(steps, counters, residency=residency)
-    if effective.compiled:
-        config = compile_config_for(switches.compile_config or CompileConfig(), effective, switches.taps)
-        weights_version = components.weights_version
-        if config.passes.runs("quantize"):
-            weights_version += _apply_fp8(components.transformer, card)
+    if config is not None:
         compiler = StepCompiler(
             config, card.card_id, weights_version, loop.loop_id, card.recipe.precision, device, counters,
             capture_cache_dir=switches.capture_cache_dir, opt_level=effective.level, step_kinds=loop.step_kinds,
