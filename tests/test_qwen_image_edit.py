@@ -92,6 +92,7 @@ def test_interleaved_edits_equal_each_alone_and_compiled_equals_eager():
         (dict(image=_image(0, 32, 32), guidance_scale=3.5), "guidance_scale", "no guidance input"),
         (dict(image=_image(0, 32, 32), prompt="x" * 900), "prompt", "past the text length of card 'tiny-qwen-image-edit' (1024)"),
         (dict(image=_image(0, 32, 32), negative_prompt="x" * 900, true_cfg_scale=2.0), "negative_prompt", "past the text length"),
+        (dict(image=_image(0, 32, 32), auto_resize=False), "auto_resize", "takes no auto_resize"),  # FLUX.1 Kontext's field
         # no denoiser sections, as on Qwen-Image: step caching is refused, not run as an unknown sections layout
         (dict(image=_image(0, 32, 32), cache="fbcache"), "cache", "runs loop 'qwen_image_edit', which has no step caching yet"),
     ],
