@@ -5,9 +5,13 @@ beside fvgraph at each opt level, at batch 1 and at a batch of requests in locks
     python perf/bench_step.py                        # wan-cpu-bench on the CPU, -O0 -O1 -O3, batch 1 and 4
     python perf/bench_step.py --gpu                  # Wan 1.3B config, bf16, 480x832x33 and 256x256x17
     python perf/bench_step.py --card flux-cpu-bench  # FLUX's blocks on the CPU, 192x192 (GPU: --gpu --card flux.1-dev-bench --shapes 1024x1024x1)
+    python perf/bench_step.py --card flux-kontext-cpu-bench  # FLUX.1 Kontext's step: + a condition image of the output's size
 
 A Wan step is the whole CFG step: cond + uncond forward, guidance combine and the UniPC update; a
-FLUX step is FLUX.1-dev's: one forward with the embedded guidance and the Euler update. The
+FLUX step is FLUX.1-dev's: one forward with the embedded guidance and the Euler update; a FLUX.1
+Kontext step is that with the edited image's tokens joined to the sequence (the condition image at
+the output's size, `auto_resize=False` as FluxKontextPipeline's `_auto_resize=False`, so the sequence
+is twice the output's tokens plus the text; the line's `condition_tokens` says how many). The
 diffusers cases run the body of the family's pipeline loop (perf/diffusers_baselines.py); at batch B they run B requests as one diffusers
 batch (same step, same guidance). fvgraph runs B requests through `Engine.submit` / `tick`, one tick
 per step, as served: admission and each request's first step (its prologue) are untimed, and no timed
@@ -27,6 +31,7 @@ from fvgraph.contract.flops import flop_counter
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
+from fvgraph.models.flux_sections import condition_tokens
 from fvgraph.perf.diffusers_baselines import BASELINES, baseline_transformer, diffusers_step_case, flux_step_case, untouched_components
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 from fvgraph.request import Request
@@ -55,7 +60,8 @@ def fvgraph_case(name: str, engine: Engine, request: Request, batch: int) -> Cas
         state["round"] += 1
         for i in range(batch):
             engine.submit(request.model_copy(update={"seed": i, "request_id": f"{name}-{state['round']}-{i}"}))
-        engine.tick()  # admission and the first step: the per-request prologue runs here
+        for _ in range(1 + len(engine.loop.pre_denoise_phases)):  # admission, an edit's VAE encode, the first step
+            engine.tick()  # the per-request prologue runs in the first step
         state["left"] = steps - 2  # the final step (and finalize) stays untimed
 
     def run():
@@ -117,6 +123,9 @@ class Workload:
             self.guidance = card.recipe.default_guidance_scale
             pooled = torch.randn(engine.loop.components.transformer.config.pooled_projection_dim, generator=g)
             text = dict(prompt_embeds=pe, pooled_prompt_embeds=pooled, guidance_scale=self.guidance)
+            if "image" in engine.loop.reads:  # FLUX.1 Kontext: an image of the output's size, encoded at that size
+                image = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=g)
+                text.update(image=image, auto_resize=False)
         else:
             self.guidance, text = GUIDANCE, dict(prompt_embeds=pe, negative_prompt_embeds=ne, guidance_scale=GUIDANCE)
         self.request = Request(**text, height=height, width=width, num_frames=frames, seed=0, num_inference_steps=steps,
@@ -128,6 +137,7 @@ class Workload:
         self.pooled = pooled[None].to(device, self.dtype) if self.flux else None
         self.engine, self.device, self.steps, self.card_id = engine, device, steps, card.card_id
         self.branches = 1 if self.flux else 2
+        self.condition = edit_condition(engine, self.request) if "image" in engine.loop.reads else None
 
     def diffusers_case(self, name: str, kind: str, batch: int) -> Case:
         """Baseline `kind` on its own untouched copy of the weights (a compiled copy keeps its graph)."""
@@ -136,8 +146,16 @@ class Workload:
         sampler, latents = self.engine.card.recipe.sampler, torch.cat(self.latents[:batch])
         if self.flux:
             return flux_step_case(name, transformer, sampler, latents, self.pe, self.pooled, self.guidance, self.steps,
-                                  self.engine.loop.spatial_scale)  # fmt: skip
+                                  self.engine.loop.spatial_scale, self.condition)  # fmt: skip
         return diffusers_step_case(name, transformer, sampler, latents, self.pe, self.ne, GUIDANCE, self.steps)
+
+
+def edit_condition(engine: Engine, request: Request) -> torch.Tensor:
+    """The edited image's latents [1, C, 1, hc, wc] as the engine encodes them (untimed), for the diffusers cases."""
+    state = engine.start(request)
+    while state.condition is None:
+        engine.step(state)
+    return state.condition
 
 
 def bench_engine(card: str, device: torch.device, level: int, batch: int) -> Engine:
@@ -180,7 +198,7 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     # FLOPs per step: diffusers' math counted once on an eager step (batch 1, scaled by the batch)
     counted = cases[0] if cases[0].name == "diffusers_eager" else None
     step_flops = eager_step_flops(counted) if counted is not None else None
-    inputs = {"latents": latents[0], "prompt_embeds": work.pe}
+    inputs = {"latents": latents[0], "prompt_embeds": work.pe, **({} if work.condition is None else {"condition": work.condition})}
     gemms = gemm_cases(step_gemm_shapes(any_engine, inputs, work.branches), device, dtype)
     cases += [case for case, _ in gemms.values()]
     flops.update({name: f for name, (_, f) in gemms.items()})
@@ -203,7 +221,8 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     return {
         **provenance("step", device), "card": card,
         "shape": {"height": height, "width": width, "frames": frames, "latents": list(latents[0].shape),
-                  "text_len": work.pe.shape[1]},
+                  "text_len": work.pe.shape[1], **({} if work.condition is None else
+                                                   {"condition_tokens": condition_tokens(work.condition)})},
         "dtype": str(dtype).removeprefix("torch."), "batch": batch, "per_step_ms": per_step,
         f"per_request_step_ms_b{batch}": per_request, "speedup_per_round": speedups,
         "goals": {name: {"target": GOALS[name], "median": s["median"], "met_by_median": s["median"] >= GOALS[name],
