@@ -24,6 +24,7 @@
 #   FVGRAPH_GPU_PART=distilled   bash perf/gpu_check.sh  # bench_distilled: s per request, 4-step distilled vs 50-step CFG base, 480x832x81, -O1, one round; est. 450 s (2 compiles + 2 base requests)
 #   FVGRAPH_GPU_PART=rollouts    bash perf/gpu_check.sh  # bench_rollouts: samples/s of engine.rollout K=8 vs a per-sample loop, 480x832x33, 10 CFG steps, -O2; est. 400 s (1 compile + 6 groups of 8)
 #   FVGRAPH_GPU_PART=flux_step   bash perf/gpu_check.sh  # bench_step on FLUX.1-dev's config (seeded, bf16), 1024x1024, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 500 s (12B seeded init + 2 compiles)
+#   FVGRAPH_GPU_PART=flux_kontext_step bash perf/gpu_check.sh  # the same on FLUX.1 Kontext dev's config, a 1024x1024 condition image (4,096 more tokens); est. 530 s (96 GB of weights: an H200)
 #   FVGRAPH_GPU_PART=run_ahead   bash perf/gpu_check.sh  # device idle between replays, serial vs run-ahead: Wan 1.3B config, 256x256x17, -O2, buckets 4, 8 (bucket 1 measured 2026-12-04; FVGRAPH_IDLE_BUCKETS); est. 400 s
 #   FVGRAPH_GPU_PART=memory      bash perf/gpu_check.sh  # bench_memory: Wan 2.2 A14B's config (seeded, bf16) at 720x1280x81 under an 80 GB cap, one expert resident + tiled decode; est. 450 s (two 14B seeded inits)
 #   FVGRAPH_GPU_PART=memory_resident bash perf/gpu_check.sh  # the same with everything resident (expected: out of memory under the cap); est. 400 s
@@ -35,9 +36,9 @@ cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
-case " probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all " in
+case " probe tests tests_loops aoti aoti_probe step flux_step flux_kontext_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all " in
   *" $PART "*) ;;
-  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all" >&2; exit 2 ;;
+  *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: probe tests tests_loops aoti aoti_probe step flux_step flux_kontext_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks all" >&2; exit 2 ;;
 esac
 # Before anything else: without the carried wheels every test stops at `import diffusers` (docs/gpu.md).
 if ! compgen -G "wheels/*.whl" >/dev/null; then
@@ -96,6 +97,7 @@ part aoti && run pytest_gpu_aoti 540 "${PYTEST[@]}" "${VERBOSE[@]}" -k "$CAPTURE
 part aoti_probe && run aoti_load_probe 300 env OUT="$OUT/aoti_load_probe" python3 "$REPO"/perf/aoti_load_probe.py
 part step && run bench_step 540 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3 --batch 1 --baselines eager,compile_repeated_blocks
 part flux_step && run bench_step_flux 570 python3 "$REPO"/perf/bench_step.py --gpu --card flux.1-dev-bench --shapes 1024x1024x1 --levels 1,2 --batch 1 --baselines eager,compile_repeated_blocks --repeats 10
+part flux_kontext_step && run bench_step_flux_kontext 570 python3 "$REPO"/perf/bench_step.py --gpu --card flux.1-kontext-dev-bench --shapes 1024x1024x1 --levels 1,2 --batch 1 --baselines eager,compile_repeated_blocks --repeats 10
 part serving && run bench_serving 420 python3 "$REPO"/perf/bench_serving.py --gpu --buckets 1 4 --requests 12 --repeats 1
 part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu
 part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"
