@@ -31,7 +31,8 @@ def test_the_kontext_step_case_calls_the_transformer_as_flux_kontext_pipeline_do
     card = get_card("tiny-flux-kontext")
     c = load_components(card, None, torch.device("cpu"))
     accepted = inspect.signature(FluxKontextPipeline.__init__).parameters
-    pipe = FluxKontextPipeline(**{k: m for k, m in c.modules().items() if k in accepted}, scheduler=diffusers_scheduler(card.recipe.sampler))
+    modules = {k: m for k, m in c.modules().items() if k in accepted}
+    pipe = FluxKontextPipeline(**modules, scheduler=diffusers_scheduler(card.recipe.sampler))
     pipe.set_progress_bar_config(disable=True)
     g = torch.Generator().manual_seed(0)
     pe, pooled = torch.randn(1, 32, 32, generator=g), torch.randn(1, 32, generator=g)

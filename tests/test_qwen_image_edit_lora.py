@@ -1,7 +1,8 @@
 """LoRA adapters on Qwen-Image-Edit (tiny-qwen-image-edit), checked against diffusers' own loading:
 QwenImageEditPipeline from a checkpoint its save_pretrained wrote (weights of its own), with
 `load_lora_weights` + `set_adapters`, true CFG and a conditioning image of another size than the
-output. The adapter covers the image embedder `img_in`, which also embeds the condition image's
+output. At -O1 the edited image's tokens are a request constant whose projections are hoisted
+through the adapted linears. The adapter covers the image embedder `img_in`, which also embeds the condition image's
 tokens, and the text embedder `txt_in`. A batch mixing adapted and plain edits equals each alone."""
 
 import pytest
@@ -9,11 +10,13 @@ import torch
 from diffusers import QwenImageEditPipeline, QwenImagePipeline
 
 from fvgraph.adapters.slots import LoraSlots
+from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
+from fvgraph.runtime.buckets import BucketSpec
 from lora_files import ATTENTION, peft_lora
 from qwen_edit_checkpoint import edit_image, edit_reference_pipeline, save_tiny_edit_checkpoint
-from reference_helpers import assert_matches_reference
+from reference_helpers import assert_matches_reference, assert_within_compiled_noise
 
 SLOTS = LoraSlots(max_loras=4, max_lora_rank=8, max_loras_per_request=2)
 TARGETS = [*ATTENTION, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_in", "img_in", "img_mod.1"]
@@ -64,3 +67,20 @@ def test_a_batch_of_edits_with_and_without_adapters_equals_each_alone(engine):
     for ours, reference in zip(together, alone):
         assert torch.equal(ours, reference)
     assert len({tuple(x.flatten()[:8].tolist()) for x in alone}) == 3
+
+
+def test_a_compiled_batch_with_and_without_an_adapter_equals_each_alone_and_recompiles_for_nothing(files, engine):
+    """-O1 (aot_eager), bucket 2: the condition image's embedding through the adapted `img_in` is hoisted per
+    request; other seeds, images and adapter rows in a second wave run the same graph."""
+    mix = [({"a": 0.8}, edit_image(2, 64, 96)), (None, edit_image(3, 128, 192))]
+    requests = lambda seed: [Request(image=image, seed=seed + i, output_type="latent", loras=loras, request_id=str(i), **EDIT)  # noqa: E731
+                             for i, (loras, image) in enumerate(mix)]  # fmt: skip
+    alone = [_latents(engine, r)[0] for r in requests(0)]
+    compiled = Engine.from_card("tiny-qwen-image-edit", device="cpu", loras=files, lora_slots=SLOTS, opt_level=1,
+                                compile_config=CompileConfig(backend="aot_eager"), buckets=BucketSpec(batch_sizes=(2,)))  # fmt: skip
+    for ours, reference in zip(_latents(compiled, *requests(0)), alone):
+        assert_within_compiled_noise(ours, reference)
+    assert compiled.counters.batches < compiled.counters.compiled_steps  # the two ran as one batch
+    compiles = compiled.counters.compiles
+    swapped = [r.model_copy(update={"loras": other.loras}) for r, other in zip(requests(5), requests(5)[::-1])]
+    assert all(r.ok for r in compiled.generate(swapped)) and compiled.counters.compiles == compiles

@@ -2,11 +2,12 @@
 
 As diffusers' FluxKontextPipeline: the image is resized to the Kontext resolution nearest its aspect
 ratio (PREFERRED_KONTEXT_RESOLUTIONS, the pipeline's `_auto_resize`; a request's `auto_resize=False`
-keeps its own size), rounded down to multiples of 16 pixels, encoded by the VAE (the posterior's mode, shifted and scaled as the VAE's config says), and its
-latents join the latents' tokens in every denoise call, with position ids whose first axis is 1
-(flux_steps.FluxDenoiser); the prediction is read from the latents' tokens. Everything else is the
-FLUX loop's parts: the texts, the embedded guidance, true CFG, the image schedule (shifted by the
-output's token count alone) and the decode. The output size is the request's height x width.
+keeps its own size), rounded down to multiples of 16 pixels, encoded by the VAE (the posterior's mode,
+shifted and scaled as the VAE's config says), and its latents join the latents' tokens in every denoise
+call, with position ids whose first axis is 1 (flux_steps.FluxDenoiser); the prediction is read from
+the latents' tokens. Everything else is the FLUX loop's parts: the texts, the embedded guidance, true
+CFG, the image schedule (shifted by the output's token count alone) and the decode. The output size is
+the request's height x width.
 """
 
 from __future__ import annotations
