@@ -137,7 +137,7 @@ class Workload:
         self.pooled = pooled[None].to(device, self.dtype) if self.flux else None
         self.engine, self.device, self.steps, self.card_id = engine, device, steps, card.card_id
         self.branches = 1 if self.flux else 2
-        self.condition = edit_condition(engine, self.request) if "image" in engine.loop.reads else None
+        self.condition = None if self.request.image is None else edit_condition(engine, self.request)  # an edit's latents
 
     def diffusers_case(self, name: str, kind: str, batch: int) -> Case:
         """Baseline `kind` on its own untouched copy of the weights (a compiled copy keeps its graph)."""
