@@ -149,4 +149,20 @@ FLUX_1_DEV_BENCH = ModelCard.model_validate(
     }
 )  # fmt: skip
 
-CARDS = (TINY_FLUX, FLUX_1_DEV, FLUX_1_SCHNELL, FLUX_CPU_BENCH, FLUX_1_DEV_BENCH, FLUX_1_KONTEXT_DEV, TINY_FLUX_KONTEXT)
+# FLUX.1 Kontext's step at flux-cpu-bench's size (its seeded weights, run as an editor): what
+# `perf/bench_step.py --card flux-kontext-cpu-bench` times on the CPU. The edited image joins the
+# sequence: at the default 192x192 with a condition image of the output's size, 144 + 144 image tokens.
+FLUX_KONTEXT_CPU_BENCH = ModelCard.model_validate(
+    {**FLUX_CPU_BENCH.model_dump(), "card_id": "flux-kontext-cpu-bench", "pipeline_class": "FluxKontextPipeline",
+     "loops": ("flux_kontext",), "recipe": TINY_FLUX_KONTEXT.recipe}
+)  # fmt: skip
+
+# The released FLUX.1 Kontext [dev] transformer (FLUX.1-dev's config) with seeded random weights: what
+# perf/gpu_check.sh's flux_kontext_step part times when no checkpoint is at hand.
+FLUX_1_KONTEXT_DEV_BENCH = ModelCard.model_validate(
+    {**FLUX_1_DEV_BENCH.model_dump(), "card_id": "flux.1-kontext-dev-bench", "pipeline_class": "FluxKontextPipeline",
+     "loops": ("flux_kontext",), "recipe": FLUX_1_KONTEXT_DEV.recipe}
+)  # fmt: skip
+
+CARDS = (TINY_FLUX, FLUX_1_DEV, FLUX_1_SCHNELL, FLUX_CPU_BENCH, FLUX_1_DEV_BENCH, FLUX_1_KONTEXT_DEV, TINY_FLUX_KONTEXT,
+         FLUX_KONTEXT_CPU_BENCH, FLUX_1_KONTEXT_DEV_BENCH)

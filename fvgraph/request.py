@@ -114,6 +114,11 @@ class Request(BaseModel):
         description="Image-to-video cards: the first frame. A path, PIL image, uint8 array/tensor [H, W, 3] "
         "(tensor also [3, H, W]) or float tensor in [0, 1]; kept as an RGB PIL image, resized to height x width.",
     )
+    auto_resize: bool | None = Field(
+        default=None,
+        description="FLUX.1 Kontext cards: False encodes `image` at its own size (rounded down to multiples of 16 pixels) "
+        "instead of the Kontext resolution nearest its aspect ratio (FluxKontextPipeline's `_auto_resize`, default True).",
+    )
     video: Any = Field(
         default=None,
         description="Wan text-to-video cards: the video to start from (video-to-video). A list of frames (each as "

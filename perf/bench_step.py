@@ -6,9 +6,13 @@ beside fvgraph at each opt level, at batch 1 and at a batch of requests in locks
     python perf/bench_step.py --gpu                  # Wan 1.3B config, bf16, 480x832x33 and 256x256x17
     python perf/bench_step.py --card flux-cpu-bench  # FLUX's blocks on the CPU, 192x192 (GPU: --gpu --card flux.1-dev-bench --shapes 1024x1024x1)
     python perf/bench_step.py --card hunyuanvideo-cpu-bench --batch 1  # HunyuanVideo-1.5's blocks, 9x96x160 (GPU: perf/gpu_check.sh's hv15_step)
+    python perf/bench_step.py --card flux-kontext-cpu-bench  # FLUX.1 Kontext's step: + a condition image of the output's size
 
 A Wan step is the whole CFG step: cond + uncond forward, guidance combine and the UniPC update; a
-FLUX step is FLUX.1-dev's: one forward with the embedded guidance and the Euler update; a
+FLUX step is FLUX.1-dev's: one forward with the embedded guidance and the Euler update; a FLUX.1
+Kontext step is that with the edited image's tokens joined to the sequence (the condition image at
+the output's size, `auto_resize=False` as FluxKontextPipeline's `_auto_resize=False`, so the sequence
+is twice the output's tokens plus the text; the line's `condition_tokens` says how many); a
 HunyuanVideo-1.5 step is its text-to-video CFG step at the card's guidance scale (the texts encoded
 untimed: perf/bench_step_hunyuan_video15.py). The
 diffusers cases run the body of the family's pipeline loop (perf/diffusers_baselines.py); at batch B they run B requests as one diffusers
@@ -31,6 +35,7 @@ from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.perf import bench_step_hunyuan_video15 as hunyuan_video15
+from fvgraph.models.flux_sections import condition_tokens
 from fvgraph.perf.diffusers_baselines import BASELINES, baseline_transformer, diffusers_step_case, flux_step_case, untouched_components
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 from fvgraph.request import Request
@@ -59,7 +64,8 @@ def fvgraph_case(name: str, engine: Engine, request: Request, batch: int) -> Cas
         state["round"] += 1
         for i in range(batch):
             engine.submit(request.model_copy(update={"seed": i, "request_id": f"{name}-{state['round']}-{i}"}))
-        engine.tick()  # admission and the first step: the per-request prologue runs here
+        for _ in range(1 + len(engine.loop.pre_denoise_phases)):  # admission, an edit's VAE encode, the first step
+            engine.tick()  # the per-request prologue runs in the first step
         state["left"] = steps - 2  # the final step (and finalize) stays untimed
 
     def run():
@@ -124,6 +130,9 @@ class Workload:
             self.guidance = card.recipe.default_guidance_scale
             pooled = torch.randn(engine.loop.components.transformer.config.pooled_projection_dim, generator=g)
             text = dict(prompt_embeds=pe, pooled_prompt_embeds=pooled, guidance_scale=self.guidance)
+            if "image" in engine.loop.reads:  # FLUX.1 Kontext: an image of the output's size, encoded at that size
+                image = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=g)
+                text.update(image=image, auto_resize=False)
         else:
             self.guidance, text = GUIDANCE, dict(prompt_embeds=pe, negative_prompt_embeds=ne, guidance_scale=GUIDANCE)
         self.request = Request(**text, height=height, width=width, num_frames=frames, seed=0, num_inference_steps=steps,
@@ -137,6 +146,7 @@ class Workload:
         self.text_inputs = {"prompt_embeds": self.pe, **family_inputs}  # what the step's attention_shape reads
         self.engine, self.device, self.steps, self.card_id = engine, device, steps, card.card_id
         self.branches = 1 if self.flux else 2
+        self.condition = None if self.request.image is None else edit_condition(engine, self.request)  # an edit's latents
 
     def diffusers_case(self, name: str, kind: str, batch: int) -> Case:
         """Baseline `kind` on its own untouched copy of the weights (a compiled copy keeps its graph)."""
@@ -148,8 +158,16 @@ class Workload:
             return hunyuan_video15.step_case(name, transformer, components, sampler, latents, self.guidance, self.steps)
         if self.flux:
             return flux_step_case(name, transformer, sampler, latents, self.pe, self.pooled, self.guidance, self.steps,
-                                  self.engine.loop.spatial_scale)  # fmt: skip
+                                  self.engine.loop.spatial_scale, self.condition)  # fmt: skip
         return diffusers_step_case(name, transformer, sampler, latents, self.pe, self.ne, GUIDANCE, self.steps)
+
+
+def edit_condition(engine: Engine, request: Request) -> torch.Tensor:
+    """The edited image's latents [1, C, 1, hc, wc] as the engine encodes them (untimed), for the diffusers cases."""
+    state = engine.start(request)
+    while state.condition is None:
+        engine.step(state)
+    return state.condition
 
 
 def bench_engine(card: str, device: torch.device, level: int, batch: int) -> Engine:
@@ -192,7 +210,7 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     # FLOPs per step: diffusers' math counted once on an eager step (batch 1, scaled by the batch)
     counted = cases[0] if cases[0].name == "diffusers_eager" else None
     step_flops = eager_step_flops(counted) if counted is not None else None
-    inputs = {"latents": latents[0], **work.text_inputs}
+    inputs = {"latents": latents[0], **work.text_inputs, **({} if work.condition is None else {"condition": work.condition})}
     gemms = gemm_cases(step_gemm_shapes(any_engine, inputs, work.branches), device, dtype)
     cases += [case for case, _ in gemms.values()]
     flops.update({name: f for name, (_, f) in gemms.items()})
@@ -215,7 +233,8 @@ def bench_shape(card: str, device: torch.device, height: int, width: int, frames
     return {
         **provenance("step", device), "card": card,
         "shape": {"height": height, "width": width, "frames": frames, "latents": list(latents[0].shape),
-                  "text_len": work.pe.shape[1]},
+                  "text_len": work.pe.shape[1], **({} if work.condition is None else
+                                                   {"condition_tokens": condition_tokens(work.condition)})},
         "dtype": str(dtype).removeprefix("torch."), "batch": batch, "per_step_ms": per_step,
         f"per_request_step_ms_b{batch}": per_request, "speedup_per_round": speedups,
         "goals": {name: {"target": GOALS[name], "median": s["median"], "met_by_median": s["median"] >= GOALS[name],

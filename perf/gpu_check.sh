@@ -25,6 +25,7 @@
 #   FVGRAPH_GPU_PART=rollouts    bash perf/gpu_check.sh  # bench_rollouts: samples/s of engine.rollout K=8 vs a per-sample loop, 480x832x33, 10 CFG steps, -O2; est. 400 s (1 compile + 6 groups of 8)
 #   FVGRAPH_GPU_PART=flux_step   bash perf/gpu_check.sh  # bench_step on FLUX.1-dev's config (seeded, bf16), 1024x1024, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 500 s (12B seeded init + 2 compiles)
 #   FVGRAPH_GPU_PART=hv15_step   bash perf/gpu_check.sh  # bench_step on HunyuanVideo-1.5's 480p transformer (8.3B, seeded, bf16), 480x848x17, batch 1, -O1/-O2 vs diffusers eager and regional compile; est. 470 s (four 8.3B seeded inits + 2 compiles)
+#   FVGRAPH_GPU_PART=flux_kontext_step bash perf/gpu_check.sh  # the same on FLUX.1 Kontext dev's config, a 1024x1024 condition image (4,096 more tokens); est. 530 s (96 GB of weights: an H200)
 #   FVGRAPH_GPU_PART=run_ahead   bash perf/gpu_check.sh  # device idle between replays, serial vs run-ahead: Wan 1.3B config, 256x256x17, -O2, buckets 4, 8 (bucket 1 measured 2026-12-04; FVGRAPH_IDLE_BUCKETS); est. 400 s
 #   FVGRAPH_GPU_PART=memory      bash perf/gpu_check.sh  # bench_memory: Wan 2.2 A14B's config (seeded, bf16) at 720x1280x81 under an 80 GB cap, one expert resident + tiled decode; est. 450 s (two 14B seeded inits)
 #   FVGRAPH_GPU_PART=memory_resident bash perf/gpu_check.sh  # the same with everything resident (expected: out of memory under the cap); est. 400 s
@@ -37,7 +38,7 @@ cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 OUT="$(realpath -m "${OUT:-perf/results/$(date +%Y-%m-%d)-gpu}")"
 PART="${FVGRAPH_GPU_PART:-all}"
-PARTS="probe tests tests_loops aoti aoti_probe step flux_step hv15_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks offload all"
+PARTS="probe tests tests_loops aoti aoti_probe step flux_step flux_kontext_step hv15_step serving kernels coldstart coldstart_b48 cache http interceptors parallel lora lora_r128 distilled rollouts run_ahead memory memory_resident memory_blocks offload_blocks offload all"
 case " $PARTS " in
   *" $PART "*) ;;
   *) echo "error: FVGRAPH_GPU_PART=$PART is not a part; the parts are: $PARTS" >&2; exit 2 ;;
@@ -100,6 +101,7 @@ part aoti_probe && run aoti_load_probe 300 env OUT="$OUT/aoti_load_probe" python
 part step && run bench_step 540 python3 "$REPO"/perf/bench_step.py --gpu --shapes 480x832x33 --levels 1,2,3 --batch 1 --baselines eager,compile_repeated_blocks
 part flux_step && run bench_step_flux 570 python3 "$REPO"/perf/bench_step.py --gpu --card flux.1-dev-bench --shapes 1024x1024x1 --levels 1,2 --batch 1 --baselines eager,compile_repeated_blocks --repeats 10
 part hv15_step && run bench_step_hv15 540 python3 "$REPO"/perf/bench_step.py --gpu --card hunyuanvideo1.5-480p-bench --shapes 480x848x17 --levels 1,2 --batch 1 --baselines eager,compile_repeated_blocks --repeats 10
+part flux_kontext_step && run bench_step_flux_kontext 570 python3 "$REPO"/perf/bench_step.py --gpu --card flux.1-kontext-dev-bench --shapes 1024x1024x1 --levels 1,2 --batch 1 --baselines eager,compile_repeated_blocks --repeats 10
 part serving && run bench_serving 420 python3 "$REPO"/perf/bench_serving.py --gpu --buckets 1 4 --requests 12 --repeats 1
 part serving && run bench_scheduler_overhead 120 python3 "$REPO"/perf/bench_scheduler_overhead.py --gpu
 part kernels && run bench_kernels 540 python3 "$REPO"/perf/bench_kernels.py --gpu --out "$OUT/bench_kernels.jsonl"

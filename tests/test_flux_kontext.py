@@ -1,6 +1,6 @@
 """FLUX.1 Kontext editing (card flux.1-kontext-dev, embedded tiny-flux-kontext): equal to diffusers'
 FluxKontextPipeline on a checkpoint it wrote itself, with a conditioning image of another size than the
-output (resized to its Kontext resolution), embedded guidance and true CFG; edits interleave and a
+output (resized to its Kontext resolution, or kept at its own size with auto_resize=False), embedded guidance and true CFG; edits interleave and a
 second wave compiles nothing; an edit card refuses a request without an image, naming it; a FLUX LoRA
 equals FluxKontextPipeline's own loader."""
 
@@ -41,6 +41,9 @@ CASES = {
     "embedded guidance": dict(prompt="make it winter", guidance_scale=2.5, num_inference_steps=3, height=48, width=64, image=(1, 300, 560)),
     "true cfg, a tall image": dict(prompt="make it winter", negative_prompt="blurry", true_cfg_scale=3.0, guidance_scale=2.0,
                                    num_inference_steps=2, height=64, width=32, image=(2, 500, 260)),
+    # the pipeline's _auto_resize=False: the image encoded at its own size, 56 x 88 rounded down to 48 x 80
+    "no auto-resize": dict(prompt="make it winter", guidance_scale=2.5, num_inference_steps=2, height=32, width=48, image=(3, 56, 88),
+                           auto_resize=False),
 }  # fmt: skip
 
 
@@ -50,15 +53,16 @@ def test_kontext_on_a_diffusers_checkpoint_matches_flux_kontext_pipeline(kontext
     pipe = reference_pipeline(FluxKontextPipeline, kontext_checkpoint)
     assert_shares_no_storage(engine, pipe)
     args = dict(CASES[case])
-    image = _image(*args.pop("image"))
+    image, auto_resize = _image(*args.pop("image")), args.pop("auto_resize", None)
+    resize = {} if auto_resize is None else {"_auto_resize": auto_resize}
     # max_area = the output's own: the pipeline rescales the output to max_area, fvgraph keeps the request's size.
     packed = pipe(image=image, generator=torch.Generator().manual_seed(7), output_type="latent", max_area=args["height"] * args["width"],
-                  **args).images  # fmt: skip
+                  **resize, **args).images  # fmt: skip
     reference = FluxKontextPipeline._unpack_latents(packed, args["height"], args["width"], pipe.vae_scale_factor).unsqueeze(2)
-    [result] = engine.generate([Request(image=image, seed=7, output_type="latent", **args)])
+    [result] = engine.generate([Request(image=image, seed=7, output_type="latent", auto_resize=auto_resize, **args)])
     assert result.ok, result.error
     assert_matches_reference(result.latents, reference)
-    [other] = engine.generate([Request(image=_image(9, 300, 560), seed=7, output_type="latent", **args)])
+    [other] = engine.generate([Request(image=_image(9, *image.size[::-1]), seed=7, output_type="latent", auto_resize=auto_resize, **args)])
     # Another image moves the result (by 3.7e-3 on the first case: tiny random weights attend little
     # to it), two orders of magnitude past the reference tolerance: an edit that ignored it would fail.
     assert (other.latents - result.latents).abs().max() > 100 * REFERENCE_TOLERANCE.atol

@@ -4,66 +4,28 @@ a conditioning image of another size than the output; -O1 equals -O0 within the 
 second wave compiles nothing; two edits of other images, seeds and steps in one generate() each equal
 themselves alone bit for bit; bad requests are refused naming the field."""
 
-import json
-
-import numpy as np
-import PIL.Image
 import pytest
 import torch
-from diffusers import QwenImageEditPipeline, QwenImagePipeline
-from transformers import AutoTokenizer, Qwen2VLImageProcessor, Qwen2VLProcessor
+from diffusers import QwenImagePipeline
 
-from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.loops.qwen_image_edit_loop import QwenEditState
-from fvgraph.models.components import diffusers_scheduler, load_components
 from fvgraph.request import Request
 from fvgraph.runtime.buckets import BucketSpec
-from reference_helpers import (REFERENCE_TOLERANCE, assert_matches_reference, assert_shares_no_storage, assert_within_compiled_noise,
-                               reference_pipeline)  # fmt: skip
-
-
-class ImageOnlyQwen2VLProcessor(Qwen2VLProcessor):
-    """transformers' own Qwen2VLProcessor, built without its video processor: the constructor checks every
-    part's class, and the check of the video processor's needs torchvision, which the CPU setup lacks.
-    Everything an image prompt runs (the image processor, the image-token expansion, the tokenizer) is
-    transformers' code as it is. (diffusers' own tests load a tiny processor from the Hub instead, which
-    an offline test cannot.)"""
-
-    def check_argument_for_proper_class(self, argument_name, argument):
-        if argument_name == "video_processor" and argument is None:
-            return None
-        return super().check_argument_for_proper_class(argument_name, argument)
-
-
-def _image(seed: int, h: int, w: int) -> PIL.Image.Image:
-    return PIL.Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+from qwen_edit_checkpoint import edit_image as _image
+from qwen_edit_checkpoint import edit_reference_pipeline, save_tiny_edit_checkpoint
+from reference_helpers import REFERENCE_TOLERANCE, assert_matches_reference, assert_shares_no_storage, assert_within_compiled_noise
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """tiny-qwen-image-edit's seeded weights written by QwenImageEditPipeline.save_pretrained, and its
-    processor laid out as the released checkpoint keeps it: processor/ with the image processor and the
-    tokenizer (each written by its own save_pretrained), listed in model_index.json as Qwen2VLProcessor."""
-    card = get_card("tiny-qwen-image-edit")
-    c = load_components(card, None, torch.device("cpu"))
-    folder = tmp_path_factory.mktemp("tiny-qwen-image-edit")
-    QwenImageEditPipeline(scheduler=diffusers_scheduler(card.recipe.sampler), vae=c.vae, text_encoder=c.text_encoder,
-                          tokenizer=c.tokenizer, processor=None, transformer=c.transformer).save_pretrained(folder)  # fmt: skip
-    c.image_processor.save_pretrained(folder / "processor")
-    c.tokenizer.save_pretrained(folder / "processor")
-    index = json.loads((folder / "model_index.json").read_text())
-    (folder / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen2VLProcessor"]}))
-    return folder
+    return save_tiny_edit_checkpoint(tmp_path_factory.mktemp("tiny-qwen-image-edit"))
 
 
 @pytest.fixture(scope="module")
 def pipe(checkpoint):
-    saved = checkpoint / "processor"
-    processor = ImageOnlyQwen2VLProcessor(image_processor=Qwen2VLImageProcessor.from_pretrained(saved),
-                                          tokenizer=AutoTokenizer.from_pretrained(saved), video_processor=None)  # fmt: skip
-    return reference_pipeline(QwenImageEditPipeline, checkpoint, processor=processor)
+    return edit_reference_pipeline(checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -130,6 +92,9 @@ def test_interleaved_edits_equal_each_alone_and_compiled_equals_eager():
         (dict(image=_image(0, 32, 32), guidance_scale=3.5), "guidance_scale", "no guidance input"),
         (dict(image=_image(0, 32, 32), prompt="x" * 900), "prompt", "past the text length of card 'tiny-qwen-image-edit' (1024)"),
         (dict(image=_image(0, 32, 32), negative_prompt="x" * 900, true_cfg_scale=2.0), "negative_prompt", "past the text length"),
+        (dict(image=_image(0, 32, 32), auto_resize=False), "auto_resize", "takes no auto_resize"),  # FLUX.1 Kontext's field
+        # no denoiser sections, as on Qwen-Image: step caching is refused, not run as an unknown sections layout
+        (dict(image=_image(0, 32, 32), cache="fbcache"), "cache", "runs loop 'qwen_image_edit', which has no step caching yet"),
     ],
 )
 def test_bad_edit_requests_are_refused_naming_the_field(tiny_edit, fields, name, rule):

@@ -1,12 +1,13 @@
 """FLUX.1 Kontext image editing: text_encode -> vae_encode (the image to edit) -> denoise x N -> vae_decode.
 
 As diffusers' FluxKontextPipeline: the image is resized to the Kontext resolution nearest its aspect
-ratio (PREFERRED_KONTEXT_RESOLUTIONS, the pipeline's `_auto_resize`), rounded down to multiples of 16
-pixels, encoded by the VAE (the posterior's mode, shifted and scaled as the VAE's config says), and its
-latents join the latents' tokens in every denoise call, with position ids whose first axis is 1
-(flux_steps.FluxDenoiser); the prediction is read from the latents' tokens. Everything else is the
-FLUX loop's parts: the texts, the embedded guidance, true CFG, the image schedule (shifted by the
-output's token count alone) and the decode. The output size is the request's height x width.
+ratio (PREFERRED_KONTEXT_RESOLUTIONS, the pipeline's `_auto_resize`; a request's `auto_resize=False`
+keeps its own size), rounded down to multiples of 16 pixels, encoded by the VAE (the posterior's mode,
+shifted and scaled as the VAE's config says), and its latents join the latents' tokens in every denoise
+call, with position ids whose first axis is 1 (flux_steps.FluxDenoiser); the prediction is read from
+the latents' tokens. Everything else is the FLUX loop's parts: the texts, the embedded guidance, true
+CFG, the image schedule (shifted by the output's token count alone) and the decode. The output size is
+the request's height x width.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class EditedImage:
 
     phases = (Phase.VAE_ENCODE,)
     step_kinds = {VAE_ENCODE: VAE_ENCODE_KIND}
-    reads = ("image",)
+    reads = ("image", "auto_resize")
     device_fields = ("image", "condition")
 
     def __init__(self, card: ModelCard, components: Components):
@@ -87,14 +88,16 @@ class EditedImage:
         if resolved.image is None:
             raise RequestRejected("image", f"card {self.card.card_id!r} edits an image: pass image=...")
 
-    def resized(self, image: Any) -> tuple[int, int]:
-        """(height, width) the image is encoded at: the Kontext resolution nearest its aspect ratio."""
+    def resized(self, image: Any, auto_resize: bool | None = None) -> tuple[int, int]:
+        """(height, width) the image is encoded at: the Kontext resolution nearest its aspect ratio, or
+        with auto_resize=False its own size; either rounded down to the packed latents' multiple."""
         height, width = self.processor.get_default_height_width(image)
-        _, width, height = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
+        if auto_resize is not False:
+            _, width, height = min((abs(width / height - w / h), w, h) for w, h in PREFERRED_KONTEXT_RESOLUTIONS)
         return height // self.multiple_of * self.multiple_of, width // self.multiple_of * self.multiple_of
 
     def init_fields(self, request: Request, latents: torch.Tensor) -> dict[str, Any]:
-        height, width = self.resized(request.image)
+        height, width = self.resized(request.image, request.auto_resize)
         image = self.processor.preprocess(self.processor.resize(request.image, height, width), height, width)
         return {"image": image.to(self.components.device, self.dtype)}
 

@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 # Request fields that only some families read; a family lists those it reads (FamilyParts.reads) and a
 # request that sets another is refused naming it. The rest of Request is every family's.
 FAMILY_FIELDS = ("prompt_2", "negative_prompt_2", "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
-                 "prompt_embeds_mask", "negative_prompt_embeds_mask", "max_sequence_length", "image", "guidance_scale_2", "video", "strength")  # fmt: skip
+                 "prompt_embeds_mask", "negative_prompt_embeds_mask", "max_sequence_length", "image", "auto_resize", "guidance_scale_2", "video",
+                 "strength")  # fmt: skip
 
 
 class TextConditioning(Protocol):
