@@ -27,6 +27,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline, extract_glyph_texts, format_text_input
 from torch import nn
 
+from fvgraph.adapters.slots import ROW_INPUTS
 from fvgraph.card import ModelCard
 from fvgraph.contract.denoiser_sections import DenoiserSections
 from fvgraph.contract.plan import StepResult
@@ -54,8 +55,10 @@ BESIDE = {slot: (f"{slot}_mask", f"{slot}_2", f"{slot}_mask_2") for slot in EMBE
 
 
 def denoise_kind(name: str, cfg: bool) -> StepKind:
-    """Latents, timestep and Euler row per step; each text's four tensors (and the guidance scale) constant."""
+    """Latents, timestep and Euler row per step; each text's four tensors (and the guidance scale) and the
+    rows' adapter slots and scales (on an engine with them, fvgraph/adapters/slots.py) constant."""
     texts = [slot for slot in EMBEDS[: 2 if cfg else 1] for slot in (slot, *BESIDE[slot])] + (["guidance_scale"] if cfg else [])
+    texts += ROW_INPUTS
     return StepKind(name, component="transformer", phase="denoise", compiled=True, per_inference_step=True,
                     inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP, **dict.fromkeys(texts, Role.CONSTANT)},
                     outputs={"latents": Role.RESULT})  # fmt: skip
@@ -178,8 +181,6 @@ class HunyuanDenoiser:
         if resolved.guidance_scale < 1:
             raise RequestRejected("guidance_scale", f"{resolved.guidance_scale}: card {self.card.card_id!r} runs classifier-free "
                                                     "guidance for a scale > 1 and none for 1; give a scale >= 1")  # fmt: skip
-        if resolved.loras:
-            raise RequestRejected("loras", f"card {self.card.card_id!r} runs loop {LOOP!r}, which takes no LoRA adapters yet")
 
     def init_fields(self, request: Request) -> dict[str, Any]:
         return {}
