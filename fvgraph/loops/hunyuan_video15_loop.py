@@ -42,6 +42,7 @@ from fvgraph.loops.samplers import SamplerPlan
 from fvgraph.loops.taps import TapPoints
 from fvgraph.models.components import Components
 from fvgraph.models.hunyuan_video15_forward import HunyuanVideo15TextToVideo
+from fvgraph.models.hunyuan_video15_sections import HunyuanVideo15Sections
 from fvgraph.request import Request, RequestRejected
 
 LOOP = "hunyuan_video15_t2v"
@@ -55,8 +56,8 @@ BESIDE = {slot: (f"{slot}_mask", f"{slot}_2", f"{slot}_mask_2") for slot in EMBE
 
 
 def denoise_kind(name: str, cfg: bool) -> StepKind:
-    """Latents, timestep and Euler row per step; each text's four tensors (and the guidance scale) and the
-    rows' adapter slots and scales (on an engine with them, fvgraph/adapters/slots.py) constant."""
+    """Latents, timestep and Euler row per step; each text's four tensors
+    (and the guidance scale) and the rows' adapter slots and scales (fvgraph/adapters/slots.py) constant."""
     texts = [slot for slot in EMBEDS[: 2 if cfg else 1] for slot in (slot, *BESIDE[slot])] + (["guidance_scale"] if cfg else [])
     texts += ROW_INPUTS
     return StepKind(name, component="transformer", phase="denoise", compiled=True, per_inference_step=True,
@@ -155,12 +156,13 @@ class HunyuanText:
 
 
 class HunyuanDenoiser:
-    """HunyuanVideo15Transformer3DModel's steps with ClassifierFreeGuidance; no denoiser sections yet."""
+    """HunyuanVideo15Transformer3DModel's steps with ClassifierFreeGuidance, and its denoiser sections
+    for step caching (fvgraph/models/hunyuan_video15_sections.py)."""
 
     kinds = DENOISE_KINDS
     step_kinds = {DENOISE: DENOISE_KINDS[False], DENOISE_CFG: DENOISE_KINDS[True]}
     reads: tuple[str, ...] = ()
-    teacache_signal = None
+    teacache_signal = HunyuanVideo15Sections.teacache_signal
 
     def __init__(self, card: ModelCard):
         self.card = card
@@ -175,7 +177,7 @@ class HunyuanDenoiser:
         return {kind.name: HunyuanDenoiseStep(denoiser, sampler, cfg, taps) for cfg, kind in DENOISE_KINDS.items()}
 
     def sections(self, transformer: nn.Module) -> DenoiserSections | None:
-        return None
+        return HunyuanVideo15Sections(transformer, GLYPH_LEN)
 
     def check(self, resolved: Request) -> None:
         if resolved.guidance_scale < 1:
