@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -56,12 +56,13 @@ BESIDE = {slot: (f"{slot}_mask", f"{slot}_2", f"{slot}_mask_2") for slot in EMBE
 
 
 def denoise_kind(name: str, cfg: bool) -> StepKind:
-    """Latents, timestep and Euler row per step; each text's four tensors
+    """Latents, timestep and Euler row per step (and a rollout's fresh noise); each text's four tensors
     (and the guidance scale) and the rows' adapter slots and scales (fvgraph/adapters/slots.py) constant."""
     texts = [slot for slot in EMBEDS[: 2 if cfg else 1] for slot in (slot, *BESIDE[slot])] + (["guidance_scale"] if cfg else [])
     texts += ROW_INPUTS
     return StepKind(name, component="transformer", phase="denoise", compiled=True, per_inference_step=True,
-                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP, **dict.fromkeys(texts, Role.CONSTANT)},
+                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP, "fresh_noise": Role.STEP,
+                            **dict.fromkeys(texts, Role.CONSTANT)},
                     outputs={"latents": Role.RESULT})  # fmt: skip
 
 
@@ -76,7 +77,10 @@ DECODER = Decoder(StepKind(VAE_DECODE, component="vae", phase="vae_decode", inpu
 @dataclass
 class HunyuanVideo15State(DenoiseState):
     """DenoiseState plus each text's Qwen mask and ByT5 embeddings and mask; until the texts are
-    encoded, ByT5's token ids and mask of each text to encode (a zero mask: no quoted text)."""
+    encoded, ByT5's token ids and mask of each text to encode (a zero mask: no quoted text).
+    Requests carry texts only (HunyuanText.check), so rollouts send each sample its text."""
+
+    embeds_given: ClassVar[bool] = False
 
     glyph_ids: torch.Tensor | None = None  # [n_texts, 256] int64
     glyph_mask: torch.Tensor | None = None
@@ -233,5 +237,6 @@ class HunyuanVideo15Loop(DenoiseLoop):
             raise ValueError(f"card {card.card_id!r} encodes its texts itself (four tensors per text; prompt_embeds are not "
                              "taken): build its engine with the text encoders (text_encoder=True)")  # fmt: skip
         card = card_for_weights(card, components)  # the folder's shift, guidance scale and default size
-        parts = FamilyParts(LOOP, HunyuanVideo15State, HunyuanText(card, components), HunyuanDenoiser(card), HunyuanLatents(card), DECODER)
+        parts = FamilyParts(LOOP, HunyuanVideo15State, HunyuanText(card, components), HunyuanDenoiser(card), HunyuanLatents(card), DECODER,
+                            rollouts=True)  # fmt: skip
         super().__init__(card, components, parts, config)

@@ -96,8 +96,8 @@ class HunyuanDenoiseStep(nn.Module):
             uncond = outputs["uncond"][0]
             noise = guided(noise, uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = uncond, noise
-        # 4. the Euler update
-        out = sampler_update(self.sampler, latents, noise, carry, coeffs)
+        # 4. the Euler update (a rollout's SDE step with its fresh noise)
+        out = sampler_update(self.sampler, latents, noise, carry, coeffs, carry.get("fresh_noise"))
         if self.tap_points is not None:
             out.update(taps)
             out.update(self.tap_points.drain())

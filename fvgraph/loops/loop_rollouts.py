@@ -40,7 +40,8 @@ class LoopRollouts:
     """`step(transformer, sampler, cfg, tap_points)`: the family's denoise step module, here on the SDE sampler."""
 
     def __init__(self, card: ModelCard, step: Callable[..., nn.Module], run_facts: Mapping[str, Any]):
-        self.sampler = FlowSdeSampler(float(card.recipe.sampler.config.get("flow_shift", 1.0)))
+        config = card.recipe.sampler.config  # the shift of the card's flow schedule: UniPC's `flow_shift`, Euler's `shift`
+        self.sampler = FlowSdeSampler(float(config.get("flow_shift", config.get("shift", 1.0))))
         self._step = step
         self.run_facts = dict(run_facts)
 
