@@ -83,7 +83,8 @@ class HunyuanDenoiseStep(nn.Module):
         if self.cfg:
             texts["uncond"] = (negative_prompt_embeds, negative_prompt_embeds_mask, negative_prompt_embeds_2, negative_prompt_embeds_mask_2)
         # 2. each branch (fused into one call while traced with CFG fusion)
-        rows = {} if lora_index is None else {"lora_index": mark_request_constant(lora_index), "lora_scale": mark_request_constant(lora_scale)}
+        rows = {} if lora_index is None else {"lora_index": mark_request_constant(lora_index),
+                                              "lora_scale": mark_request_constant(lora_scale)}  # fmt: skip
         calls = {branch: dict(hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(e),
                               encoder_attention_mask=mark_request_constant(m), encoder_hidden_states_2=mark_request_constant(e2),
                               encoder_attention_mask_2=mark_request_constant(m2), **rows)

@@ -26,8 +26,7 @@ from torch import nn
 from fvgraph.models.hunyuan_video15_forward import VISION_TOKENS, _valid_first, attention_tokens
 
 # Per CFG branch (cond, uncond): the step inputs holding its text's four tensors (the loop's names).
-TEXTS = (("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2"),
-         ("negative_prompt_embeds", "negative_prompt_embeds_mask", "negative_prompt_embeds_2", "negative_prompt_embeds_mask_2"))  # fmt: skip
+TEXTS = tuple((slot, f"{slot}_mask", f"{slot}_2", f"{slot}_mask_2") for slot in ("prompt_embeds", "negative_prompt_embeds"))
 ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2", "encoder_attention_mask_2")
 
 
