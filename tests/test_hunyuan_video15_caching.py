@@ -1,7 +1,8 @@
 """Step caching on HunyuanVideo-1.5 through its denoiser sections (fvgraph/models/hunyuan_video15_sections.py):
 FBCache, TaylorSeer and MagCache on tiny-hunyuanvideo1.5 equal diffusers' own hooks on
 HunyuanVideo15Pipeline with the same weights (latents, and which denoiser calls ran their blocks);
-the sections equal the plain step bit for bit; cached and uncached requests together equal each
+the sections equal the plain step bit for bit; a cached request with a LoRA adapter equals the hook
+with the adapter loaded into the transformer; cached and uncached requests together equal each
 alone; the compiled caching steps equal eager.
 
 The reference: diffusers 0.42.1's FBCache and MagCache hooks find the blocks through its
@@ -23,6 +24,7 @@ from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCac
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
 
+from fvgraph.adapters.slots import LoraSlots
 from fvgraph.caching.fb_cache_steps import AFTER_FIRST_KINDS
 from fvgraph.caching.mag_cache import MagCache
 from fvgraph.cards import get_card
@@ -31,6 +33,7 @@ from fvgraph.engine.engine import Engine
 from fvgraph.models.components import load_components
 from fvgraph.request import Request
 from cache_helpers import run_together_and_alone
+from lora_files import ATTENTION, peft_lora
 from reference_helpers import assert_matches_reference, assert_within_compiled_noise
 
 CARD = "tiny-hunyuanvideo1.5"
@@ -76,8 +79,9 @@ def _block_calls(transformer) -> tuple[list[bool], list]:
     return calls, handles
 
 
-def _reference(config, text: dict) -> tuple[torch.Tensor, list[bool]]:
-    """HunyuanVideo15Pipeline on a fresh copy of the seeded weights with diffusers' hook `config`."""
+def _reference(config, text: dict, lora: tuple[str, float] | None = None) -> tuple[torch.Tensor, list[bool]]:
+    """HunyuanVideo15Pipeline on a fresh copy of the seeded weights with diffusers' hook `config` (and
+    a LoRA file at a scale loaded into its transformer, when given)."""
     card = get_card(CARD)
     c = load_components(card, None, torch.device("cpu"))
     text = dict(text)
@@ -86,6 +90,9 @@ def _reference(config, text: dict) -> tuple[torch.Tensor, list[bool]]:
                                   scheduler=FlowMatchEulerDiscreteScheduler(**card.recipe.sampler.config),
                                   guider=ClassifierFreeGuidance(guidance_scale=text.pop("guidance_scale")))  # fmt: skip
     pipe.set_progress_bar_config(disable=True)
+    if lora is not None:
+        pipe.transformer.load_lora_adapter(str(lora[0]), adapter_name="x", prefix="transformer", use_safetensors=True)
+        pipe.transformer.set_adapters(["x"], weights=[lora[1]])
     pipe.transformer.enable_cache(config)
     calls, handles = _block_calls(pipe.transformer)
     try:
@@ -152,6 +159,21 @@ def test_magcache_matches_diffusers_magcache(engine, text):
     assert_matches_reference(result.latents, reference)
 
 
+def test_a_cached_request_with_an_adapter_equals_the_hook_with_the_adapter(tmp_path):
+    """The sections choose the rows' adapter slots around their calls: FBCache's first block and the
+    blocks after it run the adapted linears, as peft's layers under diffusers' hook."""
+    lora = peft_lora(tmp_path / "a", 1, [*ATTENTION, "add_q_proj", "to_add_out", "norm1.linear", "proj_in"], card=CARD)
+    adapted = Engine.from_card(CARD, device="cpu", loras={"a": lora}, lora_slots=LoraSlots(max_loras=2, max_lora_rank=4))
+    reference, theirs = _reference(FirstBlockCacheConfig(threshold=0.3), CFG, lora=(lora, 0.7))
+    [result] = adapted.generate([Request(seed=5, output_type="latent", loras={"a": 0.7}, cache={"method": "fbcache", "threshold": 0.3},
+                                         **CFG, **SHAPE)])  # fmt: skip
+    assert result.ok, result.error
+    assert result.cache["computed"] == sum(theirs) and 0 < sum(theirs) < 2 * STEPS
+    assert_matches_reference(result.latents, reference)
+    [plain] = adapted.generate([Request(seed=5, output_type="latent", cache={"method": "fbcache", "threshold": 0.3}, **CFG, **SHAPE)])
+    assert (plain.latents - result.latents).abs().max() > 0.05  # the adapter moves the result far beyond the tolerance
+
+
 def test_a_cache_that_never_reuses_equals_the_plain_step_bit_for_bit(engine):
     """The sections (embed, blocks, stream, project_out) run the traced forward line for line."""
     never = {"method": "magcache", "threshold": 0.06, **MAG, "max_skip_steps": 0}
@@ -174,9 +196,9 @@ def test_cached_and_uncached_requests_together_equal_each_alone(engine):
 
 def test_compiled_caching_steps_equal_eager(engine):
     compiled_engine = Engine.from_card(CARD, device="cpu", opt_level=1, compile_config=CompileConfig(backend="aot_eager"))
-    requests = [Request(seed=7, output_type="latent", cache={"method": "fbcache", "threshold": 0.3}, **CFG, **SHAPE),
-                Request(seed=8, output_type="latent", cache={"method": "taylorseer", **TAYLOR["first_order"]}, **CFG, **SHAPE),
-                Request(seed=9, output_type="latent", cache={"method": "magcache", "threshold": 0.06, **MAG}, **NO_CFG, **SHAPE)]  # fmt: skip
+    caches = [({"method": "fbcache", "threshold": 0.3}, CFG), ({"method": "taylorseer", **TAYLOR["first_order"]}, CFG),
+              ({"method": "magcache", "threshold": 0.06, **MAG}, NO_CFG)]
+    requests = [Request(seed=7 + i, output_type="latent", cache=cache, **text, **SHAPE) for i, (cache, text) in enumerate(caches)]
     compiled = compiled_engine.generate(requests)  # captured with fullgraph: a graph break fails here
     kinds = {s.step_kind for s in compiled_engine.compiler.signatures}
     assert kinds & set(AFTER_FIRST_KINDS.values()) and "denoise_cfg_taylor_predict" in kinds and "denoise_reuse" in kinds
