@@ -7,6 +7,7 @@ from pathlib import Path
 
 import diffusers
 import torch
+from diffusers.loaders.lora_base import LoraBaseMixin
 from peft import LoraConfig, get_peft_model_state_dict
 from safetensors.torch import save_file
 
@@ -24,7 +25,7 @@ def fresh_transformer(card: str = "tiny-wan"):
 def peft_lora(folder: Path, seed: int, targets: list[str], rank: int = 4, alpha: float = 8.0, card: str = "tiny-wan",
               bias: bool = False) -> Path:  # fmt: skip
     """A random LoRA on `targets` (peft's target_modules) saved by the card's pipeline's
-    `save_lora_weights`, with its LoraConfig as the file's metadata (so lora_alpha / r applies on load)."""
+    `save_lora_weights` (LoraBaseMixin's, which it calls, where the pipeline has none), with its LoraConfig as the file's metadata (so lora_alpha / r applies on load)."""
     transformer = fresh_transformer(card)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, lora_bias=bias)
     torch.manual_seed(seed)
@@ -38,8 +39,11 @@ def peft_lora(folder: Path, seed: int, targets: list[str], rank: int = 4, alpha:
     metadata = config.to_dict()
     metadata["target_modules"] = sorted(metadata["target_modules"])
     pipeline = getattr(diffusers, get_card(card).pipeline_class)
-    pipeline.save_lora_weights(folder, transformer_lora_layers=layers, weight_name="lora.safetensors",
-                               transformer_lora_adapter_metadata=metadata)  # fmt: skip
+    if hasattr(pipeline, "save_lora_weights"):
+        pipeline.save_lora_weights(folder, transformer_lora_layers=layers, weight_name="lora.safetensors",
+                                   transformer_lora_adapter_metadata=metadata)  # fmt: skip
+    else:  # no LoRA loader for this pipeline (HunyuanVideo15Pipeline): what every pipeline's save_lora_weights writes
+        LoraBaseMixin._save_lora_weights(folder, {"transformer": layers}, {"transformer": metadata}, weight_name="lora.safetensors")
     return folder / "lora.safetensors"
 
 

@@ -203,7 +203,7 @@ def test_an_engine_without_its_text_encoders_is_refused_at_build():
         (dict(height=40), "height", "multiple of 16"),
         (dict(width=256), "width", "exceeds"),
         (dict(num_frames=6), "num_frames", "4k+1"),
-        (dict(cache="fbcache"), "cache", "no step caching"),
+        (dict(cache="teacache"), "cache.coefficients", "declares no TeaCache coefficients"),
         (dict(prompt=None, prompt_embeds=torch.zeros(8, 16)), "prompt_embeds", "encodes its texts itself"),
         (dict(prompt_2="y"), "prompt_2", "takes no prompt_2"),
     ],

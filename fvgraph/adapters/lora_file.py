@@ -6,7 +6,8 @@
 Key formats are converted by diffusers' own `<Pipeline>.lora_state_dict` (diffusers/peft keys, and
 for Wan the musubi/kohya `lora_unet_*` and original `diffusion_model.*` layouts, including LightX2V's;
 for FLUX also kohya's `lora_unet_double_blocks_*` layout and peft keys with `.alpha` keys beside
-them); the scaling of each module is the one peft gives it when diffusers loads the file: diffusers
+them); a pipeline diffusers gives no LoRA loader (HunyuanVideo15Pipeline) is read as its denoiser's
+`load_lora_adapter` reads a file: peft keys under `transformer.`, unconverted; the scaling of each module is the one peft gives it when diffusers loads the file: diffusers
 builds the `LoraConfig` (the file's `lora_adapter_metadata`, its `.alpha` keys, or ranks read from
 the keys) and peft resolves each module's rank and alpha from its patterns, `alpha / r`
 (`alpha / sqrt(r)` with rsLoRA). Nothing here rewrites a conversion.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,15 +78,15 @@ def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> 
     """Read and check a local LoRA file (`.safetensors`, any key format diffusers converts for this family)."""
     path = Path(path)
     check_safetensors(path)
-    pipeline = getattr(diffusers, pipeline_class)
+    reader, source = _state_dict_reader(pipeline_class)
     # Families whose files may carry kohya-style `.alpha` keys (FLUX) return them apart, as network
     # alphas, when asked; diffusers' load_lora_weights then builds the LoraConfig from them.
-    with_alphas = "return_alphas" in inspect.signature(pipeline.lora_state_dict).parameters
+    with_alphas = "return_alphas" in inspect.signature(reader).parameters
     try:
-        loaded = pipeline.lora_state_dict(str(path), return_lora_metadata=True, **({"return_alphas": True} if with_alphas else {}))
+        loaded = reader(str(path), return_lora_metadata=True, **({"return_alphas": True} if with_alphas else {}))
     except Exception as err:  # unreadable, not safetensors, or a layout no converter knows
         # a converter's bare assert has no message; the file's first key says whose layout it is
-        raise AdapterError(f"lora {str(path)!r}: diffusers' {pipeline_class}.lora_state_dict cannot read it: "
+        raise AdapterError(f"lora {str(path)!r}: diffusers' {source} cannot read it: "
                            f"{type(err).__name__}: {err} (the file's first key is {_first_key(path)!r}: an adapter for "
                            "another model family, or a layout diffusers does not convert for this one)") from None  # fmt: skip
     state_dict, alphas, metadata = loaded if with_alphas else (loaded[0], None, loaded[1])
@@ -92,7 +94,7 @@ def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> 
     if others:
         raise AdapterError(f"lora key {others[0]!r} ({len(others)} such keys) is not the denoiser's: adapters apply "
                            f"to the transformer only (a text encoder's LoRA is not supported), in a layout "
-                           f"{pipeline_class}.lora_state_dict converts (is it an adapter for another model family?)")  # fmt: skip
+                           f"{source} reads (is it an adapter for another model family?)")  # fmt: skip
     state_dict = {k.removeprefix(DENOISER_PREFIX): v for k, v in state_dict.items()}
     bad = sorted(k for k in state_dict if ".lora_A." not in k and ".lora_B." not in k)
     if bad:
@@ -115,6 +117,26 @@ def read_lora(path: str | Path, pipeline_class: str, transformer: nn.Module) -> 
     for name in sorted({k.split(".lora_")[0] for k in state_dict}):
         modules[name] = _checked_module(name, state_dict, transformer, config, path)
     return LoraWeights(str(path), modules, _digest(modules))
+
+
+def _state_dict_reader(pipeline_class: str) -> tuple[Callable, str]:
+    """How diffusers reads a LoRA file for this family: the pipeline's own `lora_state_dict` (with its
+    key conversions), or, for a pipeline diffusers gives no LoRA loader (HunyuanVideo15Pipeline), the
+    denoiser's `load_lora_adapter` reading (peft keys under `transformer.`, no conversion)."""
+    pipeline = getattr(diffusers, pipeline_class)
+    if hasattr(pipeline, "lora_state_dict"):
+        return pipeline.lora_state_dict, f"{pipeline_class}.lora_state_dict"
+    return _adapter_state_dict, f"{pipeline_class}'s denoiser's load_lora_adapter"
+
+
+def _adapter_state_dict(path: str, return_lora_metadata: bool = True) -> tuple[dict, dict | None]:
+    """(state dict, LoRA metadata) as `PeftAdapterMixin.load_lora_adapter(path, use_safetensors=True)`
+    reads a local file (the metadata is read only from a safetensors file, as the pipelines' loaders do)."""
+    from diffusers.loaders.lora_base import _fetch_state_dict
+
+    return _fetch_state_dict(path, weight_name=None, use_safetensors=True, local_files_only=True, cache_dir=None,
+                             force_download=False, proxies=None, token=None, revision=None, subfolder=None,
+                             user_agent={"file_type": "attn_procs_weights", "framework": "pytorch"}, allow_pickle=False)  # fmt: skip
 
 
 def check_safetensors(path: Path) -> None:

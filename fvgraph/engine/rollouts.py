@@ -3,7 +3,8 @@
     records = engine.rollout(["a red fox", "a lighthouse"], group_size=8, seed=7, num_inference_steps=10)
 
 Each prompt is one group of `group_size` samples: its text is encoded once, and its samples are
-requests with those embeddings, the same schedule and guidance, and seeds derived from (seed, group,
+requests with those embeddings (with the text itself, on a loop whose requests cannot carry its
+encoded texts: HunyuanVideo-1.5's masks and ByT5 embeddings), the same schedule and guidance, and seeds derived from (seed, group,
 sample), so they run as one homogeneous batch beside the other groups. Each sample comes back as a
 BehaviorRecord (fvgraph/behavior.py) with `group` set to its prompt's index.
 """
@@ -48,9 +49,9 @@ class Rollouts:
         sampling = RolloutSampling(noise_level=noise_level)
         requests = []
         for group, prompt in enumerate(prompts):
-            embeds = self._encoded(Request(prompt=prompt, seed=seed, output_type="latent", **fields), on_step)
+            texts = self._encoded(Request(prompt=prompt, seed=seed, output_type="latent", **fields), on_step)
             for sample in range(group_size):
-                requests.append(Request(**{**fields, "negative_prompt": None}, **embeds, seed=sample_seed(seed, group, sample),
+                requests.append(Request(**{**fields, "negative_prompt": None, **texts}, seed=sample_seed(seed, group, sample),
                                         rollout=sampling, output_type="latent",
                                         request_id=f"rollout-{seed}-{group}-{sample}"))  # fmt: skip
         results = self._generate(requests, on_step=on_step)
@@ -64,8 +65,11 @@ class Rollouts:
 
     def _encoded(self, request: Request, on_step: StepCallback | None) -> dict:
         """The request's text encoded once, as prompt embeddings a group's samples share: its first
-        step alone (the text encode), and the state then dropped."""
+        step alone (the text encode), and the state then dropped. A loop whose requests cannot carry
+        its encoded texts (`embeds_given`) gets the texts: each sample encodes the same tokens."""
         state = self._start(request)
+        if not state.embeds_given:
+            return {"prompt": request.prompt, "negative_prompt": request.negative_prompt}
         if state.phase == "encode":
             self._step(state, on_step)
         embeds = {"prompt_embeds": state.prompt_embeds[0]}

@@ -72,7 +72,7 @@ class DenoiseLoop:
         self.caching = StepCaching(card, components, self.sections, refused, config.step_caching_methods, config.calibration,
                                    self._denoise_steps)  # fmt: skip
         self.adapters = LoopAdapters(config.adapters, components.device)
-        self.rollouts = LoopRollouts(card, parts.denoiser.step, config.run_facts) if parts.rollouts else None
+        self.rollouts = LoopRollouts(card, config.run_facts) if parts.rollouts else None
         self.run_facts = dict(config.run_facts)  # opt level and parallel plan, for the artifacts' provenance
         tiling = None if components.vae is None else vae_tiling(components.vae, config.vae_tiling)
         self.decoding = Decoding(parts.decoder, tiling, components.vae)
@@ -114,7 +114,8 @@ class DenoiseLoop:
         if self.sections is not None:
             steps.update(caching_steps(self.sections, self.sampler))
         if self.rollouts is not None:
-            steps.update(self.rollouts.steps(c.transformer, tap_points(c.transformer)))
+            # the family's denoise steps on the SDE sampler, built as its denoise steps are (the same taps)
+            steps.update(self.rollouts.steps(self.denoiser.steps(c, self.rollouts.sampler, tap_points), self.denoiser.kinds))
         if self.conditioning is not None:
             steps.update(self.conditioning.build(c))
             if self.encoding is not None:

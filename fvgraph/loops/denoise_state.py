@@ -9,7 +9,7 @@ image is a one-frame video of latents [1, C, 1, h, w], and `decoded` holds what 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -50,6 +50,9 @@ class DenoiseFacts(NamedTuple):
 class DenoiseState(SerializableState):
     """Everything one request needs between steps. Tensors live on CPU or the engine's device."""
 
+    # Whether a request may carry this loop's encoded texts as `prompt_embeds` / `negative_prompt_embeds`
+    # (False where a text's conditioning is more than them): rollouts share one encode per group only then.
+    embeds_given: ClassVar[bool] = True
     request_id: str
     card_id: str
     seed: int

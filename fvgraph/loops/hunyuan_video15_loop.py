@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import HunyuanVideo15Pipeline, extract_glyph_texts, format_text_input
 from torch import nn
 
+from fvgraph.adapters.slots import ROW_INPUTS
 from fvgraph.card import ModelCard
 from fvgraph.contract.denoiser_sections import DenoiserSections
 from fvgraph.contract.plan import StepResult
@@ -41,6 +42,7 @@ from fvgraph.loops.samplers import SamplerPlan
 from fvgraph.loops.taps import TapPoints
 from fvgraph.models.components import Components
 from fvgraph.models.hunyuan_video15_forward import HunyuanVideo15TextToVideo
+from fvgraph.models.hunyuan_video15_sections import HunyuanVideo15Sections
 from fvgraph.request import Request, RequestRejected
 
 LOOP = "hunyuan_video15_t2v"
@@ -54,10 +56,13 @@ BESIDE = {slot: (f"{slot}_mask", f"{slot}_2", f"{slot}_mask_2") for slot in EMBE
 
 
 def denoise_kind(name: str, cfg: bool) -> StepKind:
-    """Latents, timestep and Euler row per step; each text's four tensors (and the guidance scale) constant."""
+    """Latents, timestep and Euler row per step (and a rollout's fresh noise); each text's four tensors
+    (and the guidance scale) and the rows' adapter slots and scales (fvgraph/adapters/slots.py) constant."""
     texts = [slot for slot in EMBEDS[: 2 if cfg else 1] for slot in (slot, *BESIDE[slot])] + (["guidance_scale"] if cfg else [])
+    texts += ROW_INPUTS
     return StepKind(name, component="transformer", phase="denoise", compiled=True, per_inference_step=True,
-                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP, **dict.fromkeys(texts, Role.CONSTANT)},
+                    inputs={"latents": Role.STEP, "timestep": Role.STEP, "coeffs": Role.STEP, "fresh_noise": Role.STEP,
+                            **dict.fromkeys(texts, Role.CONSTANT)},
                     outputs={"latents": Role.RESULT})  # fmt: skip
 
 
@@ -72,7 +77,10 @@ DECODER = Decoder(StepKind(VAE_DECODE, component="vae", phase="vae_decode", inpu
 @dataclass
 class HunyuanVideo15State(DenoiseState):
     """DenoiseState plus each text's Qwen mask and ByT5 embeddings and mask; until the texts are
-    encoded, ByT5's token ids and mask of each text to encode (a zero mask: no quoted text)."""
+    encoded, ByT5's token ids and mask of each text to encode (a zero mask: no quoted text).
+    Requests carry texts only (HunyuanText.check), so rollouts send each sample its text."""
+
+    embeds_given: ClassVar[bool] = False
 
     glyph_ids: torch.Tensor | None = None  # [n_texts, 256] int64
     glyph_mask: torch.Tensor | None = None
@@ -152,11 +160,12 @@ class HunyuanText:
 
 
 class HunyuanDenoiser:
-    """HunyuanVideo15Transformer3DModel's steps with ClassifierFreeGuidance; no denoiser sections yet.
-    `kinds`: the denoise kinds by CFG (image-to-video's take the image's two constants besides)."""
+    """HunyuanVideo15Transformer3DModel's steps with ClassifierFreeGuidance, and its denoiser sections
+    for step caching (fvgraph/models/hunyuan_video15_sections.py). `kinds`: the denoise kinds by CFG
+    (image-to-video's take the image's two constants besides)."""
 
     reads: tuple[str, ...] = ()
-    teacache_signal = None
+    teacache_signal = HunyuanVideo15Sections.teacache_signal
 
     def __init__(self, card: ModelCard, kinds: dict[bool, StepKind] = DENOISE_KINDS):
         self.card = card
@@ -173,14 +182,12 @@ class HunyuanDenoiser:
         return {kind.name: HunyuanDenoiseStep(denoiser, sampler, cfg, taps) for cfg, kind in self.kinds.items()}
 
     def sections(self, transformer: nn.Module) -> DenoiserSections | None:
-        return None
+        return HunyuanVideo15Sections(transformer, GLYPH_LEN)
 
     def check(self, resolved: Request) -> None:
         if resolved.guidance_scale < 1:
             raise RequestRejected("guidance_scale", f"{resolved.guidance_scale}: card {self.card.card_id!r} runs classifier-free "
                                                     "guidance for a scale > 1 and none for 1; give a scale >= 1")  # fmt: skip
-        if resolved.loras:
-            raise RequestRejected("loras", f"card {self.card.card_id!r} runs loop {LOOP!r}, which takes no LoRA adapters yet")
 
     def init_fields(self, request: Request) -> dict[str, Any]:
         return {}
@@ -231,5 +238,6 @@ class HunyuanVideo15Loop(DenoiseLoop):
             raise ValueError(f"card {card.card_id!r} encodes its texts itself (four tensors per text; prompt_embeds are not "
                              "taken): build its engine with the text encoders (text_encoder=True)")  # fmt: skip
         card = card_for_weights(card, components)  # the folder's shift, guidance scale and default size
-        parts = FamilyParts(LOOP, HunyuanVideo15State, HunyuanText(card, components), HunyuanDenoiser(card), HunyuanLatents(card), DECODER)
+        parts = FamilyParts(LOOP, HunyuanVideo15State, HunyuanText(card, components), HunyuanDenoiser(card), HunyuanLatents(card), DECODER,
+                            rollouts=True)  # fmt: skip
         super().__init__(card, components, parts, config)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fvgraph.adapters.slots import slot_store
 from fvgraph.contract.cfg_branches import call_branches
 from fvgraph.contract.denoise_update import guided, sampler_update
 from fvgraph.contract.markers import mark_request_constant
@@ -72,6 +73,8 @@ class HunyuanDenoiseStep(nn.Module):
         guidance_scale: torch.Tensor | None = None,  # [B], when cfg
         condition: torch.Tensor | None = None,  # [B, C + 1, F, h, w] image-to-video: the image's latents on frame 0, the mask
         image_embeds: torch.Tensor | None = None,  # [B, N, D'] image-to-video: SigLIP's last hidden state
+        lora_index: torch.Tensor | None = None,  # [B, K] int64 each row's adapter slots, on an engine with them
+        lora_scale: torch.Tensor | None = None,  # [B, K] float32 their scales (0 where unused)
         **carry: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         dtype = prompt_embeds.dtype
@@ -86,9 +89,11 @@ class HunyuanDenoiseStep(nn.Module):
         if self.cfg:
             texts["uncond"] = (negative_prompt_embeds, negative_prompt_embeds_mask, negative_prompt_embeds_2, negative_prompt_embeds_mask_2)
         # 2. each branch (fused into one call while traced with CFG fusion)
+        rows = {} if lora_index is None else {"lora_index": mark_request_constant(lora_index),
+                                              "lora_scale": mark_request_constant(lora_scale)}  # fmt: skip
         calls = {branch: dict(hidden_states=model_input, timestep=t, encoder_hidden_states=mark_request_constant(e),
                               encoder_attention_mask=mark_request_constant(m), encoder_hidden_states_2=mark_request_constant(e2),
-                              encoder_attention_mask_2=mark_request_constant(m2), **image)
+                              encoder_attention_mask_2=mark_request_constant(m2), **image, **rows)
                  for branch, (e, m, e2, m2) in texts.items()}  # fmt: skip
         outputs = call_branches("denoiser", self._denoiser, calls, self.fuse_branches)
         noise = outputs["cond"][0]
@@ -98,15 +103,24 @@ class HunyuanDenoiseStep(nn.Module):
             uncond = outputs["uncond"][0]
             noise = guided(noise, uncond, guidance_scale)
             taps["tap.noise.uncond"], taps["tap.noise"] = uncond, noise
-        # 4. the Euler update
-        out = sampler_update(self.sampler, latents, noise, carry, coeffs)
+        # 4. the Euler update (a rollout's SDE step with its fresh noise)
+        out = sampler_update(self.sampler, latents, noise, carry, coeffs, carry.get("fresh_noise"))
         if self.tap_points is not None:
             out.update(taps)
             out.update(self.tap_points.drain())
         return out
 
-    def _denoiser(self, **inputs: torch.Tensor) -> tuple[torch.Tensor]:
-        return (self.denoiser(**inputs, return_dict=False)[0],)
+    def _denoiser(self, lora_index: torch.Tensor | None = None, lora_scale: torch.Tensor | None = None,
+                  **inputs: torch.Tensor) -> tuple[torch.Tensor]:  # fmt: skip
+        """The denoiser's call; the adapted linears (fvgraph/adapters/slots.py) read the rows' adapters
+        for its duration (the traced forward runs the transformer's submodules, not its hooked call)."""
+        store = slot_store(self.denoiser.transformer)
+        if store is not None:
+            store.choose(lora_index, lora_scale)
+        noise = self.denoiser(**inputs, return_dict=False)[0]
+        if store is not None:
+            store.release()
+        return (noise,)
 
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
         """(tokens, head_dim, dtype) of the blocks' joint attention (fvgraph.kernels.attention)."""

@@ -10,7 +10,7 @@ BehaviorRecord when it ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +22,6 @@ from fvgraph.contract.plan import StepResult
 from fvgraph.contract.step_kind import Role, StepKind
 from fvgraph.loops.rollout_trace import RolloutTrace
 from fvgraph.loops.samplers import FlowSdeSampler, SamplerPlan
-from fvgraph.loops.taps import TapPoints
 
 if TYPE_CHECKING:
     from fvgraph.loops.denoise_state import DenoiseState
@@ -37,18 +36,22 @@ def rollout_step_kinds(denoise: Mapping[bool, StepKind]) -> dict[str, StepKind]:
 
 
 class LoopRollouts:
-    """`step(transformer, sampler, cfg, tap_points)`: the family's denoise step module, here on the SDE sampler."""
+    """The SDE sampler at the card's shift, and what a rollout keeps; its steps are the family's denoise
+    steps built on that sampler (`steps`)."""
 
-    def __init__(self, card: ModelCard, step: Callable[..., nn.Module], run_facts: Mapping[str, Any]):
-        self.sampler = FlowSdeSampler(float(card.recipe.sampler.config.get("flow_shift", 1.0)))
-        self._step = step
+    def __init__(self, card: ModelCard, run_facts: Mapping[str, Any]):
+        config = card.recipe.sampler.config  # the shift of the card's flow schedule: UniPC's `flow_shift`, Euler's `shift`
+        self.sampler = FlowSdeSampler(float(config.get("flow_shift", config.get("shift", 1.0))))
         self.run_facts = dict(run_facts)
 
     def planned(self, num_steps: int, noise_level: float) -> SamplerPlan:
         return self.sampler.plan(num_steps, noise_level)
 
-    def steps(self, transformer: nn.Module, tap_points: TapPoints | None) -> dict[str, nn.Module]:
-        return {name: self._step(transformer, self.sampler, cfg, tap_points) for cfg, name in SDE_KINDS.items()}
+    @staticmethod
+    def steps(sde_steps: Mapping[str, nn.Module], kinds: Mapping[bool, StepKind]) -> dict[str, nn.Module]:
+        """The SDE kinds' modules: `sde_steps`, the family's denoise steps (by plain kind name, `kinds` by
+        CFG) built on this sampler and the same parity taps as its denoise steps."""
+        return {name: sde_steps[kinds[cfg].name] for cfg, name in SDE_KINDS.items()}
 
     @staticmethod
     def start(noise_level: float, latents: torch.Tensor) -> RolloutTrace:

@@ -1,0 +1,135 @@
+"""HunyuanVideo-1.5's denoiser sections (fvgraph/contract/denoiser_sections.py): the text-to-video
+forward (fvgraph/models/hunyuan_video15_forward.py, diffusers' `HunyuanVideo15Transformer3DModel.forward`
+with its data-dependent token order made static) cut around its block loop, which step caching runs on.
+
+- `embed`: what the step does before the call (the latents with zero condition latents and a zero
+  mask on the channels, in the denoiser's dtype) and the forward's prologue: RoPE, the timestep
+  embedding, the patches, the three conditioning streams (the token refiner over the Qwen tokens,
+  ByT5's projection, the masked image tokens), each with its type embedding, valid tokens first;
+- the blocks: the dual-stream blocks, which pass the conditioning tokens and the latents' tokens;
+  the sections carry them as one tensor, conditioning first ([B, N + S, D]: slicing and concatenating
+  copy values exactly), and the latents' tokens are the `stream` the output section reads and
+  caching keeps (the blocks' `hidden_states`, as diffusers' cache hooks see them);
+- `project_out`: the output norm and projection, unpatchified.
+
+Each line is the forward's, in its order, so the sections equal it bit for bit in eager.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fvgraph.models.hunyuan_video15_forward import VISION_TOKENS, _valid_first, attention_tokens
+
+# Per CFG branch (cond, uncond): the step inputs holding its text's four tensors (the loop's names).
+TEXTS = tuple((slot, f"{slot}_mask", f"{slot}_2", f"{slot}_mask_2") for slot in ("prompt_embeds", "negative_prompt_embeds"))
+ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2", "encoder_attention_mask_2")
+
+
+class HunyuanTokens(NamedTuple):
+    hidden_states: torch.Tensor  # [B, N + S, D] the conditioning tokens, then the latents' tokens: the first block's input
+    condition_tokens: int  # N
+    temb: torch.Tensor  # [B, D]
+    mask: torch.Tensor  # [B, N] bool: which conditioning tokens the attention reads
+    rotary_emb: tuple[torch.Tensor, torch.Tensor]
+    grid: tuple[int, int, int, int]  # batch, frames, height, width of the latents
+
+
+class HunyuanVideo15Sections(nn.Module):
+    """HunyuanVideo-1.5's DenoiserSections for text-to-video, bound to one transformer (no weight copy).
+    `glyph_tokens`: ByT5's padded length (the loop's), for the blocks' state shape."""
+
+    teacache_signal = "modulated_input"  # TeaCache's HunyuanVideo forward reads the first block's modulated input
+
+    def __init__(self, transformer: nn.Module, glyph_tokens: int):
+        super().__init__()
+        self.transformer = transformer
+        self.glyph_tokens = glyph_tokens
+
+    def conditions(self, inputs: Mapping[str, torch.Tensor], branch: int) -> dict[str, torch.Tensor]:
+        return {argument: inputs[name] for argument, name in zip(ARGUMENTS, TEXTS[branch])}
+
+    def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+              encoder_attention_mask: torch.Tensor, encoder_hidden_states_2: torch.Tensor,
+              encoder_attention_mask_2: torch.Tensor) -> HunyuanTokens:  # fmt: skip
+        """The step's model input and the forward up to its block loop: latents [B, C, F, h, w] and the
+        timestep [B] (sigma x 1000) -> tokens and conditions."""
+        model = self.transformer
+        dtype = encoder_hidden_states.dtype
+        batch, _, frames, height, width = hidden_states.shape
+        # the step's [latents, condition latents, mask] on the channels: zeros for text-to-video
+        hidden_states = torch.cat([hidden_states, torch.zeros_like(hidden_states),
+                                   hidden_states.new_zeros(batch, 1, frames, height, width)], dim=1).to(dtype)  # fmt: skip
+        timestep = timestep.to(dtype)
+        # 1. RoPE, the timestep embedding and the latents' patches
+        rotary = model.rope(hidden_states)
+        temb = model.time_embed(timestep)
+        hidden_states = model.x_embedder(hidden_states)
+        # 2. the three conditioning streams, each with its type embedding
+        text = model.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
+        text = text + model.cond_type_embed(torch.zeros_like(text[:, :, 0], dtype=torch.long))
+        glyph = model.context_embedder_2(encoder_hidden_states_2)
+        glyph = glyph + model.cond_type_embed(torch.ones_like(glyph[:, :, 0], dtype=torch.long))
+        image_embeds = text.new_zeros(batch, VISION_TOKENS, model.config.image_embed_dim)
+        image = model.image_embedder(image_embeds) * 0.0  # text-to-video: the image tokens carry nothing
+        image = image + model.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
+        image_mask = torch.zeros(batch, VISION_TOKENS, dtype=torch.bool, device=text.device)
+        # 3. valid tokens first (image, ByT5, Qwen), then the invalid ones, each group in order
+        tokens, mask = _valid_first(image, image_mask, glyph, encoder_attention_mask_2.bool(), text, encoder_attention_mask.bool())
+        grid = (batch, frames, height, width)
+        return HunyuanTokens(torch.cat([tokens, hidden_states], dim=1), tokens.shape[1], temb, mask, rotary, grid)
+
+    def first_block(self, hidden: torch.Tensor, tokens: HunyuanTokens) -> torch.Tensor:
+        return self._run(self.transformer.transformer_blocks[:1], hidden, tokens)
+
+    def remaining_blocks(self, hidden: torch.Tensor, tokens: HunyuanTokens) -> torch.Tensor:
+        return self._run(self.transformer.transformer_blocks[1:], hidden, tokens)
+
+    def stream(self, hidden: torch.Tensor, tokens: HunyuanTokens) -> torch.Tensor:
+        return hidden[:, tokens.condition_tokens :]
+
+    def modulated_input(self, tokens: HunyuanTokens) -> torch.Tensor:
+        """[B, S, D]: the first block's `norm1` of the latents' tokens entering it, modulated by `temb`."""
+        modulated, *_ = self.transformer.transformer_blocks[0].norm1(self.stream(tokens.hidden_states, tokens), emb=tokens.temb)
+        return modulated
+
+    def project_out(self, stream: torch.Tensor, tokens: HunyuanTokens) -> torch.Tensor:
+        """The forward after its block loop: the latents' tokens -> [B, C_out, F, h, w]."""
+        model = self.transformer
+        batch, frames, height, width = tokens.grid
+        p_t, p = model.config.patch_size_t, model.config.patch_size
+        hidden_states = model.proj_out(model.norm_out(stream, tokens.temb))
+        hidden_states = hidden_states.reshape(batch, frames // p_t, height // p, width // p, -1, p_t, p, p)
+        hidden_states = hidden_states.permute(0, 4, 1, 5, 2, 6, 3, 7)
+        return hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def token_shape(self, latents: torch.Tensor, condition: torch.Tensor | None = None) -> tuple[int, int, int]:
+        _, _, frames, height, width = latents.shape
+        config = self.transformer.config
+        patches = (frames // config.patch_size_t) * (height // config.patch_size) * (width // config.patch_size)
+        return 1, patches, int(config.num_attention_heads * config.attention_head_dim)
+
+    def hidden_shape(self, latents: torch.Tensor, text_tokens: int, condition: torch.Tensor | None = None) -> tuple[int, int, int]:
+        _, patches, dim = self.token_shape(latents)
+        return 1, VISION_TOKENS + self.glyph_tokens + text_tokens + patches, dim
+
+    def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
+        """(tokens, head_dim, dtype) of the blocks' joint attention (fvgraph.kernels.attention)."""
+        text = inputs["prompt_embeds"]
+        tokens = attention_tokens(self.transformer, inputs["latents"], text.shape[1], self.glyph_tokens)
+        return tokens, int(self.transformer.config.attention_head_dim), text.dtype
+
+    @property
+    def token_dtype(self) -> torch.dtype:
+        return self.transformer.x_embedder.proj.weight.dtype  # the patches': what the blocks' tokens are in
+
+    @staticmethod
+    def _run(blocks, hidden: torch.Tensor, tokens: HunyuanTokens) -> torch.Tensor:
+        condition, latents = hidden[:, : tokens.condition_tokens], hidden[:, tokens.condition_tokens :]
+        for block in blocks:
+            latents, condition = block(latents, condition, tokens.temb, tokens.mask, tokens.rotary_emb)
+        return torch.cat([condition, latents], dim=1)
