@@ -12,7 +12,8 @@ requests x 2 CFG branches, every row choosing slot 0 (slot biases zero, as most 
                     ones on the low-rank activations), bmm then baddbmm onto the base output
     slot_k2         the same at width 2 (the second place unused, scale 0)
     slot_k1_m1      SlotLinear under `rows_first(1, 4)`: the low-rank work of the first request alone,
-                    gathered once for its two branches, added in place (a batch of 4, one adapter row)
+                    gathered once for its two branches, its rows joined to the others' base output (a
+                    batch of 4, one adapter row)
     bias_pass_k1    the formulation before: as slot_k1 but the biases added to the base output in
                     an output-sized pass of their own before the baddbmm
     scaled_h_k1     as bias_pass_k1 without biases, the scales applied to the low-rank activations

@@ -218,8 +218,8 @@ def _add_low_rank_first(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index:
     tokens = ys.shape[2]
     xm = xs[:, :m].transpose(0, 1).reshape(m, branches * tokens, -1)  # [m, branches*T, in]
     low = torch.bmm(_with_ones(torch.bmm(xm, down.transpose(1, 2))), up)  # [m, branches*T, out]
-    ys[:, :m] += low.view(m, branches, tokens, -1).transpose(0, 1)  # y is this call's own output
-    return y
+    top = ys[:, :m] + low.view(m, branches, tokens, -1).transpose(0, 1)
+    return torch.cat([top, ys[:, m:]], dim=1).reshape(y.shape)
 
 
 def _gathered(t: TargetSlots, index: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
