@@ -7,17 +7,19 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from http_helpers import KEY, QUICK, client, expected_video, httpx, live_server
 from PIL import Image
 from typer.testing import CliRunner
 
+from fvgraph.adapters.setup import LoraFile
 from fvgraph.adapters.slots import LoraSlots
 from fvgraph.cli import app
 from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 from fvgraph.serving.media_encode import decode_mp4
 from fvgraph.serving.model_names import ServedNames
-from lora_files import peft_lora
+from lora_files import ATTENTION, peft_lora
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks the videos API deprecated
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -148,9 +150,6 @@ def test_over_http_an_adapter_loads_into_the_expert_the_body_names(tmp_path):
     """POST /v1/loras `expert`: diffusers' names of a two-expert card's denoisers, the high-noise one
     by default; the result equals the engine given the same files per expert at build (which
     tests/test_lora_experts.py checks against diffusers' `load_into_transformer_2`)."""
-    from fvgraph.adapters.setup import LoraFile
-    from lora_files import ATTENTION
-
     card, folder = "tiny-wan2.2-a14b", tmp_path / "loras"
     hi = peft_lora(folder / "hi", 1, ATTENTION, rank=4, alpha=8.0, card=card)
     lo = peft_lora(folder / "lo", 2, ["attn1.to_q", "attn2.to_v", "ffn.net.0.proj"], rank=4, alpha=4.0, card=card)
