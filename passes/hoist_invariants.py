@@ -19,7 +19,10 @@ After:
 A node is hoisted when every input is a request constant, a weight (the first `num_params`
 placeholders, or a module attribute) or another hoisted node, and it depends on the data of at least
 one request constant (not only on its shape). Weight-only nodes stay in the step: they are free views
-or constant-folded by inductor.
+or constant-folded by inductor. So does a tensor whose leading dim is not a multiple of the batch
+(the first m rows of each branch, an adapter step's rows-first slice: fvgraph/adapters/slots.py):
+the runtime keeps hoisted values by request rows, so such a slice is taken in the step, of a
+hoisted value that holds every row.
 The prologue takes the same arguments as the step (it ignores the ones it does not need), so the
 runtime calls both the same way.
 """
@@ -37,7 +40,7 @@ class HoistInvariantsPass(FxPass):
     name = "hoist_invariants"
 
     def run(self, gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-        hoisted = _hoistable(gm.graph, ctx.num_params)
+        hoisted = {n for n in _hoistable(gm.graph, ctx.num_params) if _rows_per_request(n, ctx.batch)}
         frontier = [n for n in gm.graph.nodes if n in hoisted and any(u not in hoisted for u in n.users)]
         frontier = [n for n in frontier if _is_tensor(n)]
         if not frontier:
@@ -94,6 +97,15 @@ def _carries_data(node: fx.Node) -> bool:
         return True  # unknown: assume it does
     values = value if isinstance(value, (tuple, list)) else (value,)
     return any(isinstance(v, torch.Tensor) for v in values)
+
+
+def _rows_per_request(node: fx.Node, batch: int) -> bool:
+    """Whether a node's value splits into the batch's requests by rows (what the runtime keeps per
+    request); a value that is not a tensor is judged by its tensor users."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    if not isinstance(value, torch.Tensor):
+        return True
+    return value.dim() > 0 and value.shape[0] % batch == 0
 
 
 def _is_tensor(node: fx.Node) -> bool:

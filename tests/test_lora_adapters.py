@@ -18,6 +18,7 @@ from fvgraph.cards import get_card
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
 from fvgraph.models.components import diffusers_scheduler, load_components
+from fvgraph.runtime.adapter_variant import ROWS_FIRST
 from fvgraph.runtime.buckets import BucketSpec
 from lora_files import fresh_transformer, musubi_dims, musubi_lora, peft_lora
 from reference_helpers import assert_matches_reference
@@ -123,6 +124,15 @@ def test_a_batch_of_mixed_adapters_equals_each_request_alone_and_a_new_adapter_c
     for ours, reference in zip(_latents(compiled, *requests()), alone):
         torch.testing.assert_close(ours, reference, atol=tolerance.atol, rtol=tolerance.rtol)
     compiles, prologues = compiled.counters.compiles, compiled.counters.prologue_runs
+    # Fewer adapter rows than the bucket: they run first and alone do the low-rank work (m' = 1, 2);
+    # each request still equals itself alone, in the caller's order, and nothing compiles.
+    firsts = {dict((n, s) for n, s, _ in sig.inputs).get(ROWS_FIRST, (0,))[0] for sig, _, _ in compiled.executor.runner._graphs}
+    assert firsts == {0, 1, 2}
+    for order in ([3, 0, 3, 1], [3, 3, 2, 3]):  # indices into mix: [None, a, None, b], [None, None, a+b, None]
+        few = [_request(seed=7 + i, loras=mix[i], shape=SMALL) for i in order]
+        for ours, i in zip(_latents(compiled, *few), order):
+            torch.testing.assert_close(ours, alone[i], atol=tolerance.atol, rtol=tolerance.rtol)
+    assert compiled.counters.compiles == compiles
     # A third adapter, while serving (slot storage written in place), on the cross-attention K/V only:
     # the K/V the -O1 prologue hoists must be the adapted ones.
     compiled.load_lora("kv", files["kv"])

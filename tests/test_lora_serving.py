@@ -7,17 +7,19 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from http_helpers import KEY, QUICK, client, expected_video, httpx, live_server
 from PIL import Image
 from typer.testing import CliRunner
 
+from fvgraph.adapters.setup import LoraFile
 from fvgraph.adapters.slots import LoraSlots
 from fvgraph.cli import app
 from fvgraph.engine.engine import Engine
 from fvgraph.request import Request
 from fvgraph.serving.media_encode import decode_mp4
 from fvgraph.serving.model_names import ServedNames
-from lora_files import peft_lora
+from lora_files import ATTENTION, peft_lora
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the SDK marks the videos API deprecated
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -142,3 +144,38 @@ def test_a_remix_is_refused_when_its_adapter_name_now_holds_another_file(lora_pa
         refused = httpx.post(url + f"/v1/videos/{video.id}/remix", headers=AUTH, json={"prompt": "a cat"})
         assert refused.status_code == 409 and refused.json()["error"]["param"] == "loras"
         assert "lora 'style'" in refused.json()["error"]["message"]
+
+
+def test_over_http_an_adapter_loads_into_the_expert_the_body_names(tmp_path):
+    """POST /v1/loras `expert`: diffusers' names of a two-expert card's denoisers, the high-noise one
+    by default; the result equals the engine given the same files per expert at build (which
+    tests/test_lora_experts.py checks against diffusers' `load_into_transformer_2`)."""
+    card, folder = "tiny-wan2.2-a14b", tmp_path / "loras"
+    hi = peft_lora(folder / "hi", 1, ATTENTION, rank=4, alpha=8.0, card=card)
+    lo = peft_lora(folder / "lo", 2, ["attn1.to_q", "attn2.to_v", "ffn.net.0.proj"], rank=4, alpha=4.0, card=card)
+    slots = LoraSlots(max_loras=3, max_lora_rank=8, max_loras_per_request=2)
+    engine = Engine.from_card(card, device="cpu", lora_slots=slots)
+    with live_server(engine, tmp_path, lora_dir=folder) as (_, url):
+        post = lambda **body: httpx.post(url + "/v1/loras", headers=AUTH, json=body)  # noqa: E731
+        bad = post(name="lo", path="lo/lora.safetensors", expert="transformer_3")
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "expert", bad.text
+        assert "transformer_2" in bad.json()["error"]["message"] and engine.loras() == []
+        assert post(name="lo", path="lo/lora.safetensors", expert="transformer_2").json()["expert"] == "transformer_2"
+        assert post(name="hi", path="hi/lora.safetensors").json()["expert"] == "transformer"  # the default
+        listed = httpx.get(url + "/v1/loras", headers=AUTH).json()["data"]
+        assert [(x["name"], x["expert"]) for x in listed] == [("lo", "transformer_2"), ("hi", "transformer")]
+    built = Engine.from_card(card, device="cpu", lora_slots=slots, loras={"hi": hi, "lo": LoraFile(lo, expert="transformer_2")})
+    positive, negative = (torch.randn(16, engine.facts.text_dim, generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    request = Request(prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=4.0, guidance_scale_2=3.0, seed=7,
+                      height=32, width=32, num_frames=5, num_inference_steps=4, output_type="latent", loras={"hi": 0.7, "lo": 0.5})
+    [served], [expected] = engine.generate([request]), built.generate([request])
+    assert served.ok and expected.ok, (served.error, expected.error)
+    assert torch.equal(served.latents, expected.latents)
+    [base] = built.generate([request.model_copy(update={"loras": {"hi": 0.7}})])
+    assert (base.latents - expected.latents).abs().max() > 0.01  # the low-noise adapter reaches the low-noise steps
+
+    one = Engine.from_card("tiny-wan", device="cpu", lora_slots=slots)
+    with live_server(one, tmp_path / "one", lora_dir=folder) as (_, url):
+        refused = httpx.post(url + "/v1/loras", headers=AUTH, json={"name": "x", "path": "hi/lora.safetensors", "expert": "transformer"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "expert", refused.text
+        assert "one denoiser" in refused.json()["error"]["message"] and one.loras() == []

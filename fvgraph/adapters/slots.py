@@ -15,8 +15,9 @@ state_dict, a checkpoint or the weights version):
 and its forward becomes `W x + b + sum_k scale[n, k] * scaling[i] * up_i (down_i x)` with
 `i = index[n, k]`, for each batch row n: one gather of the rows' slots and two batched GEMMs of
 width K * R beside the base GEMM. A row that uses fewer than K adapters (or none) has scale 0 in the
-rest. A batch runs with only the K its rows use, and with no rows (the base linear alone) when none
-uses an adapter (fvgraph/runtime/adapter_variant.py). The row tensors enter the denoiser call as two keyword arguments, which a forward pre-hook on
+rest. A batch runs with only the K its rows use, with no rows (the base linear alone) when none
+uses an adapter, and with its adapter rows first and the low-rank work on those alone when some do
+(`SlotStore.rows_first`, fvgraph/runtime/adapter_variant.py). The row tensors enter the denoiser call as two keyword arguments, which a forward pre-hook on
 the called module takes off and holds for the call's duration; being arguments of the call, they
 are marked, concatenated and hoisted like any other input by the CFG-fusion and hoisting passes.
 
@@ -28,6 +29,7 @@ compiled step is built for (the signature's `adapters` factor), never which adap
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import weakref
 from dataclasses import dataclass
@@ -60,11 +62,13 @@ class LoraSlots:
 
 
 class _RowChoice:
-    """The current call's row tensors, or None outside a call that passed them."""
+    """The current call's row tensors, or None outside a call that passed them; and, while a batch
+    runs with its adapter rows first, how many (`first`, of each `bucket` rows per branch)."""
 
     def __init__(self) -> None:
         self.index: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
+        self.first: tuple[int, int] | None = None  # (m, bucket): only rows [0, m) of each branch use adapters
 
 
 class TargetSlots(nn.Module):
@@ -108,6 +112,17 @@ class SlotStore(nn.Module):
 
     def release(self) -> None:
         self.rows.index = self.rows.scale = None
+
+    @contextlib.contextmanager
+    def rows_first(self, m: int, bucket: int):
+        """While inside: a call's rows past the first m of each `bucket` rows per branch use no adapter
+        (the executor put its adapter rows first), so the low-rank work runs on those m rows alone.
+        Read while a compiled step is traced: the step's signature must say m (adapter_variant.py)."""
+        self.rows.first = (m, bucket)
+        try:
+            yield
+        finally:
+            self.rows.first = None
 
     def target(self, name: str) -> TargetSlots:
         return self.targets[_key(name)]
@@ -170,23 +185,59 @@ class SlotLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         linear = self._linear()
         index, scale = self.rows.index, self.rows.scale
+        y = F.linear(x, linear.weight, linear.bias)
         if index is None:  # a call that chose no slots (outside a step, or a batch with no adapter row)
-            return F.linear(x, linear.weight, linear.bias)
-        rows, places = index.shape
+            return y
+        rows = index.shape[0]
         if x.shape[0] % rows:
             raise AdapterError(f"adapter rows: a linear's input has leading dim {x.shape[0]}, not a multiple of the {rows} batch rows")
-        t = self.slots
-        # Each place's scale folded into its gathered down factors ([N, K, R, in], weight-sized, not
-        # activation-sized). A row's unused places (scale 0) point at slot 0, whatever it holds: their
-        # factors become exact zeros (slot factors are finite, checked at load), so they add nothing.
-        s = torch.where(scale != 0, scale * t.scaling[index], 0.0).to(x.dtype)  # [N, K]
-        down = (t.down[index] * s[:, :, None, None]).flatten(1, 2)  # [N, K*R, in]
-        up = t.up[index].flatten(1, 2)  # [N, K*R, out]
-        bias = (s.unsqueeze(-1) * t.bias[index]).sum(1, keepdim=True)  # [N, 1, out]
-        y = F.linear(x, linear.weight, linear.bias)
-        y3 = y.reshape(rows, -1, y.shape[-1])  # [N, T, out]: a row's tokens are contiguous
-        h = torch.bmm(x.reshape(rows, -1, x.shape[-1]), down.transpose(1, 2))  # [N, T, K*R]
-        return torch.baddbmm(y3 + bias, h, up).reshape(y.shape)
+        first = self.rows.first
+        if first is None or rows % first[1] or first[0] >= first[1]:
+            return _add_low_rank(self.slots, y, x, index, scale).reshape(y.shape)
+        return _add_low_rank_first(self.slots, y, x, index, scale, *first)
+
+
+def _add_low_rank(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y + each row's chosen slots' low-rank terms, [N, T, out] for the N rows of index [N, K]."""
+    rows = index.shape[0]
+    down, up = _gathered(t, index, scale, x.dtype)
+    h = torch.bmm(x.reshape(rows, -1, x.shape[-1]), down.transpose(1, 2))  # [N, T, K*R]
+    return torch.baddbmm(y.reshape(rows, -1, y.shape[-1]), _with_ones(h), up)  # a row's tokens are contiguous
+
+
+def _add_low_rank_first(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor,
+                        m: int, bucket: int) -> torch.Tensor:  # fmt: skip
+    """y + the low-rank terms of the first m requests of `bucket` (the adapter rows, put first), the
+    rest y as it is. Rows are branch-major ([branch, bucket, T]): each request's slots are gathered
+    once for all its branches (their rows choose the same), and its branches' tokens go through one
+    GEMM. Every tensor of the first m requests leads with m < bucket, so the hoisting pass keeps
+    those slices in the step, of the factors it hoists for the whole bucket (passes/hoist_invariants.py)."""
+    branches = index.shape[0] // bucket
+    down, up = (f[:m] for f in _gathered(t, index[:bucket], scale[:bucket], x.dtype))  # [m, K*R, in], [m, K*R + 1, out]
+    xs, ys = x.reshape(branches, bucket, -1, x.shape[-1]), y.reshape(branches, bucket, -1, y.shape[-1])
+    tokens = ys.shape[2]
+    xm = xs[:, :m].transpose(0, 1).reshape(m, branches * tokens, -1)  # [m, branches*T, in]
+    low = torch.bmm(_with_ones(torch.bmm(xm, down.transpose(1, 2))), up)  # [m, branches*T, out]
+    top = ys[:, :m] + low.view(m, branches, tokens, -1).transpose(0, 1)
+    return torch.cat([top, ys[:, m:]], dim=1).reshape(y.shape)
+
+
+def _gathered(t: TargetSlots, index: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's slot factors: down [N, K*R, in], scales folded in, and up [N, K*R + 1, out], whose
+    last row is the row's scaled slot biases (the low-rank activations get a column of ones, so the
+    bias rides in the same GEMM instead of an output-sized pass of its own)."""
+    # Each place's scale folded into its gathered down factors ([N, K, R, in], weight-sized, not
+    # activation-sized). A row's unused places (scale 0) point at slot 0, whatever it holds: their
+    # factors become exact zeros (slot factors are finite, checked at load), so they add nothing.
+    s = torch.where(scale != 0, scale * t.scaling[index], 0.0).to(dtype)  # [N, K]
+    down = (t.down[index] * s[:, :, None, None]).flatten(1, 2)
+    bias = (s.unsqueeze(-1) * t.bias[index]).sum(1, keepdim=True)  # [N, 1, out]
+    return down, torch.cat([t.up[index].flatten(1, 2), bias], dim=1)
+
+
+def _with_ones(h: torch.Tensor) -> torch.Tensor:
+    """h [N, T, r] with a column of ones appended: the bias row of the gathered up factors."""
+    return torch.cat([h, h.new_ones(*h.shape[:-1], 1)], dim=-1)
 
 
 def install_slots(transformer: nn.Module, slots: LoraSlots) -> SlotStore:

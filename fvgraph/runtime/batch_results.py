@@ -29,6 +29,7 @@ class BatchResults(list):
         self.outputs = outputs
         self.bucket = flags.shape[0]
         self._host_flags, self._copied = flags, None
+        self._positions: list[int] | None = None  # request i's row (reordered); None: row i
         if flags.device.type == "cuda":
             self._host_flags = torch.empty(flags.shape, dtype=torch.bool, pin_memory=True)
             self._host_flags.copy_(flags, non_blocking=True)
@@ -39,7 +40,17 @@ class BatchResults(list):
         """The requests' flags on the host: on CUDA this waits for the batch (and its flags' copy), no further."""
         if self._copied is not None:
             self._copied.synchronize()
-        return self._host_flags.tolist()[: len(self)]
+        flags = self._host_flags.tolist()
+        return [flags[j] for j in self._positions] if self._positions is not None else flags[: len(self)]
+
+    def reordered(self, positions: list[int]) -> BatchResults:
+        """The same results for requests that ran at other rows: request i's is row positions[i]. The
+        batch outputs are left out (their rows are in run order), so host reads go row by row."""
+        out = BatchResults.__new__(BatchResults)
+        list.__init__(out, [self[j] for j in positions])
+        out.outputs, out.bucket = {}, self.bucket
+        out._host_flags, out._copied, out._positions = self._host_flags, self._copied, positions
+        return out
 
 
 def request_rows(out: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, ...]:

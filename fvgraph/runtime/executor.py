@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fvgraph.runtime.adapter_variant import AdapterVariants
+from fvgraph.runtime.adapter_variant import AdapterBatch, AdapterVariants, in_caller_order, rows_first_of
 from fvgraph.runtime.buckets import BucketSpec
 from fvgraph.runtime.batch_results import request_rows
 from fvgraph.runtime.block_streaming import BlockStreaming
@@ -65,7 +65,7 @@ class EagerExecutor:
         if step is None:
             raise KeyError(f"no step function for kind {plan.kind!r}; known: {sorted(self.steps)}")
         self.counters.eager_steps += 1
-        [plan] = self.adapter_variants.for_batch([plan])
+        [plan] = self.adapter_variants.for_batch([plan]).plans
         with torch.no_grad():
             return step(**plan.inputs)
 
@@ -79,14 +79,15 @@ class EagerExecutor:
         if self.padded is None or len(plans) == 1 and self.padded.batch_for(1) == 1:
             return [self.run(plan) for plan in plans]
         step = self.steps[plans[0].kind]
-        plans = self.adapter_variants.for_batch(plans)
         bucket = self.padded.batch_for(len(plans))
+        batch = self.adapter_variants.for_batch(plans, bucket)
+        plans = batch.plans
         inputs = {name: _padded_rows([plan.inputs[name] for plan in plans], bucket) for name in plans[0].inputs}
         self.counters.eager_steps += len(plans)
-        with torch.no_grad():
+        with torch.no_grad(), self.adapter_variants.running(step, batch, bucket):
             outputs = step(**inputs)
         rows = {name: request_rows(out, bucket, len(plans)) for name, out in outputs.items()}
-        return [{name: rows[name][i] for name in outputs} for i in range(len(plans))]
+        return in_caller_order([{name: rows[name][i] for name in outputs} for i in range(len(plans))], batch.order)
 
 
 def _padded_rows(tensors: list[torch.Tensor], bucket: int) -> torch.Tensor:
@@ -127,12 +128,13 @@ class CompiledExecutor:
             self.counters.fallbacks += len(plans)
             return self.eager.run_batch(plans, slots)
         bucket = self.buckets.batch_for(len(plans))
-        plans = self.eager.adapter_variants.for_batch(plans)
-        with torch.no_grad(), self.eager.resident(first.kind):
-            results = self.runner.run(self.steps[first.kind], plans, slots, bucket, lane)
+        batch = self.eager.adapter_variants.for_batch(plans, bucket)
+        step = self.steps[first.kind]
+        with torch.no_grad(), self.eager.resident(first.kind), self.eager.adapter_variants.running(step, batch, bucket):
+            results = self.runner.run(step, batch.plans, batch.in_run_order(slots), bucket, lane)
         self.counters.compiled_steps += len(plans)
         self.counters.batches += 1
-        return results
+        return in_caller_order(results, batch.order)
 
     def prepare(self, plan: WorkPlan, on_bucket: Callable[[int], None] | None = None) -> None:
         """Compile (and capture) `plan`'s signature at every batch bucket, largest first, so the
@@ -141,10 +143,13 @@ class CompiledExecutor:
         if not self.compiler.wants(plan.kind) or (plan.pixel_shape and not self._has_graphs(plan.pixel_shape)):
             return
         with torch.no_grad(), self.eager.resident(plan.kind):
+            variants = self.eager.adapter_variants
             for bucket in reversed(self.buckets.batch_sizes):
-                for variant in self.eager.adapter_variants.variants(plan):
+                for variant in variants.variants(plan, bucket):
                     slot = RequestSlot()  # warmup's stand-in request, one per bucket: every bucket's prologue runs
-                    self.runner.run(self.steps[plan.kind], [variant] * bucket, [slot] * bucket, bucket)
+                    batch = AdapterBatch([variant] * bucket, rows_first=rows_first_of(variant.signature))
+                    with variants.running(self.steps[plan.kind], batch, bucket):
+                        self.runner.run(self.steps[plan.kind], batch.plans, [slot] * bucket, bucket)
                 if on_bucket is not None:
                     on_bucket(bucket)
 

@@ -165,7 +165,7 @@ class GraphRunner:
     def _prepare(self, step: nn.Module, plans: list[WorkPlan], slots: list[RequestSlot], bucket: int,
                  lane: int) -> BucketGraph:  # fmt: skip
         inputs = {name: self._padded_like(t, bucket) for name, t in plans[0].inputs.items()}
-        example = WorkPlan(plans[0].request_id, plans[0].kind, inputs)
+        example = WorkPlan(plans[0].request_id, plans[0].kind, inputs, signature=plans[0].signature)  # its facts past the shapes too
         entry = BucketGraph(self.compiler.get(step, example, batch=bucket), bucket, inputs)
         entry.input_owners = entry.hoisted_for = [_UNWRITTEN] * bucket
         entry.pad_from = bucket

@@ -2,6 +2,7 @@
 
     GET    /v1/loras           {"object": "list", "data": [{"name", "path", "digest", "rank", "modules", "slot", ...}]}
     POST   /v1/loras           {"name": "style", "path": "/models/style.safetensors"}: load into a free slot
+                               (+ "expert": "transformer" | "transformer_2" on a two-expert card)
     DELETE /v1/loras/{name}    unload; 409 while a request in flight uses it
 
 `path` names a file in the operator's adapter directory (`fvgraph serve --lora-dir DIR`), relative
@@ -11,12 +12,17 @@ tells nothing of the rest of the disk, and the list shows names, not paths. The 
 worker thread (a slow disk stalls no step); the slot is written on the engine thread between two
 ticks (AsyncEngine.call), so a step never reads a slot while it is written. Requests then choose
 adapters with the body's `loras`.
+
+On a two-expert card (Wan 2.2 A14B) `expert` names the denoiser the adapter loads into, by diffusers'
+component names: "transformer" (high noise; the default, as diffusers' `load_lora_weights` without
+`load_into_transformer_2`) or "transformer_2" (low noise). A one-denoiser card refuses the field.
 """
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Literal
 
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -32,6 +38,8 @@ class LoadLora(BaseModel):
 
     name: str = Field(min_length=1, max_length=64)
     path: str = Field(min_length=1, max_length=4096, description="A LoRA file on the server's disk.")
+    expert: Literal["transformer", "transformer_2"] | None = Field(
+        default=None, description="A two-expert card's denoiser: 'transformer' (high noise, the default) or 'transformer_2'.")
 
 
 class AdapterApi:
@@ -66,10 +74,10 @@ class AdapterApi:
             raise ApiError(400, f"{name}: {first['msg']}", name, "invalid_value") from None
         path = self._file(body.path)
         try:
-            weights = await asyncio.to_thread(self.served.engine.read_lora, body.name, path)
-            adapter = await self.served.call(lambda engine: engine.load_lora(body.name, weights))
+            weights = await asyncio.to_thread(self.served.engine.read_lora, body.name, path, body.expert)
+            adapter = await self.served.call(lambda engine: engine.load_lora(body.name, weights, body.expert))
         except AdapterError as err:
-            raise ApiError(400, str(err), "path" if "path" in str(err) or "lora key" in str(err) else "name", "invalid_value") from None
+            raise ApiError(400, str(err), _param_of(str(err)), "invalid_value") from None
         return {"object": "lora", **_without_path(adapter)}
 
     async def unload_lora(self, name: str):
@@ -79,6 +87,13 @@ class AdapterApi:
             status, code = (404, "not_found") if "unknown lora" in str(err) else (409, "lora_in_use") if "in use" in str(err) else (400, "invalid_value")
             raise ApiError(status, str(err), "name", code) from None
         return {"object": "lora.deleted", "name": adapter["name"], "deleted": True}
+
+
+def _param_of(message: str) -> str:
+    """The body field an AdapterError's message is about."""
+    if message.startswith("expert="):
+        return "expert"
+    return "path" if "path" in message or "lora key" in message else "name"
 
 
 def _without_path(adapter: dict) -> dict:
