@@ -49,19 +49,9 @@ class HunyuanVideo15TextToVideo(nn.Module):
         model = self.transformer
         batch, _, frames, height, width = hidden_states.shape
         p_t, p = model.config.patch_size_t, model.config.patch_size
-        # 1. RoPE, the timestep embedding and the latents' patches
-        rotary = model.rope(hidden_states)
-        temb = model.time_embed(timestep)
-        hidden_states = model.x_embedder(hidden_states)
-        # 2. the three conditioning streams, each with its type embedding
-        text = model.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
-        text = text + model.cond_type_embed(torch.zeros_like(text[:, :, 0], dtype=torch.long))
-        glyph = model.context_embedder_2(encoder_hidden_states_2)
-        glyph = glyph + model.cond_type_embed(torch.ones_like(glyph[:, :, 0], dtype=torch.long))
-        image, image_mask = _image_tokens(model, image_embeds, text)
-        image = image + model.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
-        # 3. valid tokens first (image, ByT5, Qwen), then the invalid ones (the text's zeroed), each group in order
-        tokens, mask = _valid_first(image, image_mask, glyph, encoder_attention_mask_2.bool(), text, encoder_attention_mask.bool())
+        hidden_states, temb, rotary, tokens, mask = prologue(model, hidden_states, timestep, encoder_hidden_states,
+                                                             encoder_attention_mask, encoder_hidden_states_2,
+                                                             encoder_attention_mask_2, image_embeds)  # fmt: skip
         # 4. the dual-stream blocks
         for block in self.blocks:
             tokens, hidden_states = block(hidden_states, tokens, temb, mask, rotary)
@@ -70,6 +60,26 @@ class HunyuanVideo15TextToVideo(nn.Module):
         hidden_states = hidden_states.reshape(batch, frames // p_t, height // p, width // p, -1, p_t, p, p)
         hidden_states = hidden_states.permute(0, 4, 1, 5, 2, 6, 3, 7)
         return (hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3),)
+
+
+def prologue(model: nn.Module, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+             encoder_attention_mask: torch.Tensor, encoder_hidden_states_2: torch.Tensor, encoder_attention_mask_2: torch.Tensor,
+             image_embeds: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The forward before its block loop: (the latents' patches, temb, RoPE, the conditioning tokens, their mask)."""
+    # 1. RoPE, the timestep embedding and the latents' patches
+    rotary = model.rope(hidden_states)
+    temb = model.time_embed(timestep)
+    hidden_states = model.x_embedder(hidden_states)
+    # 2. the three conditioning streams, each with its type embedding
+    text = model.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
+    text = text + model.cond_type_embed(torch.zeros_like(text[:, :, 0], dtype=torch.long))
+    glyph = model.context_embedder_2(encoder_hidden_states_2)
+    glyph = glyph + model.cond_type_embed(torch.ones_like(glyph[:, :, 0], dtype=torch.long))
+    image, image_mask = _image_tokens(model, image_embeds, text)
+    image = image + model.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
+    # 3. valid tokens first (image, ByT5, Qwen), then the invalid ones (the text's zeroed), each group in order
+    tokens, mask = _valid_first(image, image_mask, glyph, encoder_attention_mask_2.bool(), text, encoder_attention_mask.bool())
+    return hidden_states, temb, rotary, tokens, mask
 
 
 def _image_tokens(model: nn.Module, image_embeds: torch.Tensor | None, text: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

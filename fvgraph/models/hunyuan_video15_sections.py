@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fvgraph.models.hunyuan_video15_forward import VISION_TOKENS, _valid_first, attention_tokens
+from fvgraph.models.hunyuan_video15_forward import VISION_TOKENS, attention_tokens, prologue
 
 # Per CFG branch (cond, uncond): the step inputs holding its text's four tensors (the loop's names).
 TEXTS = tuple((slot, f"{slot}_mask", f"{slot}_2", f"{slot}_mask_2") for slot in ("prompt_embeds", "negative_prompt_embeds"))
@@ -65,21 +65,9 @@ class HunyuanVideo15Sections(nn.Module):
         hidden_states = torch.cat([hidden_states, torch.zeros_like(hidden_states),
                                    hidden_states.new_zeros(batch, 1, frames, height, width)], dim=1).to(dtype)  # fmt: skip
         timestep = timestep.to(dtype)
-        # 1. RoPE, the timestep embedding and the latents' patches
-        rotary = model.rope(hidden_states)
-        temb = model.time_embed(timestep)
-        hidden_states = model.x_embedder(hidden_states)
-        # 2. the three conditioning streams, each with its type embedding
-        text = model.context_embedder(encoder_hidden_states, timestep, encoder_attention_mask)
-        text = text + model.cond_type_embed(torch.zeros_like(text[:, :, 0], dtype=torch.long))
-        glyph = model.context_embedder_2(encoder_hidden_states_2)
-        glyph = glyph + model.cond_type_embed(torch.ones_like(glyph[:, :, 0], dtype=torch.long))
-        image_embeds = text.new_zeros(batch, VISION_TOKENS, model.config.image_embed_dim)
-        image = model.image_embedder(image_embeds) * 0.0  # text-to-video: the image tokens carry nothing
-        image = image + model.cond_type_embed(2 * torch.ones_like(image[:, :, 0], dtype=torch.long))
-        image_mask = torch.zeros(batch, VISION_TOKENS, dtype=torch.bool, device=text.device)
-        # 3. valid tokens first (image, ByT5, Qwen), then the invalid ones, each group in order
-        tokens, mask = _valid_first(image, image_mask, glyph, encoder_attention_mask_2.bool(), text, encoder_attention_mask.bool())
+        hidden_states, temb, rotary, tokens, mask = prologue(model, hidden_states, timestep, encoder_hidden_states,
+                                                             encoder_attention_mask, encoder_hidden_states_2,
+                                                             encoder_attention_mask_2, None)  # fmt: skip
         grid = (batch, frames, height, width)
         return HunyuanTokens(torch.cat([tokens, hidden_states], dim=1), tokens.shape[1], temb, mask, rotary, grid)
 
