@@ -21,6 +21,12 @@ of each slot case to fvgraph_base (and to the merged case); and per rank the low
 step's FLOPs: (FLOPs of the step with every row choosing the adapter - FLOPs without) / FLOPs
 without, counted by torch's flop counter on a data-free twin of the denoiser with the same slots.
 The bar the slot path is held to with every row choosing the adapter is 1 + 1.5 x that share.
+
+On the CPU torch runs on one thread unless `--threads` says otherwise: on a CPU other jobs share,
+torch's pool of one thread per core spends each parallel region (every op) waiting for a worker the
+scheduler has taken off its core, so a step's wall time follows its count of ops, not its work, and
+the slot step (more ops, few more FLOPs) measured ~2x the base step at every rank and row count
+(docs/adapters.md, "Measured cost").
 """
 
 from __future__ import annotations
@@ -176,8 +182,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="interleaved rounds (default 8 CPU, 20 GPU)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-references", action="store_true", help="skip the merged and diffusers + peft cases")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default 1 on the CPU, torch's own on GPU)")
     args = parser.parse_args(argv)
     card, device, shape = workload(args)
+    threads = args.threads if args.threads is not None else (None if args.gpu else 1)
+    if threads is not None:
+        if threads < 1:
+            raise SystemExit(f"--threads={threads} must be >= 1")
+        torch.set_num_threads(threads)  # the result line's machine.torch_threads records it
     level = args.opt_level if args.opt_level is not None else (2 if args.gpu else 1)
     ranks = tuple(int(v) for v in args.ranks.split(","))
     emit(bench(card, device, shape, ranks, level, args.batch, args.repeats or (20 if args.gpu else 8), args.warmup, not args.no_references))
