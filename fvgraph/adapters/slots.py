@@ -193,19 +193,22 @@ class SlotLinear:
             raise AdapterError(f"adapter rows: a linear's input has leading dim {x.shape[0]}, not a multiple of the {rows} batch rows")
         first = self.rows.first
         if first is None or rows % first[1] or first[0] >= first[1]:
-            return _add_low_rank(self.slots, y, x, index, scale).reshape(y.shape)
-        return _add_low_rank_first(self.slots, y, x, index, scale, *first)
+            return add_low_rank(self.slots, y, x, index, scale).reshape(y.shape)
+        return add_low_rank_first(self.slots, y, x, index, scale, *first)
 
 
-def _add_low_rank(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def add_low_rank(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y + each row's chosen slots' low-rank terms, [N, T, out] for the N rows of index [N, K]."""
     rows = index.shape[0]
-    down, up = _gathered(t, index, scale, x.dtype)
+    down, up, bias = _gathered(t, index, scale, x.dtype)
     h = torch.bmm(x.reshape(rows, -1, x.shape[-1]), down.transpose(1, 2))  # [N, T, K*R]
-    return torch.baddbmm(y.reshape(rows, -1, y.shape[-1]), _with_ones(h), up)  # a row's tokens are contiguous
+    # y + (low + bias) as plain adds, not a baddbmm onto y: compiled, both adds are one pass over the
+    # output where baddbmm copies y first (perf/bench_lora_linear.py). The rows-first path below does
+    # the same arithmetic, so a request's bits do not depend on the batch it runs in.
+    return y.reshape(rows, -1, y.shape[-1]) + (torch.bmm(h, up) + bias)  # a row's tokens are contiguous
 
 
-def _add_low_rank_first(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor,
+def add_low_rank_first(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor,
                         m: int, bucket: int) -> torch.Tensor:  # fmt: skip
     """y + the low-rank terms of the first m requests of `bucket` (the adapter rows, put first), the
     rest y as it is. Rows are branch-major ([branch, bucket, T]): each request's slots are gathered
@@ -213,31 +216,27 @@ def _add_low_rank_first(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index:
     GEMM. Every tensor of the first m requests leads with m < bucket, so the hoisting pass keeps
     those slices in the step, of the factors it hoists for the whole bucket (passes/hoist_invariants.py)."""
     branches = index.shape[0] // bucket
-    down, up = (f[:m] for f in _gathered(t, index[:bucket], scale[:bucket], x.dtype))  # [m, K*R, in], [m, K*R + 1, out]
+    down, up, bias = (f[:m] for f in _gathered(t, index[:bucket], scale[:bucket], x.dtype))  # [m, K*R, in], [m, K*R, out], [m, 1, out]
     xs, ys = x.reshape(branches, bucket, -1, x.shape[-1]), y.reshape(branches, bucket, -1, y.shape[-1])
     tokens = ys.shape[2]
     xm = xs[:, :m].transpose(0, 1).reshape(m, branches * tokens, -1)  # [m, branches*T, in]
-    low = torch.bmm(_with_ones(torch.bmm(xm, down.transpose(1, 2))), up)  # [m, branches*T, out]
+    low = torch.bmm(torch.bmm(xm, down.transpose(1, 2)), up) + bias  # [m, branches*T, out]
     top = ys[:, :m] + low.view(m, branches, tokens, -1).transpose(0, 1)
-    return torch.cat([top, ys[:, m:]], dim=1).reshape(y.shape)
+    # slice_scatter, not an in-place add: the step's passes take graphs without mutation; compiled,
+    # inductor writes the m requests' rows into y's own buffer rather than copying all of y (a cat did).
+    return ys.slice_scatter(top, dim=1, start=0, end=m).reshape(y.shape)
 
 
-def _gathered(t: TargetSlots, index: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's slot factors: down [N, K*R, in], scales folded in, and up [N, K*R + 1, out], whose
-    last row is the row's scaled slot biases (the low-rank activations get a column of ones, so the
-    bias rides in the same GEMM instead of an output-sized pass of its own)."""
+def _gathered(t: TargetSlots, index: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Each row's slot factors, down [N, K*R, in] with the scales folded in and up [N, K*R, out], and
+    its scaled slot biases [N, 1, out]."""
     # Each place's scale folded into its gathered down factors ([N, K, R, in], weight-sized, not
     # activation-sized). A row's unused places (scale 0) point at slot 0, whatever it holds: their
     # factors become exact zeros (slot factors are finite, checked at load), so they add nothing.
     s = torch.where(scale != 0, scale * t.scaling[index], 0.0).to(dtype)  # [N, K]
     down = (t.down[index] * s[:, :, None, None]).flatten(1, 2)
-    bias = (s.unsqueeze(-1) * t.bias[index]).sum(1, keepdim=True)  # [N, 1, out]
-    return down, torch.cat([t.up[index].flatten(1, 2), bias], dim=1)
-
-
-def _with_ones(h: torch.Tensor) -> torch.Tensor:
-    """h [N, T, r] with a column of ones appended: the bias row of the gathered up factors."""
-    return torch.cat([h, h.new_ones(*h.shape[:-1], 1)], dim=-1)
+    bias = (s.unsqueeze(-1) * t.bias[index]).sum(1, keepdim=True)
+    return down, t.up[index].flatten(1, 2), bias
 
 
 def install_slots(transformer: nn.Module, slots: LoraSlots) -> SlotStore:
