@@ -8,10 +8,10 @@ requests x 2 CFG branches), 4 slots and 2 places per row, every adapter row choo
 biases zero, as most files have). Cases per shape:
 
     base            the linear alone (what a batch with no adapter row runs)
-    slot_k1         SlotLinear's formulation as it ships, width 1: the rows' slots gathered, scales
-                    folded into the down factors, bmm, bmm, then y + (low + slot biases)
+    slot_k1         SlotLinear's formulation as it ships, width 1 (`add_gathered`): bmm, bmm, then
+                    y + (low + slot biases)
     slot_k2         the same at width 2 (the second place unused, scale 0)
-    slot_k1_m1      the rows-first formulation as it ships (`rows_first(1, 4)`): the first request's
+    slot_k1_m1      the rows-first formulation as it ships (`add_gathered_first`, m = 1 of 4): the first request's
                     low-rank work alone, gathered once for its two branches, its rows written back into
                     y by slice_scatter (a batch of 4, one adapter row)
     ones_baddbmm_k1 the formulation before: the slot biases as one more row of the up factors (a
@@ -20,10 +20,11 @@ biases zero, as most files have). Cases per shape:
     dense_slots     every slot for every row: x @ [S*R, in]^T, each row's per-slot weights, @ [S*R, out]
                     (no gather; S*R wide)
 
-With `--compile`, each case is compiled by inductor first (what a -O1 step runs; the gathers stay in
-the graph, where the step hoists them); without it, eager. Prints one JSON line: ms per call (min /
+Every case's slot factors are gathered once beforehand (the rows' slots, scales folded into the
+down factors), as a -O1 step hoists that gather out of the step. With `--compile`, each case is
+compiled by inductor first (what a -O1 step runs); without it, eager. Prints one JSON line: ms per call (min /
 median / max) per case, and per round each case / base. With `--thread-time`, torch runs on one
-thread and a sample is the thread's CPU time over 5 calls (time.thread_time), not wall time: on a
+thread and a sample is the thread's CPU time over 20 calls (time.thread_time), not wall time: on a
 CPU other jobs share, what a formulation costs, without the waits for a core that dominate wall time there.
 """
 
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fvgraph.adapters.slots import LoraSlots, add_low_rank, add_low_rank_first, install_slots
+from fvgraph.adapters.slots import LoraSlots, add_gathered, add_gathered_first, gathered, install_slots
 from fvgraph.perf.method import Case, emit, interleaved, paired_ratio, provenance, spread
 
 SLOTS, PLACES = 4, 2
@@ -53,34 +54,31 @@ def slot_factors(linear: nn.Linear, dim: int, out: int, rank: int, g: torch.Gene
     return t
 
 
-def ones_baddbmm(x, w, b, t, index, scale):
-    rows = index.shape[0]
-    s = torch.where(scale != 0, scale * t.scaling[index], 0.0)
-    down = (t.down[index] * s[:, :, None, None]).flatten(1, 2)
-    up = torch.cat([t.up[index].flatten(1, 2), (s.unsqueeze(-1) * t.bias[index]).sum(1, keepdim=True)], dim=1)
+def ones_baddbmm(x, w, b, down, up, bias):
+    """The formulation before: the biases as one more row of the up factors, baddbmm onto y."""
+    rows = down.shape[0]
     h = torch.bmm(x.reshape(rows, -1, x.shape[-1]), down.transpose(1, 2))
     h = torch.cat([h, h.new_ones(*h.shape[:-1], 1)], dim=-1)
-    return torch.baddbmm(F.linear(x, w, b).reshape(rows, -1, w.shape[0]), h, up)
+    return torch.baddbmm(F.linear(x, w, b).reshape(rows, -1, w.shape[0]), h, torch.cat([up, bias], dim=1))
 
 
-def cat_first(x, w, b, t, index, scale, m, bucket):
-    branches = index.shape[0] // bucket
-    s = torch.where(scale[:m] != 0, scale[:m] * t.scaling[index[:m]], 0.0)
-    down = (t.down[index[:m]] * s[:, :, None, None]).flatten(1, 2)
+def cat_first(x, w, b, down, up, bias, branches, bucket):
+    """The rows-first formulation before: the m requests' rows joined to the others' by cat."""
+    m = down.shape[0]
     y = F.linear(x, w, b)
     xs, ys = x.reshape(branches, bucket, -1, x.shape[-1]), y.reshape(branches, bucket, -1, y.shape[-1])
     xm = xs[:, :m].transpose(0, 1).reshape(m, -1, x.shape[-1])
-    low = torch.bmm(torch.bmm(xm, down.transpose(1, 2)), t.up[index[:m]].flatten(1, 2))
+    low = torch.bmm(torch.bmm(xm, down.transpose(1, 2)), up) + bias
     top = ys[:, :m] + low.view(m, branches, ys.shape[2], -1).transpose(0, 1)
     return torch.cat([top, ys[:, m:]], dim=1).reshape(y.shape)
 
 
-def dense(x, w, b, t, index, scale):
-    rows, rank = index.shape[0], t.down.shape[1]
-    weights = torch.zeros(rows, t.down.shape[0]).scatter_add_(1, index, scale * t.scaling[index])  # [N, S]
-    h = F.linear(x, t.down.flatten(0, 1)).reshape(rows, -1, t.down.shape[0] * rank)
+def dense(x, w, b, down, up, weights):
+    """Every slot for every row, each row's per-slot weights [N, S] on the activations."""
+    rows, rank = weights.shape[0], down.shape[1]
+    h = F.linear(x, down.flatten(0, 1)).reshape(rows, -1, down.shape[0] * rank)
     h = h * weights.repeat_interleave(rank, dim=1).unsqueeze(1)
-    return torch.addmm(F.linear(x, w, b).reshape(-1, w.shape[0]), h.reshape(-1, h.shape[-1]), t.up.flatten(0, 1)).reshape(rows, -1, w.shape[0])
+    return torch.addmm(F.linear(x, w, b).reshape(-1, w.shape[0]), h.reshape(-1, h.shape[-1]), up.flatten(0, 1)).reshape(rows, -1, w.shape[0])
 
 
 def cases(rows: int, tokens: int, dim: int, out: int, rank: int, compile_: bool) -> list[Case]:
@@ -98,25 +96,29 @@ def cases(rows: int, tokens: int, dim: int, out: int, rank: int, compile_: bool)
     one = scale.clone()
     one[1 : rows // 2] = 0.0  # the first request of each branch uses the adapter
     one[rows // 2 + 1 :] = 0.0
-    i1, s1, o1 = index[:, :1], scale[:, :1], one[:, :1]
+    bucket = rows // 2
+    # The gathers, once: a -O1 step hoists them out of the step (they depend on request constants only).
+    k1, k2 = gathered(t, index[:, :1], scale[:, :1], x.dtype), gathered(t, index, scale, x.dtype)
+    m1 = [f[:1] for f in gathered(t, index[:bucket, :1], one[:bucket, :1], x.dtype)]
+    weights = torch.zeros(rows, SLOTS).scatter_add_(1, index, scale * t.scaling[index])
     forms = {"base": lambda: F.linear(x, w, b),
-             "slot_k1": lambda: add_low_rank(t, F.linear(x, w, b), x, i1, s1),
-             "slot_k2": lambda: add_low_rank(t, F.linear(x, w, b), x, index, scale),
-             "slot_k1_m1": lambda: add_low_rank_first(t, F.linear(x, w, b), x, i1, o1, 1, rows // 2),
-             "ones_baddbmm_k1": lambda: ones_baddbmm(x, w, b, t, i1, s1),
-             "cat_m1": lambda: cat_first(x, w, b, t, i1, o1, 1, rows // 2),
-             "dense_slots": lambda: dense(x, w, b, t, index, scale)}  # fmt: skip
+             "slot_k1": lambda: add_gathered(F.linear(x, w, b), x, *k1),
+             "slot_k2": lambda: add_gathered(F.linear(x, w, b), x, *k2),
+             "slot_k1_m1": lambda: add_gathered_first(F.linear(x, w, b), x, *m1, branches=2, bucket=bucket),
+             "ones_baddbmm_k1": lambda: ones_baddbmm(x, w, b, *k1),
+             "cat_m1": lambda: cat_first(x, w, b, *m1, 2, bucket),
+             "dense_slots": lambda: dense(x, w, b, t.down, t.up, weights)}  # fmt: skip
     if compile_:
         forms = {name: torch.compile(run, backend="inductor", dynamic=False) for name, run in forms.items()}
     return [Case(f"{name}_o{out}_r{rank}", run) for name, run in forms.items()]
 
 
 def thread_seconds(run, device) -> float:
-    """Seconds of this thread's CPU time per call, over 5 calls."""
+    """Seconds of this thread's CPU time per call, over 20 calls."""
     began = time.thread_time()
-    for _ in range(5):
+    for _ in range(20):
         run()
-    return (time.thread_time() - began) / 5
+    return (time.thread_time() - began) / 20
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -199,8 +199,12 @@ class SlotLinear:
 
 def add_low_rank(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y + each row's chosen slots' low-rank terms, [N, T, out] for the N rows of index [N, K]."""
-    rows = index.shape[0]
-    down, up, bias = _gathered(t, index, scale, x.dtype)
+    return add_gathered(y, x, *gathered(t, index, scale, x.dtype))
+
+
+def add_gathered(y: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """add_low_rank after the gather (which a -O1 step hoists): one row per leading index of the factors."""
+    rows = down.shape[0]
     h = torch.bmm(x.reshape(rows, -1, x.shape[-1]), down.transpose(1, 2))  # [N, T, K*R]
     # y + (low + bias) as plain adds, not a baddbmm onto y: compiled, both adds are one pass over the
     # output where baddbmm copies y first (perf/bench_lora_linear.py). The rows-first path below does
@@ -209,14 +213,20 @@ def add_low_rank(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: torch.
 
 
 def add_low_rank_first(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: torch.Tensor, scale: torch.Tensor,
-                        m: int, bucket: int) -> torch.Tensor:  # fmt: skip
+                       m: int, bucket: int) -> torch.Tensor:  # fmt: skip
     """y + the low-rank terms of the first m requests of `bucket` (the adapter rows, put first), the
-    rest y as it is. Rows are branch-major ([branch, bucket, T]): each request's slots are gathered
-    once for all its branches (their rows choose the same), and its branches' tokens go through one
-    GEMM. Every tensor of the first m requests leads with m < bucket, so the hoisting pass keeps
+    rest y as it is. Each request's slots are gathered once for all its branches (their rows choose
+    the same). Every tensor of the first m requests leads with m < bucket, so the hoisting pass keeps
     those slices in the step, of the factors it hoists for the whole bucket (passes/hoist_invariants.py)."""
-    branches = index.shape[0] // bucket
-    down, up, bias = (f[:m] for f in _gathered(t, index[:bucket], scale[:bucket], x.dtype))  # [m, K*R, in], [m, K*R, out], [m, 1, out]
+    factors = (f[:m] for f in gathered(t, index[:bucket], scale[:bucket], x.dtype))  # [m, K*R, in], [m, K*R, out], [m, 1, out]
+    return add_gathered_first(y, x, *factors, branches=index.shape[0] // bucket, bucket=bucket)
+
+
+def add_gathered_first(y: torch.Tensor, x: torch.Tensor, down: torch.Tensor, up: torch.Tensor, bias: torch.Tensor,
+                       branches: int, bucket: int) -> torch.Tensor:  # fmt: skip
+    """add_low_rank_first after the gather: the factors of the first m requests, rows branch-major
+    ([branch, bucket, T]), each request's branches' tokens through one GEMM."""
+    m = down.shape[0]
     xs, ys = x.reshape(branches, bucket, -1, x.shape[-1]), y.reshape(branches, bucket, -1, y.shape[-1])
     tokens = ys.shape[2]
     xm = xs[:, :m].transpose(0, 1).reshape(m, branches * tokens, -1)  # [m, branches*T, in]
@@ -227,7 +237,7 @@ def add_low_rank_first(t: TargetSlots, y: torch.Tensor, x: torch.Tensor, index: 
     return ys.slice_scatter(top, dim=1, start=0, end=m).reshape(y.shape)
 
 
-def _gathered(t: TargetSlots, index: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def gathered(t: TargetSlots, index: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """Each row's slot factors, down [N, K*R, in] with the scales folded in and up [N, K*R, out], and
     its scaled slot biases [N, 1, out]."""
     # Each place's scale folded into its gathered down factors ([N, K, R, in], weight-sized, not
