@@ -210,4 +210,4 @@ def test_a_step_with_streamed_blocks_loads_from_the_capture_cache_and_is_written
     peaks = _step_peaks(loaded)
     [got] = loaded.generate([REQUEST])
     assert torch.equal(want, got.latents)
-    assert all(0 < loaded_peak <= plain_peak for (_, loaded_peak), (_, plain_peak) in zip(peaks, plain, strict=True))
+    assert all(0 < loaded_peak <= plain_peak for (_, loaded_peak), (_, plain_peak) in zip(peaks, plain, strict=True)), (peaks, plain)
