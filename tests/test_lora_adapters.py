@@ -256,3 +256,31 @@ def test_the_slot_shape_is_a_signature_factor_and_the_adapters_in_them_are_not(f
     assert one.key() == two.key() and one.adapters.startswith("lora-slots:4x8/2:")
     assert wider.diff(one) == [f"adapters: {wider.adapters} != {one.adapters}"]
     assert none.adapters == "none" and none.key() != one.key()
+
+
+def test_target_modules_give_slots_to_the_named_linears_alone_and_refuse_an_adapter_beyond_them(files):
+    """`LoraSlots(target_modules=...)`: peft's name matching picks the slotted linears; an adapter on
+    those equals diffusers; one with factors elsewhere is refused naming the key, nothing loaded."""
+    from fvgraph.cli.options import adapter_options
+
+    attention = ["to_q", "to_k", "to_v", "to_out.0"]
+    slots = LoraSlots(4, 8, 2, target_modules=attention)
+    engine = Engine.from_card("tiny-wan", device="cpu", loras={"a": files["a"]}, lora_slots=slots)
+    names = engine.adapters.store.names
+    blocks = len(engine.loop.components.transformer.blocks)
+    assert len(names) == blocks * 2 * len(attention)  # attn1 and attn2 of every block; no FFN, proj_out, embedder
+    assert all(n.split(".")[2] in ("attn1", "attn2") and n.endswith(tuple(attention)) for n in names)
+    every = Engine.from_card("tiny-wan", device="cpu", loras={"a": files["a"]}, lora_slots=SLOTS).adapters.store
+    assert len(every.names) > len(names) and every.factor() != engine.adapters.store.factor()  # a signature fact
+
+    [result] = engine.generate([_request(loras={"a": 0.7})])
+    assert_matches_reference(result.latents, _reference(files, {"a": 0.7}))
+
+    with pytest.raises(AdapterError, match=r"transformer\.blocks\.0\.ffn\.net\.0\.proj: not an adapted linear .*target_modules"):
+        engine.load_lora("b", files["b"])  # musubi's file adapts the FFN linears too
+    assert [entry["name"] for entry in engine.loras()] == ["a"]
+    with pytest.raises(ValueError, match=r"target_modules=\['nope'\] names no linear"):
+        Engine.from_card("tiny-wan", device="cpu", loras={"a": files["a"]}, lora_slots=LoraSlots(target_modules=["nope"]))
+    assert adapter_options([], [], None, None, "to_q, to_v")["lora_slots"].target_modules == ("to_q", "to_v")
+    with pytest.raises(ValueError, match="--lora-target-modules: target_modules=.* must be a non-empty list"):
+        adapter_options([], [], None, None, "to_q,,to_v")

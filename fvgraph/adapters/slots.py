@@ -51,6 +51,11 @@ class LoraSlots:
     max_loras: int = 4  # slots: adapters loaded at once (vLLM's name)
     max_lora_rank: int = 64  # every slot's rank; an adapter of a higher rank is refused
     max_loras_per_request: int = 2  # adapters one request (one batch row) may combine
+    # The linears that get slots, by peft's rule (a name, or its last dotted parts: "to_q" is every
+    # block's attention query); None: every linear of the denoiser. Every slotted linear runs its
+    # low-rank GEMMs for an adapter row whether or not the row's adapter has factors there, so naming
+    # what the served adapters adapt keeps the step at their FLOPs (SGLang's --lora-target-modules).
+    target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_lora_rank", "max_loras_per_request"):
@@ -59,6 +64,16 @@ class LoraSlots:
                 raise ValueError(f"{name}={value!r} must be an int in [1, 1024]")
         if self.max_loras_per_request > self.max_loras:
             raise ValueError(f"max_loras_per_request={self.max_loras_per_request} exceeds max_loras={self.max_loras}")
+        targets = self.target_modules
+        if targets is not None and (isinstance(targets, str) or not isinstance(targets, (tuple, list)) or not targets
+                                    or not all(isinstance(t, str) and t.strip(".") == t and t for t in targets)):  # fmt: skip
+            raise ValueError(f"target_modules={targets!r} must be a non-empty list of module names, like ['to_q', 'to_v']")
+        if isinstance(targets, list):
+            object.__setattr__(self, "target_modules", tuple(targets))
+
+    def targets(self, name: str) -> bool:
+        """Whether the linear `name` gets slots (peft's matching: the name, or a dotted suffix of it)."""
+        return self.target_modules is None or any(name == t or name.endswith("." + t) for t in self.target_modules)
 
 
 class _RowChoice:
@@ -91,7 +106,9 @@ class SlotStore(nn.Module):
     def __init__(self, transformer: nn.Module, slots: LoraSlots):
         super().__init__()
         self.slots = slots
-        names = [name for name, m in transformer.named_modules() if type(m) is nn.Linear]
+        names = [name for name, m in transformer.named_modules() if type(m) is nn.Linear and slots.targets(name)]
+        if not names:
+            raise ValueError(f"target_modules={list(slots.target_modules)} names no linear of this denoiser")
         self.names = names
         self.targets = nn.ModuleDict({_key(n): TargetSlots(transformer.get_submodule(n), slots) for n in names})
         self.digests: list[str | None] = [None] * slots.max_loras
@@ -160,7 +177,8 @@ class SlotStore(nn.Module):
         """AdapterError naming the key when `lora` does not fit these slots."""
         for name, module in lora.modules.items():
             if _key(name) not in self.targets:
-                raise AdapterError(f"lora key transformer.{name}: not an adapted linear of this engine")
+                why = "" if self.slots.target_modules is None else f" (the engine's target_modules are {list(self.slots.target_modules)})"
+                raise AdapterError(f"lora key transformer.{name}: not an adapted linear of this engine{why}")
             if module.rank > self.slots.max_lora_rank:
                 raise AdapterError(f"lora key transformer.{name}.lora_A.weight has rank {module.rank} > max_lora_rank="
                                    f"{self.slots.max_lora_rank}: build the engine with a larger max_lora_rank")  # fmt: skip

@@ -15,7 +15,7 @@ from fvgraph.cli.flag_errors import flag_error
 from fvgraph.cli.progress import RunProgress
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, MODEL_ARGUMENT, choose_model
 from fvgraph.cli.options import (ARTIFACT_FORMAT_OPTION, BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
-                                 MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, OFFLOAD_OPTION, VAE_TILING_OPTION, adapter_options,
+                                 LORA_TARGET_MODULES_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, OFFLOAD_OPTION, VAE_TILING_OPTION, adapter_options,
                                  console, cuda_graphs_note, opt_level_option, serving_engine, writable_dir)  # fmt: skip
 
 
@@ -54,6 +54,7 @@ def generate(
     merge_lora: list[str] = MERGE_LORA_OPTION,
     max_loras: Optional[int] = MAX_LORAS_OPTION,
     max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
+    lora_target_modules: Optional[str] = LORA_TARGET_MODULES_OPTION,
     vae_tiling: Optional[str] = VAE_TILING_OPTION,
     offload: Optional[str] = OFFLOAD_OPTION,
     output: Path = typer.Option(Path("outputs/video.gif"), "--output", "-o", help=".gif or .mp4; one frame (an image card's): .png, .jpg or .webp too. Several prompts add _i."),
@@ -72,7 +73,7 @@ def generate(
         writable_dir(output.parent, "--output")
         choice = choose_model(model, card, checkpoint)
         check_output_holds(output, choice.card, num_frames)
-        adapters = adapter_options(lora, merge_lora, max_loras, max_lora_rank)
+        adapters = adapter_options(lora, merge_lora, max_loras, max_lora_rank, lora_target_modules)
         chosen = request_loras(adapters, lora_scale)
         requests = [
             Request(

@@ -70,9 +70,12 @@ LORA_OPTION = typer.Option([], "--lora", help="NAME=PATH[@EXPERT]: load a local 
 MERGE_LORA_OPTION = typer.Option([], "--merge-lora", help="NAME=SCALE: fuse --lora NAME into the weights at SCALE instead of a slot (repeatable).")
 MAX_LORAS_OPTION = typer.Option(None, "--max-loras", help="Adapter slots (default 4 when an adapter needs one).")
 MAX_LORA_RANK_OPTION = typer.Option(None, "--max-lora-rank", help="Every slot's rank (default 64); a higher-rank adapter is refused.")
+LORA_TARGET_MODULES_OPTION = typer.Option(None, "--lora-target-modules", help="NAME,NAME,...: only these linears get adapter slots (peft's matching: "
+                                                                              "to_q is every block's to_q); default every linear. An adapter with factors elsewhere is refused.")
 
 
-def adapter_options(lora: list[str], merge_lora: list[str], max_loras: Optional[int], max_lora_rank: Optional[int]) -> dict:
+def adapter_options(lora: list[str], merge_lora: list[str], max_loras: Optional[int], max_lora_rank: Optional[int],
+                    target_modules: Optional[str] = None) -> dict:  # fmt: skip
     """Engine.from_card's loras / merge_loras / lora_slots from the flags; ValueError naming the flag."""
     from fvgraph.adapters.slots import LoraSlots
 
@@ -86,12 +89,13 @@ def adapter_options(lora: list[str], merge_lora: list[str], max_loras: Optional[
         if not math.isfinite(merge[name]) or abs(merge[name]) > 100:  # the rule a request's scale follows
             raise ValueError(f"--merge-lora {name}={text}: the scale must be a finite number in [-100, 100]")
     slots = None
-    if max_loras is not None or max_lora_rank is not None:
+    if max_loras is not None or max_lora_rank is not None or target_modules is not None:
+        targets = None if target_modules is None else [t.strip() for t in target_modules.split(",")]
         try:
             slots = LoraSlots(**{k: v for k, v in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)) if v is not None},
-                              max_loras_per_request=min(2, max_loras or 2))  # fmt: skip
+                              max_loras_per_request=min(2, max_loras or 2), target_modules=targets)  # fmt: skip
         except ValueError as err:
-            raise ValueError(f"--max-loras / --max-lora-rank: {err}") from None
+            raise ValueError(f"--max-loras / --max-lora-rank / --lora-target-modules: {err}") from None
     return {"loras": loras or None, "merge_loras": merge or None, "lora_slots": slots}
 
 

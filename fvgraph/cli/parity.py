@@ -10,7 +10,7 @@ from rich.table import Table
 
 from fvgraph.cli.caching import cache_quality
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, choose_model
-from fvgraph.cli.options import (LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, adapter_options, console,
+from fvgraph.cli.options import (LORA_OPTION, LORA_TARGET_MODULES_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, adapter_options, console,
                                  cuda_graphs_note, opt_level_option, parse_level, writable_dir)  # fmt: skip
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")  # what --plot writes (matplotlib picks the format by suffix)
@@ -33,6 +33,7 @@ def parity(
     lora: list[str] = LORA_OPTION,
     max_loras: Optional[int] = MAX_LORAS_OPTION,
     max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
+    lora_target_modules: Optional[str] = LORA_TARGET_MODULES_OPTION,
     plot: Optional[Path] = typer.Option(None, "--plot", help="Draw the tap x step error heatmap (PNG) here."),
 ) -> None:
     """Diff two settings tap by tap (every block, both CFG branches, predictions, latents) per step.
@@ -52,7 +53,7 @@ def parity(
         reference = None if against == "none" else parse_level(against, "--against")
         for level in (opt_level, reference if reference is not None else opt_level):
             level_config(level)
-        adapters = adapter_options(lora, [], max_loras, max_lora_rank)
+        adapters = adapter_options(lora, [], max_loras, max_lora_rank, lora_target_modules)
         choice = choose_model(None, card, checkpoint)
         card, checkpoint = choice.card, choice.folder
         recipe = card.recipe  # a distilled recipe fixes its steps and takes no guidance

@@ -12,7 +12,7 @@ from rich.console import Console
 from fvgraph.cli.caching import CACHE_HELP
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, MODEL_ARGUMENT, choose_model
 from fvgraph.cli.options import (ARTIFACT_FORMAT_OPTION, BOUNDARY_RATIO_OPTION, CACHE_METHODS_OPTION, DTYPE_OPTION, FLOW_SHIFT_OPTION, LORA_OPTION,
-                                 MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, OFFLOAD_OPTION, VAE_TILING_OPTION, adapter_options,
+                                 LORA_TARGET_MODULES_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION, OFFLOAD_OPTION, VAE_TILING_OPTION, adapter_options,
                                  at_least_one, bindable, cuda_graphs_note, opt_level_option, parse_shape, parse_size,
                                  serving_engine, writable_dir)  # fmt: skip
 
@@ -42,6 +42,7 @@ def serve(
     merge_lora: list[str] = MERGE_LORA_OPTION,
     max_loras: Optional[int] = MAX_LORAS_OPTION,
     max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
+    lora_target_modules: Optional[str] = LORA_TARGET_MODULES_OPTION,
     vae_tiling: Optional[str] = VAE_TILING_OPTION,
     offload: Optional[str] = OFFLOAD_OPTION,
     video_format: str = typer.Option("gif", "--format", help="gif | mp4 (mp4 is written with PyAV)."),
@@ -98,7 +99,7 @@ def serve(
                                  device, cache_dir, fail_on_recompile, max_running=max_running, cache=cache,
                                  cfg_parallel=cfg_parallel, ulysses=ulysses,
                                  dtype=dtype, flow_shift=flow_shift, boundary_ratio=boundary_ratio,
-                                 adapters=adapter_options(lora, merge_lora, max_loras, max_lora_rank),
+                                 adapters=adapter_options(lora, merge_lora, max_loras, max_lora_rank, lora_target_modules),
                                  cache_methods=cache_methods, vae_tiling=vae_tiling, offload=offload,
                                  artifact_format=artifact_format)  # fmt: skip
         if port is not None:

@@ -11,7 +11,7 @@ import typer
 
 from fvgraph.cli.progress import RunProgress
 from fvgraph.cli.model_choice import CARD_OPTION, CHECKPOINT_OPTION, choose_model
-from fvgraph.cli.options import (ARTIFACT_FORMAT_OPTION, DEFAULT_CACHE_DIR, LORA_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION,
+from fvgraph.cli.options import (ARTIFACT_FORMAT_OPTION, DEFAULT_CACHE_DIR, LORA_OPTION, LORA_TARGET_MODULES_OPTION, MAX_LORA_RANK_OPTION, MAX_LORAS_OPTION, MERGE_LORA_OPTION,
                                  adapter_options, card_with_cache, compile_config, console, cuda_graphs_note, opt_level_option,
                                  parse_shape, writable_dir)  # fmt: skip
 
@@ -37,6 +37,7 @@ def warmup(
     merge_lora: list[str] = MERGE_LORA_OPTION,
     max_loras: Optional[int] = MAX_LORAS_OPTION,
     max_lora_rank: Optional[int] = MAX_LORA_RANK_OPTION,
+    lora_target_modules: Optional[str] = LORA_TARGET_MODULES_OPTION,
 ) -> None:
     """Compile the compiled step kinds of every shape and batch bucket into the capture cache, so later
     processes (`generate --cache-dir`, `Engine.from_card(cache_dir=...)`) start without compiling.
@@ -67,7 +68,7 @@ def warmup(
         engine = Engine.from_card(
             model, checkpoint=choice.folder, opt_level=opt_level, device=device, cache_dir=cache_dir, buckets=spec,
             compile_config=compile_config(compile_backend, disable_pass, artifact_format=artifact_format),
-            **adapter_options(lora, merge_lora, max_loras, max_lora_rank),
+            **adapter_options(lora, merge_lora, max_loras, max_lora_rank, lora_target_modules),
         )  # fmt: skip
         requests = [engine.loop.warmup_request(f, h, w, g, steps) for f, h, w in shapes for g in scales]
     except Exception as err:  # bad card, shape or bucket list: say why and stop
