@@ -1,4 +1,5 @@
-"""Adapter slots: every linear of the denoiser with a fixed number of LoRA slots beside it, chosen per batch row.
+"""Adapter slots: every linear of the denoiser (or those `target_modules` names) with a fixed number of LoRA
+slots beside it, chosen per batch row.
 
     store = install_slots(transformer, LoraSlots(max_loras=4, max_lora_rank=64, max_loras_per_request=2))
     store.write(slot, lora)                      # in place: compiled steps and CUDA graphs stay valid
@@ -268,7 +269,7 @@ def gathered(t: TargetSlots, index: torch.Tensor, scale: torch.Tensor, dtype: to
 
 
 def install_slots(transformer: nn.Module, slots: LoraSlots) -> SlotStore:
-    """Give every nn.Linear of `transformer` its slots, and let `transformer` take the row tensors.
+    """Give every nn.Linear of `transformer` that `slots` targets its slots, and let `transformer` take the row tensors.
     The store becomes the submodule `fvgraph_lora_slots`, so a step module's buffers include it."""
     if hasattr(transformer, "fvgraph_lora_slots"):
         raise ValueError("install_slots: this transformer already has adapter slots")
