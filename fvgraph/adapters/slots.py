@@ -55,7 +55,7 @@ class LoraSlots:
     # The linears that get slots, by peft's rule (a name, or its last dotted parts: "to_q" is every
     # block's attention query); None: every linear of the denoiser. Every slotted linear runs its
     # low-rank GEMMs for an adapter row whether or not the row's adapter has factors there, so naming
-    # what the served adapters adapt keeps the step at their FLOPs (SGLang's --lora-target-modules).
+    # what the served adapters adapt keeps the step at their FLOPs (--lora-target-modules).
     target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -72,7 +72,7 @@ class LoraSlots:
         if isinstance(targets, list):
             object.__setattr__(self, "target_modules", tuple(targets))
 
-    def targets(self, name: str) -> bool:
+    def has_slots(self, name: str) -> bool:
         """Whether the linear `name` gets slots (peft's matching: the name, or a dotted suffix of it)."""
         return self.target_modules is None or any(name == t or name.endswith("." + t) for t in self.target_modules)
 
@@ -107,7 +107,7 @@ class SlotStore(nn.Module):
     def __init__(self, transformer: nn.Module, slots: LoraSlots):
         super().__init__()
         self.slots = slots
-        names = [name for name, m in transformer.named_modules() if type(m) is nn.Linear and slots.targets(name)]
+        names = [name for name, m in transformer.named_modules() if type(m) is nn.Linear and slots.has_slots(name)]
         if not names:
             raise ValueError(f"target_modules={list(slots.target_modules)} names no linear of this denoiser")
         self.names = names
