@@ -1,11 +1,11 @@
 """Block offload's copies in a compiled step (fvgraph/compile/compiled_block_copies.py), on a four-block
 tiny-wan with `offload="blocks:1"` (groups 2 and 3 are each the second fetch into a slot): at
-aot_eager each compiled step allocates no more than the same step without offload (peak of the CPU
-allocator's live bytes, from the profiler's allocation events); under inductor the results equal no
-offload bit for bit and every copy writes the slots themselves; a step loaded from the capture cache
-is written in place too. On toy streams of four groups: the
-rewrite keeps a copy functional (a clone) where a later node reads the value it would overwrite, and
-inductor reads each group's weights before the next fetch into its slot."""
+aot_eager each compiled step allocates no more than the same step without offload, within one 8 KiB
+allocation of run-to-run noise (peak of the CPU allocator's live bytes, from the profiler's allocation
+events); under inductor the results equal no offload bit for bit and every copy writes the slots
+themselves; a step loaded from the capture cache is written in place too. On toy streams of four
+groups: the rewrite keeps a copy functional (a clone) where a later node reads the value it would
+overwrite, and inductor reads each group's weights before the next fetch into its slot."""
 
 import contextlib
 import re
@@ -49,6 +49,15 @@ def _peak_bytes(prof) -> int:
     return peak
 
 
+# The first step's peak of one engine varies by one 8 KiB allocation between runs (123,136 or 114,944
+# bytes, with or without offload); the slots' clones this guards against cost 118,088.
+ALLOCATOR_NOISE = 8192
+
+
+def _no_more_than(peaks: list[tuple[str, int]], reference: list[tuple[str, int]]) -> bool:
+    return all(0 < peak <= ref + ALLOCATOR_NOISE for (_, peak), (_, ref) in zip(peaks, reference, strict=True))
+
+
 def _step_peaks(engine: Engine) -> list[tuple[str, int]]:
     """(kind, peak bytes) of every compiled group the engine runs from now on."""
     runner, peaks = engine.executor.runner, []
@@ -83,8 +92,7 @@ def test_a_compiled_step_with_streamed_blocks_at_aot_eager_allocates_no_more_tha
     assert torch.equal(want, got)
     assert [kind for kind, _ in streamed] == ["denoise_cfg"] * 3
     # Functionalized, the copies held clones of the slots: 241,224 bytes against 123,136 a step.
-    for (_, without), (_, with_blocks) in zip(plain, streamed, strict=True):
-        assert 0 < with_blocks <= without
+    assert _no_more_than(streamed, plain), (streamed, plain)
 
 
 def test_a_compiled_step_with_streamed_blocks_under_inductor_equals_no_offload_and_copies_into_the_slots():
@@ -210,4 +218,4 @@ def test_a_step_with_streamed_blocks_loads_from_the_capture_cache_and_is_written
     peaks = _step_peaks(loaded)
     [got] = loaded.generate([REQUEST])
     assert torch.equal(want, got.latents)
-    assert all(0 < loaded_peak <= plain_peak for (_, loaded_peak), (_, plain_peak) in zip(peaks, plain, strict=True)), (peaks, plain)
+    assert _no_more_than(peaks, plain), (peaks, plain)
