@@ -30,7 +30,7 @@ import json
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fastapi import FastAPI, Request as HttpRequest
@@ -256,6 +256,10 @@ class VideoApi(ImageRoutes):
                                self.facts.temporal_multiple, image, video)  # fmt: skip
         if cut is not None:
             parsed.notes["video"] = cut
+        if parsed.size is None:  # the loop's size for the image (HunyuanVideo-1.5 i2v: the image's bucket)
+            with named_as_sent(parsed.sent_as, parsed.notes):
+                resolved = self.served.engine.loop.check_request(parsed.request)
+            parsed = replace(parsed, size=f"{resolved.width}x{resolved.height}")
         return self._start_video(parsed, None, body.model or self.card.card_id)
 
     async def remix_video(self, video_id: str, http: HttpRequest):

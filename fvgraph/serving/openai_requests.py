@@ -46,7 +46,8 @@ class _Body(BaseModel):
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 832x480; 'auto' is the card's default.")
+    size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 832x480; 'auto' is the card's default "
+                                                           "(a video's input_reference image: the loop's size for it).")
     width: int | None = Field(default=None, gt=0, le=99999, description="The peers' name for size's width.")
     height: int | None = Field(default=None, gt=0, le=99999, description="The peers' name for size's height.")
     negative_prompt: str | None = None
@@ -139,7 +140,7 @@ class Parsed:
     """A checked request and what the API reports back about it."""
 
     request: Request
-    size: str
+    size: str | None  # None: the served loop's pick, known once it checked the request
     seconds: str
     fps: float
     timeout: float | None
@@ -295,8 +296,11 @@ def frames_for(seconds: float, fps: float, temporal_multiple: int) -> int:
 def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_chars: int, temporal_multiple: int,
                   image: Image.Image | None = None, video: list[Image.Image] | None = None) -> Parsed:  # fmt: skip
     """A /v1/videos request; `image` an image-to-video reference, `video` a video-to-video one, whose
-    frames are the request's unless the client also sent a frame count (which must then agree)."""
+    frames are the request's unless the client also sent a frame count (which must then agree). An
+    image with no size sent leaves the size to the served loop, as the Python API does (size None)."""
     width, height, sent = _shape_sent_as(body, card)
+    if image is not None and "width" not in sent and "height" not in sent:
+        width = height = None
     notes: dict[str, str] = {}
     fps = body.fps or DEFAULT_FPS
     if video is not None and body.num_frames is None and body.seconds is None:
@@ -321,7 +325,7 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
         raise RequestRejected("strength", "sets how far a video-to-video request goes from its video: upload the video "
                                           "as input_reference with it")  # fmt: skip
     request = _request(body, card, request_id, max_prompt_chars, sent, notes, **shape)
-    return Parsed(request, f"{width}x{height}", seconds, fps, body.timeout, sent, notes)
+    return Parsed(request, None if width is None else f"{width}x{height}", seconds, fps, body.timeout, sent, notes)
 
 
 def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_chars: int, index: int,
