@@ -322,7 +322,7 @@ def _resolve_video(values: dict, request: Request, facts: ModelFacts | None) -> 
     """A video-to-video request's frames are its num_frames; `strength` comes with a video only."""
     if request.video is None:
         if request.strength is not None:
-            raise RequestRejected("strength", "sets how far a video-to-video request goes from its video: pass video=... with it")
+            raise RequestRejected("strength", "sets how far a video-to-video request goes from its video: give the video with it")
         return
     frames = len(request.video)
     if frames != values["num_frames"]:

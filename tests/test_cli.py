@@ -1,12 +1,15 @@
-"""The command line: generate writes a video a person can open; env reports versions and packages;
-bench runs a perf/ benchmark by name."""
+"""The command line: generate writes a video a person can open, from an image or a video as the Python
+API does; env reports versions and packages; bench runs a perf/ benchmark by name."""
 
 import json
 
+import av
+import numpy as np
 from PIL import Image
 from typer.testing import CliRunner
 
 from fvgraph.cli import app
+from fvgraph.media_file import write_video
 
 runner = CliRunner()
 
@@ -55,3 +58,38 @@ def test_bench_names_the_benchmarks_when_given_an_unknown_one():
     result = runner.invoke(app, ["bench", "nope"])
     assert result.exit_code == 2
     assert "'nope' is not a benchmark" in result.output and "scheduler" in result.output
+
+
+def _generated(tmp_path, name: str, *args: str) -> bytes:
+    out = tmp_path / f"{name}.gif"
+    result = runner.invoke(app, ["generate", *args, "-p", "a fox", "--steps", "2", "--frames", "5", "-O0", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    return out.read_bytes()
+
+
+def _expected(tmp_path, card: str, **fields) -> bytes:
+    """The Python API's result for the same request, written as generate writes it."""
+    from fvgraph.engine.engine import Engine
+    from fvgraph.media_file import write_video
+    from fvgraph.request import Request
+
+    [result] = Engine.from_card(card, device="cpu").generate([Request(prompt="a fox", num_inference_steps=2, num_frames=5, seed=0, **fields)])
+    assert result.ok, result.error
+    return write_video(result.frames, tmp_path / "expected.gif", fps=8).read_bytes()
+
+
+def test_generate_starts_from_an_image_as_the_python_api_does(tmp_path):
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 40, 3), dtype=np.uint8))
+    image.save(tmp_path / "first.png")
+    made = _generated(tmp_path, "i2v", "tiny-wan-i2v", "--image", str(tmp_path / "first.png"))
+    assert made == _expected(tmp_path, "tiny-wan-i2v", image=image)
+
+
+def test_generate_starts_from_a_video_as_the_python_api_does(tmp_path):
+    """The video's frames as PyAV decodes them, at --strength."""
+    frames = np.random.default_rng(1).integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)
+    clip = write_video(frames, tmp_path / "clip.mp4", fps=8)
+    with av.open(str(clip)) as container:
+        decoded = [frame.to_image() for frame in container.decode(video=0)]
+    made = _generated(tmp_path, "v2v", "tiny-wan", "--video", str(clip), "--strength", "0.6")
+    assert made == _expected(tmp_path, "tiny-wan", video=decoded, strength=0.6)

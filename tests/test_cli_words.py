@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 import pytest
 import typer
+from PIL import Image
 from typer.testing import CliRunner
 
 from fvgraph.cli import app
@@ -26,6 +27,8 @@ def no_engine(monkeypatch):
     (["-o", "x.png"], "error: --output x.png: card tiny-wan makes 9-frame videos"),
     (["tiny-wna"], "error: unknown card 'tiny-wna'; did you mean 'tiny-wan'"),
     (["--card", "flux-dev"], "error: unknown card 'flux-dev'; did you mean 'flux.1-dev'"),
+    (["--image", "no-such.png"], "error: --image no-such.png: not a readable PNG, JPEG or WebP image"),
+    (["--video", "no-such.mp4"], "error: --video no-such.mp4: not a decodable video"),
 ])  # fmt: skip
 def test_generate_errors_are_one_line_naming_the_flag_before_any_work(tmp_path, no_engine, args, line):
     result = runner.invoke(app, ["generate", *args] + ([] if "-o" in args else ["-o", str(tmp_path / "v.gif")]))
@@ -93,3 +96,16 @@ def test_parity_at_o2_on_a_cpu_says_once_that_cuda_graphs_need_a_gpu(monkeypatch
     result = runner.invoke(app, ["parity", "-O2", "--against", "3", "--device", "cpu"])
     assert result.exit_code == 2 and "stopped before comparing" in result.output
     assert " ".join(result.output.split()).count("CUDA graphs apply only on a GPU") == 2  # -O2's and -O3's: one line each
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--image", "IMAGE"], "error: --image: card 'tiny-wan' runs loop 't2v', which takes no image; leave it unset"),
+    (["--strength", "0.5"], "error: --strength: sets how far a video-to-video request goes from its video: give the video with it"),
+])  # fmt: skip
+def test_an_input_the_card_does_not_take_is_said_with_its_flag(tmp_path, args, line):
+    Image.new("RGB", (16, 16)).save(tmp_path / "image.png")
+    args = [str(tmp_path / "image.png") if a == "IMAGE" else a for a in args]
+    result = runner.invoke(app, ["generate", "-O0", *args, "-o", str(tmp_path / "v.gif")])
+    assert result.exit_code == 2
+    [printed] = result.output.strip().splitlines()
+    assert printed == line, printed

@@ -145,7 +145,7 @@ def test_bad_video_fields_are_refused_naming_them(fields, name, rule):
     [
         ({"video": _video(0, frames=6)}, "video", r"has 6 frames; .* k\*4\+1"),
         ({"video": _video(0), "num_frames": 9}, "video", "has 5 frames, num_frames is 9"),
-        ({"strength": 0.5}, "strength", "pass video"),
+        ({"strength": 0.5}, "strength", "give the video with it"),
         ({"video": _video(0), "strength": 0.1, "num_inference_steps": 5}, "strength", "runs none"),
         ({"video": _video(0), "cache": "fbcache"}, "cache", "without cache"),
     ],

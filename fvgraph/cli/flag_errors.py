@@ -18,6 +18,9 @@ REQUEST_FLAGS = {
     "guidance_scale": "--guidance", "true_cfg_scale": "--true-cfg", "height": "--height", "width": "--width",
     "num_frames": "--frames", "seed": "--seed", "cache": "--cache", "loras": "--lora-scale",
 }  # fmt: skip
+# Fields whose names are words of the rules' prose ("an image-to-video card", "from its video"): their
+# flags name the field an error is about, and the prose keeps its words.
+MEDIA_FLAGS = {"image": "--image", "video": "--video", "strength": "--strength"}
 
 _RULES = {"greater_than_equal": ("ge", ">="), "greater_than": ("gt", ">"), "less_than_equal": ("le", "<="), "less_than": ("lt", "<")}
 
@@ -40,7 +43,7 @@ def flag_error(err: BaseException, flags: dict[str, str] = REQUEST_FLAGS) -> str
         errors = err.errors(include_url=False)
         first = errors[0]
         field = str(first["loc"][0]) if first["loc"] else ""
-        name = flags.get(field, field)
+        name = flags.get(field) or MEDIA_FLAGS.get(field, field)
         if first["type"] in _RULES:
             key, sign = _RULES[first["type"]]
             rule = f"must be {sign} {first['ctx'][key]}"
@@ -50,5 +53,5 @@ def flag_error(err: BaseException, flags: dict[str, str] = REQUEST_FLAGS) -> str
         return f"{name}: {rule}{more}" if name else f"{rule}{more}"
     if isinstance(err, RequestRejected):
         message = str(err).removeprefix(f"{err.field}: ")
-        return f"{flags.get(err.field, err.field)}: {in_flag_words(message, flags)}"
+        return f"{flags.get(err.field) or MEDIA_FLAGS.get(err.field, err.field)}: {in_flag_words(message, flags)}"
     return str(err)

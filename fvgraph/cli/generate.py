@@ -32,6 +32,9 @@ def generate(
     width: Optional[int] = typer.Option(None),
     num_frames: Optional[int] = typer.Option(None, "--frames"),
     seed: int = typer.Option(0, help="Request i uses seed + i."),
+    image: Optional[Path] = typer.Option(None, "--image", help="A PNG, JPEG or WebP every request starts from: image-to-video and image-edit cards."),
+    video: Optional[Path] = typer.Option(None, "--video", help="A video file whose frames every request starts from: video-to-video on a Wan text-to-video card (docs/loops.md)."),
+    strength: Optional[float] = typer.Option(None, "--strength", help="With --video: how far from it, in (0, 1] (default 0.8)."),
     opt_level: int = opt_level_option(),
     no_cudagraph: bool = typer.Option(False, "--no-cudagraph", help="At -O2, keep everything but the CUDA graphs."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager", help="Run eagerly whatever the opt level."),
@@ -62,6 +65,7 @@ def generate(
 ) -> None:
     """Generate one video (or image) per prompt, interleaving the requests step by step, and print a
     timing table. MODEL: a card name, a Hub repo id or a local diffusers folder."""
+    from fvgraph.cli.input_media import read_image, read_video
     from fvgraph.parallel.executor import ParallelExecutor
     from fvgraph.request import Request
     from fvgraph.media_file import check_video_output, write_video
@@ -75,11 +79,12 @@ def generate(
         check_output_holds(output, choice.card, num_frames)
         adapters = adapter_options(lora, merge_lora, max_loras, max_lora_rank, lora_target_modules)
         chosen = request_loras(adapters, lora_scale)
+        media = {"image": read_image(image), "video": read_video(video), "strength": strength}
         requests = [
             Request(
                 prompt=text, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
                 guidance_scale=guidance_scale, true_cfg_scale=true_cfg_scale, height=height, width=width, num_frames=num_frames, seed=seed + i,
-                loras=chosen,
+                loras=chosen, **media,
             )
             for i, text in enumerate(prompt)
         ]  # fmt: skip
