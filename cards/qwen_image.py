@@ -121,7 +121,8 @@ TINY_QWEN_IMAGE_EDIT = ModelCard(
     parity=PARITY, seed=0, recipe=_recipe(8, precision="fp32", name="qwen-image-edit", loop="qwen_image_edit"),
     components=_edit_components(TINY_TRANSFORMER, TINY_VAE, TINY_EDIT_TEXT_ENCODER,
                                 {"model_max_length": 1024, "special_tokens": VISION_TOKENS}, TINY_IMAGE_PROCESSOR, "fp32"),
-    shapes=ShapeRules(text_len=1024, max_height=256, max_width=256, max_frames=1, default_height=64, default_width=64,
+    # The released card's limits: an edit without a size runs at its image's ~1024^2 edit size.
+    shapes=ShapeRules(text_len=1024, max_height=2048, max_width=2048, max_frames=1, default_height=64, default_width=64,
                       default_frames=1),
     quantization=QuantizationSpec(fp8_exclude=EMBEDDERS),
 )  # fmt: skip

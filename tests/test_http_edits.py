@@ -8,6 +8,7 @@ import io
 
 import numpy as np
 import pytest
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from http_helpers import KEY, client, httpx, live_server, openai
 from PIL import Image
 
@@ -66,14 +67,20 @@ def test_a_card_that_edits_no_images_refuses_the_upload(tiny_engine, tmp_path):
             client(url).images.edit(image=("in.png", _png(0), "image/png"), prompt="x")
 
 
-def test_images_edit_on_a_qwen_image_edit_card_returns_the_engines_edit(tmp_path):
-    """The same upload to tiny-qwen-image-edit, with true CFG through extra_body: its PNG is the engine's image."""
+@pytest.mark.parametrize("size", ["32x48", None])
+def test_images_edit_on_a_qwen_image_edit_card_returns_the_engines_edit(tmp_path, size):
+    """The same upload to tiny-qwen-image-edit, with true CFG through extra_body: its PNG is the engine's
+    image; with no size, both at the image's edit size (QwenImageEditPipeline's `calculate_dimensions`
+    of 1024^2 pixels at the image's aspect ratio: 1312 x 800 for a 40 x 24 image)."""
     upload, fields = _png(5), {"num_inference_steps": 2, "seed": 4, "negative_prompt": "blurry", "true_cfg_scale": 3.0}
     engine = Engine.from_card("tiny-qwen-image-edit", device="cpu")
     with live_server(engine, tmp_path) as (_, url):
         answer = client(url).images.edit(model="tiny-qwen-image-edit", image=("in.png", upload, "image/png"), prompt="add a hat",
-                                         size="32x48", extra_body=fields)  # fmt: skip
+                                         extra_body=fields, **({} if size is None else {"size": size}))  # fmt: skip
+    width, height = (32, 48) if size else calculate_dimensions(1024 * 1024, 40 / 24)[:2]
     served_image = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))))
-    [direct] = engine.generate([Request(prompt="add a hat", image=Image.open(io.BytesIO(upload)), height=48, width=32, **fields)])
-    assert direct.ok and served_image.shape == (48, 32, 3)
+    assert answer.size == f"{width}x{height}" and served_image.shape == (height, width, 3)
+    [direct] = engine.generate([Request(prompt="add a hat", image=Image.open(io.BytesIO(upload)), **fields,
+                                        **({} if size is None else {"height": height, "width": width}))])  # fmt: skip
+    assert direct.ok
     assert (served_image == direct.images[0]).all()

@@ -7,6 +7,7 @@ themselves alone bit for bit; bad requests are refused naming the field."""
 import pytest
 import torch
 from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 
 from fvgraph.compile.compiler import CompileConfig
 from fvgraph.engine.engine import Engine
@@ -38,6 +39,8 @@ CASES = {
     "no guidance": dict(prompt="make it winter", true_cfg_scale=1.0, num_inference_steps=2, height=48, width=64, image=(1, 300, 500)),
     "true cfg, a tall image": dict(prompt="make it winter", negative_prompt="blurry", true_cfg_scale=3.0, num_inference_steps=2,
                                    height=64, width=32, image=(2, 500, 260)),
+    # no size: the output at the image's edit size too, 1408 x 736
+    "no size, a tall image": dict(prompt="make it winter", true_cfg_scale=1.0, num_inference_steps=2, image=(3, 500, 260)),
 }  # fmt: skip
 
 
@@ -47,7 +50,8 @@ def test_edit_on_a_diffusers_checkpoint_matches_qwen_image_edit_pipeline(release
     args = dict(CASES[case])
     image = _image(*args.pop("image"))
     packed = pipe(image=image, generator=torch.Generator().manual_seed(7), output_type="latent", **args).images
-    reference = QwenImagePipeline._unpack_latents(packed, args["height"], args["width"], pipe.vae_scale_factor)
+    width, height, _ = calculate_dimensions(1024 * 1024, image.width / image.height)  # the pipeline's size without one
+    reference = QwenImagePipeline._unpack_latents(packed, args.get("height", height), args.get("width", width), pipe.vae_scale_factor)
     [result] = released.generate([Request(image=image, seed=7, output_type="latent", **args)])
     assert result.ok, result.error
     assert_matches_reference(result.latents, reference)

@@ -10,7 +10,7 @@ VAE encodes it (the posterior's mode, normalised by latents_mean / latents_std),
 join the latents' tokens in every denoise call with their own image shape in the rotary positions
 (qwen_image_steps.QwenImageDenoiser). Everything else is Qwen-Image's: true CFG rescaled to the cond
 prediction's norm, the schedule (shifted by the output's token count alone), the decode. The output
-size is the request's height x width.
+size is the request's height x width, the image's edit size for either one left out (the pipeline's).
 """
 
 from __future__ import annotations
@@ -204,3 +204,11 @@ class QwenImageEditLoop(DenoiseLoop):
                             QwenEditDenoising(card, components), ImageLatents(card), NORMALIZED_VAE_DECODER,
                             QwenEditedImage(card, components, resizer))  # fmt: skip
         super().__init__(card, components, parts, config)
+
+    def check_request(self, request: Request) -> Request:
+        """The image's edit size for whichever of height and width the request leaves out, as the
+        pipeline's `height or calculated_height`, `width or calculated_width`."""
+        if request.image is not None and (request.height is None or request.width is None):
+            height, width = edit_size(request.image)
+            request = request.model_copy(update={"height": request.height or height, "width": request.width or width})
+        return super().check_request(request)

@@ -224,6 +224,15 @@ class VideoApi(ImageRoutes):
         with named_as_sent(parsed.sent_as, parsed.notes):  # `size: ...`, not `width: ...`
             self.served.submit(parsed.request, parsed.timeout)
 
+    def _sized(self, parsed: Parsed) -> Parsed:
+        """`parsed` with the size the served loop runs it at, where the client left that to the loop
+        (HunyuanVideo-1.5 i2v: the image's bucket; Qwen-Image-Edit: the image's edit size)."""
+        if parsed.size is not None:
+            return parsed
+        with named_as_sent(parsed.sent_as, parsed.notes):
+            resolved = self.served.engine.loop.check_request(parsed.request)
+        return replace(parsed, size=f"{resolved.width}x{resolved.height}")
+
     def _find(self, video_id: str) -> StoredVideo:
         item = self.store.get(video_id)
         if item is None or item.object != "video":
@@ -256,11 +265,7 @@ class VideoApi(ImageRoutes):
                                self.facts.temporal_multiple, image, video)  # fmt: skip
         if cut is not None:
             parsed.notes["video"] = cut
-        if parsed.size is None:  # the loop's size for the image (HunyuanVideo-1.5 i2v: the image's bucket)
-            with named_as_sent(parsed.sent_as, parsed.notes):
-                resolved = self.served.engine.loop.check_request(parsed.request)
-            parsed = replace(parsed, size=f"{resolved.width}x{resolved.height}")
-        return self._start_video(parsed, None, body.model or self.card.card_id)
+        return self._start_video(self._sized(parsed), None, body.model or self.card.card_id)
 
     async def remix_video(self, video_id: str, http: HttpRequest):
         source = self._find(video_id)

@@ -2,7 +2,8 @@
 POST /v1/images/generations runs `n` one-frame requests through the same engine and answers when all
 have ended (b64_json, or a URL to GET /v1/images/{id}/content); a client that hangs up cancels them.
 POST /v1/images/edits does the same from an uploaded `image` (the openai SDK's `images.edit`), on a
-card that edits images (FLUX.1 Kontext, Qwen-Image-Edit)."""
+card that edits images (FLUX.1 Kontext, Qwen-Image-Edit); with no size sent, the size the card's loop
+picks for that image, as the Python API's."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class ImageRoutes:
-    """Reads the API's card, names, served engine, store, settings, `_fields` and `_accept`."""
+    """Reads the API's card, names, served engine, store, settings, `_fields`, `_sized` and `_accept`."""
 
     async def generate_images(self, http: HttpRequest):
         return await self._images(http, await self._fields(http), None)
@@ -56,8 +57,8 @@ class ImageRoutes:
         if body.not_applied:
             log.info("images: %s accepted and not applied (the served card renders as it does)", body.not_applied)
         base = self.store.new_id("image")
-        parsed = [image_request(body, self.card, f"{base}-{i}" if body.n > 1 else base, self.settings.max_prompt_chars, i, image)
-                  for i in range(body.n)]  # fmt: skip
+        parsed = [self._sized(image_request(body, self.card, f"{base}-{i}" if body.n > 1 else base, self.settings.max_prompt_chars,
+                                            i, image)) for i in range(body.n)]  # fmt: skip
         subscriptions = [(one.request.request_id, self.served.subscribe(one.request.request_id)) for one in parsed]
         try:
             for one in parsed:

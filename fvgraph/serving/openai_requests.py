@@ -47,7 +47,7 @@ class _Body(BaseModel):
     prompt: str = Field(min_length=1)
     model: str | None = None
     size: str | None = Field(default=None, description="WIDTHxHEIGHT, e.g. 832x480; 'auto' is the card's default "
-                                                           "(a video's input_reference image: the loop's size for it).")
+                                                           "(a request from an image: the loop's size for the image).")
     width: int | None = Field(default=None, gt=0, le=99999, description="The peers' name for size's width.")
     height: int | None = Field(default=None, gt=0, le=99999, description="The peers' name for size's height.")
     negative_prompt: str | None = None
@@ -298,9 +298,7 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
     """A /v1/videos request; `image` an image-to-video reference, `video` a video-to-video one, whose
     frames are the request's unless the client also sent a frame count (which must then agree). An
     image with no size sent leaves the size to the served loop, as the Python API does (size None)."""
-    width, height, sent = _shape_sent_as(body, card)
-    if image is not None and "width" not in sent and "height" not in sent:
-        width = height = None
+    width, height, sent = _shape_sent_as(body, card, image)
     notes: dict[str, str] = {}
     fps = body.fps or DEFAULT_FPS
     if video is not None and body.num_frames is None and body.seconds is None:
@@ -325,24 +323,32 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
         raise RequestRejected("strength", "sets how far a video-to-video request goes from its video: upload the video "
                                           "as input_reference with it")  # fmt: skip
     request = _request(body, card, request_id, max_prompt_chars, sent, notes, **shape)
-    return Parsed(request, None if width is None else f"{width}x{height}", seconds, fps, body.timeout, sent, notes)
+    return Parsed(request, _size(width, height), seconds, fps, body.timeout, sent, notes)
 
 
 def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_chars: int, index: int,
                   image: Image.Image | None = None) -> Parsed:  # fmt: skip
-    """Image `index` of a /v1/images call; `image` the image an edit starts from."""
-    width, height, sent = _shape_sent_as(body, card)
+    """Image `index` of a /v1/images call; `image` the image an edit starts from (with no size sent,
+    the served loop sizes the edit, as the Python API does: size None)."""
+    width, height, sent = _shape_sent_as(body, card, image)
     seed = None if body.seed is None else (body.seed + index) % SEED_RANGE  # every valid seed works for any n
     request = _request(body.model_copy(update={"seed": seed}), card, request_id, max_prompt_chars, sent, {},
                        height=height, width=width, num_frames=1, **({} if image is None else {"image": image}))  # fmt: skip
-    return Parsed(request, f"{width}x{height}", "0", DEFAULT_FPS, body.timeout, sent)
+    return Parsed(request, _size(width, height), "0", DEFAULT_FPS, body.timeout, sent)
 
 
-def _shape_sent_as(body: _Body, card: ModelCard) -> tuple[int, int, SentAs]:
-    """Width and height, and every Request field named as the client sent it."""
+def _shape_sent_as(body: _Body, card: ModelCard, image: Image.Image | None) -> tuple[int | None, int | None, SentAs]:
+    """Width and height (None for both when a request from `image` sent neither: the loop sizes it
+    from the image), and every Request field named as the client sent it."""
     with named_as_sent(body._sent):
         width, height, origin = pixel_size(body.size, body.width, body.height, card, body._sent)
+    if image is not None and "width" not in origin and "height" not in origin:
+        width = height = None
     return width, height, {**body._sent, **origin}
+
+
+def _size(width: int | None, height: int | None) -> str | None:
+    return None if width is None else f"{width}x{height}"
 
 
 def check_input_reference(data: bytes, card: ModelCard, takes_image: bool, field: str = "input_reference",
