@@ -296,8 +296,8 @@ def frames_for(seconds: float, fps: float, temporal_multiple: int) -> int:
 def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_chars: int, temporal_multiple: int,
                   image: Image.Image | None = None, video: list[Image.Image] | None = None) -> Parsed:  # fmt: skip
     """A /v1/videos request; `image` an image-to-video reference, `video` a video-to-video one, whose
-    frames are the request's unless the client also sent a frame count (which must then agree). An
-    image with no size sent leaves the size to the served loop, as the Python API does (size None)."""
+    frames are the request's unless the client also sent a frame count (which must then agree). With
+    an image, what the client left out of the size is the served loop's to pick (size None)."""
     width, height, sent = _shape_sent_as(body, card, image)
     notes: dict[str, str] = {}
     fps = body.fps or DEFAULT_FPS
@@ -328,8 +328,8 @@ def video_request(body: VideoBody, card: ModelCard, request_id: str, max_prompt_
 
 def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_chars: int, index: int,
                   image: Image.Image | None = None) -> Parsed:  # fmt: skip
-    """Image `index` of a /v1/images call; `image` the image an edit starts from (with no size sent,
-    the served loop sizes the edit, as the Python API does: size None)."""
+    """Image `index` of a /v1/images call; `image` the image an edit starts from (what the client
+    left out of its size is the served loop's to pick: size None)."""
     width, height, sent = _shape_sent_as(body, card, image)
     seed = None if body.seed is None else (body.seed + index) % SEED_RANGE  # every valid seed works for any n
     request = _request(body.model_copy(update={"seed": seed}), card, request_id, max_prompt_chars, sent, {},
@@ -338,17 +338,17 @@ def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_
 
 
 def _shape_sent_as(body: _Body, card: ModelCard, image: Image.Image | None) -> tuple[int | None, int | None, SentAs]:
-    """Width and height (None for both when a request from `image` sent neither: the loop sizes it
-    from the image), and every Request field named as the client sent it."""
+    """Width and height (for a request from `image`, None where the client sent none: the loop sizes
+    it from the image, as the Python API's), and every Request field named as the client sent it."""
     with named_as_sent(body._sent):
         width, height, origin = pixel_size(body.size, body.width, body.height, card, body._sent)
-    if image is not None and "width" not in origin and "height" not in origin:
-        width = height = None
+    if image is not None:
+        width, height = (width if "width" in origin else None), (height if "height" in origin else None)
     return width, height, {**body._sent, **origin}
 
 
 def _size(width: int | None, height: int | None) -> str | None:
-    return None if width is None else f"{width}x{height}"
+    return None if width is None or height is None else f"{width}x{height}"
 
 
 def check_input_reference(data: bytes, card: ModelCard, takes_image: bool, field: str = "input_reference",
