@@ -43,8 +43,10 @@ def _components(dit: dict | None, vae: dict | None, text: dict | None, tokenizer
 
 def _recipe(steps: int, precision: str = "bf16", name: str = "qwen-image", loop: str = "qwen_image") -> RecipeSpec:
     # guidance_scale is the denoiser's embedded guidance in diffusers' pipeline; Qwen-Image's weights take none.
+    # At least 2 steps: one sigma is its own terminal, so shift_terminal's stretch divides 0 by 0 (diffusers'
+    # scheduler, and so QwenImagePipeline, gives NaN; tests/test_qwen_image.py).
     return RecipeSpec(method="base", name=name, assumes_loop=loop, sampler=SCHEDULER, default_steps=steps,
-                      allowed_steps=(1, 100), precision=precision, default_guidance_scale=1.0, cfg_scale="true_cfg_scale",
+                      allowed_steps=(2, 100), precision=precision, default_guidance_scale=1.0, cfg_scale="true_cfg_scale",
                       default_true_cfg_scale=4.0)  # fmt: skip
 
 

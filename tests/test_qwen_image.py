@@ -181,6 +181,7 @@ EMBEDS = torch.zeros(8, 32)
     "fields,name,rule",
     [
         (dict(height=40), "height", "multiple of 16"),
+        (dict(num_inference_steps=1), "num_inference_steps", "outside [2, 100]"),
         (dict(width=4096), "width", "exceeds"),
         (dict(true_cfg_scale=4.0), "true_cfg_scale", "negative prompt"),
         (dict(num_frames=5), "num_frames", "makes images"),
@@ -219,3 +220,16 @@ def test_the_masks_are_refused_by_loops_that_take_none(tiny_engine):
 @pytest.fixture(scope="module")
 def tiny_qwen_image():
     return Engine.from_card("tiny-qwen-image", device="cpu")
+
+
+def test_one_step_is_refused_because_the_schedulers_terminal_stretch_makes_it_nan():
+    """Why the card takes at least 2 steps: diffusers' scheduler on the card's config, as QwenImagePipeline
+    sets it (sigmas linspace(1, 1 / n, n), mu from the image's tokens), has a NaN sigma at n = 1 only."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    scheduler = FlowMatchEulerDiscreteScheduler(**get_card("qwen-image").recipe.sampler.config)
+    for n in (1, 2):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / n, n), mu=0.5)
+        assert scheduler.sigmas.isnan().any() == (n == 1)
+    assert get_card("qwen-image").recipe.allowed_steps[0] == 2 == get_card("qwen-image-edit").recipe.allowed_steps[0]
