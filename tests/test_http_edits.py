@@ -31,16 +31,21 @@ def served(tmp_path_factory):
         yield running
 
 
-def test_images_edit_returns_the_engines_edit_as_a_png(served):
+@pytest.mark.parametrize("kept", [{}, {"auto_resize": False}])
+def test_images_edit_returns_the_engines_edit_as_a_png(served, kept):
+    """The default, and the image kept at its own size (auto_resize false through extra_body)."""
     _, url = served
     upload = _png(1)
     answer = client(url).images.edit(model="tiny-flux-kontext", image=("in.png", upload, "image/png"), prompt="add a hat",
-                                     size="48x32", extra_body=EDIT)  # fmt: skip
+                                     size="48x32", extra_body={**EDIT, **kept})  # fmt: skip
     served_image = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))))
     engine = Engine.from_card("tiny-flux-kontext", device="cpu")  # the server drives its own
-    [direct] = engine.generate([Request(prompt="add a hat", image=Image.open(io.BytesIO(upload)), height=32, width=48, **EDIT)])
+    requests = [Request(prompt="add a hat", image=Image.open(io.BytesIO(upload)), height=32, width=48, **EDIT, auto_resize=resize)
+                for resize in (kept.get("auto_resize"), not kept.get("auto_resize", True))]  # fmt: skip
+    direct, other = engine.generate(requests)
     assert direct.ok and served_image.shape == (32, 48, 3)
     assert (served_image == direct.images[0]).all()  # PNG is lossless: the same pixels
+    assert not (served_image == other.images[0]).all()  # with the other auto_resize, another edit
 
 
 def test_bad_edit_uploads_and_fields_are_400s_naming_them(served):
@@ -52,6 +57,7 @@ def test_bad_edit_uploads_and_fields_are_400s_naming_them(served):
         ({"prompt": "x"}, {"image": ("in.png", b"not an image", "image/png")}, "image", "not a decodable image"),
         ({"prompt": "x"}, {"image": ("in.png", _png(2), "image/png"), "mask": ("m.png", _png(3), "image/png")}, "mask", "leave mask out"),
         ({"prompt": "x", "n": "0"}, {"image": ("in.png", _png(2), "image/png")}, "n", "greater than or equal to 1"),
+        ({"prompt": "x", "auto_resize": "maybe"}, {"image": ("in.png", _png(2), "image/png")}, "auto_resize", "boolean"),
     ]
     for data, files, field, rule in cases:
         response = httpx.post(url + "/v1/images/edits", headers=headers, data=data, files=files, timeout=60)

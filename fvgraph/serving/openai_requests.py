@@ -105,6 +105,8 @@ class ImageBody(_Body):
     safety_identifier: str | None = Field(default=None, max_length=256)
     stream: bool | None = Field(default=None, description="false only: images are answered whole.")
     partial_images: int | None = Field(default=None, description="0 only: no partial images are streamed.")
+    auto_resize: bool | None = Field(default=None, description="Edits on FLUX.1 Kontext cards: false encodes the image at "
+                                     "its own size instead of the Kontext resolution nearest its aspect ratio, as Request.auto_resize.")
 
     _count_not_a_boolean = field_validator("n", "output_compression", "partial_images", mode="before")(refuse_boolean)
 
@@ -333,7 +335,8 @@ def image_request(body: ImageBody, card: ModelCard, request_id: str, max_prompt_
     width, height, sent = _shape_sent_as(body, card, image)
     seed = None if body.seed is None else (body.seed + index) % SEED_RANGE  # every valid seed works for any n
     request = _request(body.model_copy(update={"seed": seed}), card, request_id, max_prompt_chars, sent, {},
-                       height=height, width=width, num_frames=1, **({} if image is None else {"image": image}))  # fmt: skip
+                       height=height, width=width, num_frames=1, **({} if image is None else {"image": image}),
+                       **({} if body.auto_resize is None else {"auto_resize": body.auto_resize}))  # fmt: skip
     return Parsed(request, _size(width, height), "0", DEFAULT_FPS, body.timeout, sent)
 
 
