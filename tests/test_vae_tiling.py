@@ -31,6 +31,11 @@ from conftest import embeds
 
 WAN_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32, "tile_sample_stride_height": 24, "tile_sample_stride_width": 24}
 TI2V_TILES = {"tile_sample_min_height": 48, "tile_sample_min_width": 48, "tile_sample_stride_height": 32, "tile_sample_stride_width": 32}
+# HunyuanVideo-1.5's VAE (spatial ratio 16): 64 x 96 pixels are 4 x 6 latents, decoded in tiles of 2
+# latents every 1 and encoded in tiles of 32 pixels every 16 (4 x 6 tiles either way: diffusers starts
+# a window at every stride).
+HV15_TILES = {"tile_sample_min_height": 32, "tile_sample_min_width": 32, "tile_latent_min_height": 2, "tile_latent_min_width": 2,
+              "tile_overlap_factor": 0.5}  # fmt: skip
 SHAPE = {"height": 64, "width": 96, "num_frames": 9, "num_inference_steps": 2}
 
 
@@ -53,6 +58,8 @@ def _diffusers_decode(card: str, latents: torch.Tensor, tiles: dict | None) -> t
     if getattr(vae.config, "latents_mean", None) is not None:  # Wan, Qwen-Image: the pipelines denormalize per channel
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
         z = latents / (1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)) + mean
+    elif "hunyuan" in card:  # HunyuanVideo-1.5: scaling alone, every frame
+        z = latents / vae.config.scaling_factor
     else:  # FLUX: scaling and shift, on the one frame
         z = latents[:, :, 0] / vae.config.scaling_factor + (vae.config.shift_factor or 0.0)
     with torch.no_grad():
@@ -65,10 +72,10 @@ def _frames(result) -> np.ndarray:
 
 
 @pytest.mark.parametrize("card, tiles", [("tiny-wan", WAN_TILES), ("tiny-wan2.2-ti2v", TI2V_TILES), ("tiny-flux", True),
-                                         ("tiny-qwen-image", WAN_TILES)])  # fmt: skip
+                                         ("tiny-qwen-image", WAN_TILES), ("tiny-hunyuanvideo1.5", HV15_TILES)])  # fmt: skip
 def test_tiled_decode_equals_diffusers_tiled_decode(card, tiles):
     engine = Engine.from_card(card, device="cpu", vae_tiling=tiles)
-    video_card = "wan" in card
+    video_card = "wan" in card or "hunyuan" in card
     shape = SHAPE if video_card else {k: v for k, v in SHAPE.items() if k != "num_frames"}
     [result] = engine.generate([Request(prompt="a red fox in fresh snow", seed=5, **shape)])
     assert result.ok, result.error
@@ -131,6 +138,33 @@ def test_tiled_encode_equals_diffusers_tiled_encode(card, tiles):
     assert (encoded(tiled=False) - expected).abs().max() > 1e-2
 
 
+def test_hunyuan_video15_tiled_encode_equals_diffusers_tiled_encode():
+    """The image-to-video card's image, encoded as one frame in tiles (the pipeline's video processor,
+    then `vae.encode(...).latent_dist.mode()` times the scaling factor, on frame 0 of `condition`)."""
+    from fvgraph.loops.hunyuan_video15_image import image_processor
+
+    card = "tiny-hunyuanvideo1.5-i2v"
+    engine = Engine.from_card(card, device="cpu", vae_tiling=HV15_TILES)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8))
+    state = engine.start(Request(prompt="a fox", image=image, seed=1, **SHAPE))
+    kinds = []
+    while state.phase != Phase.DENOISE:
+        kinds.append(engine.loop.next(state).kind)
+        engine.step(state)
+    assert kinds.count("vae_encode_tile") == 4 * 6 and kinds[-1] == "vae_encode_end" and "vae_encode" not in kinds
+    vae = load_components(get_card(card), None, torch.device("cpu")).vae
+    pixels = image_processor(engine.facts.vae_spatial).preprocess(image, height=64, width=96).float().unsqueeze(2)
+
+    def encoded(tiled: bool) -> torch.Tensor:
+        vae.enable_tiling(**HV15_TILES) if tiled else vae.disable_tiling()
+        with torch.no_grad():
+            return vae.encode(pixels).latent_dist.mode() * vae.config.scaling_factor
+
+    expected = encoded(tiled=True)
+    assert torch.equal(state.condition[:, : expected.shape[1], :1], expected)
+    assert (encoded(tiled=False) - expected).abs().max() > 1e-2
+
+
 def _request(seed: int, steps: int = 2) -> Request:
     return Request(prompt=f"a fox, take {seed}", seed=seed, **{**SHAPE, "num_inference_steps": steps})
 
@@ -178,15 +212,17 @@ def test_a_cancel_lands_between_tiles_and_frees_the_request(tiled_wan):
     assert tiled_wan.in_flight == 0
 
 
-@pytest.mark.parametrize("option, words", [
-    ({"tile_size": 64}, "unknown: tile_size"),
-    ({"tile_sample_min_height": 30}, "multiple of the VAE's spatial compression ratio 8"),
-    ({"tile_sample_stride_width": 512}, "must be <= tile_sample_min_width=256"),
-    ("yes", "pass True"),
+@pytest.mark.parametrize("card, option, words", [
+    ("tiny-wan", {"tile_size": 64}, "unknown: tile_size"),
+    ("tiny-wan", {"tile_sample_min_height": 30}, "multiple of the VAE's spatial compression ratio 8"),
+    ("tiny-wan", {"tile_sample_stride_width": 512}, "must be <= tile_sample_min_width=256"),
+    ("tiny-wan", "yes", "pass True"),
+    ("tiny-hunyuanvideo1.5", {"tile_overlap_factor": 1.0}, "tile_overlap_factor=1.0: must be in [0, 1)"),
+    ("tiny-hunyuanvideo1.5", {"tile_latent_min_width": 1, "tile_overlap_factor": 0.5}, "tile_latent_min_width=1: must be a whole number"),
 ])  # fmt: skip
-def test_bad_tiling_settings_are_refused_naming_vae_tiling(option, words):
+def test_bad_tiling_settings_are_refused_naming_vae_tiling(card, option, words):
     with pytest.raises(ValueError, match="vae_tiling") as err:
-        Engine.from_card("tiny-wan", device="cpu", vae_tiling=option)
+        Engine.from_card(card, device="cpu", vae_tiling=option)
     assert words in str(err.value)
 
 
@@ -266,3 +302,14 @@ def test_generate_tiles_with_the_flag_and_names_it_in_errors(tmp_path):
     for bad, words in (("tile_size=3", "--vae-tiling: AutoencoderKLWan.enable_tiling takes"), ("tile_sample_min_height=a", "whole number")):
         refused = CliRunner().invoke(app, [*args, "--vae-tiling", bad])
         assert refused.exit_code == 2 and words in refused.output, refused.output
+
+
+def test_the_flag_reads_an_overlap_factor_as_a_number_and_sizes_as_whole_numbers():
+    from fvgraph.cli.options import parse_vae_tiling
+
+    text = ",".join(f"{key}={value}" for key, value in HV15_TILES.items())
+    assert parse_vae_tiling(text) == HV15_TILES and isinstance(parse_vae_tiling(text)["tile_overlap_factor"], float)
+    with pytest.raises(ValueError, match=r"tile_overlap_factor='a quarter': the value must be a number"):
+        parse_vae_tiling("tile_overlap_factor=a quarter")
+    with pytest.raises(ValueError, match=r"tile_latent_min_height='2.5': the value must be a whole number"):
+        parse_vae_tiling("tile_latent_min_height=2.5")

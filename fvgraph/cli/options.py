@@ -188,17 +188,20 @@ OFFLOAD_OPTION = typer.Option(None, "--offload", help="'components': each compon
 
 
 def parse_vae_tiling(text: Optional[str]) -> bool | dict | None:
-    """Engine.from_card's vae_tiling from --vae-tiling: None, True ('on'), or enable_tiling's keywords as ints."""
+    """Engine.from_card's vae_tiling from --vae-tiling: None, True ('on'), or enable_tiling's keywords:
+    sizes as ints, a `..._factor` (HunyuanVideo-1.5's tile_overlap_factor) as a float."""
     if text is None:
         return None
     if text.strip().lower() == "on":
         return True
     settings = {}
     for key, value in _pairs([item for item in text.split(",") if item.strip()], "--vae-tiling", "KEY=VALUE").items():
+        factor = key.endswith("_factor")
         try:
-            settings[key] = int(value)
+            settings[key] = float(value) if factor else int(value)
         except ValueError:
-            raise ValueError(f"--vae-tiling {key}={value!r}: the value must be a whole number of pixels") from None
+            rule = "a number" if factor else "a whole number of pixels"
+            raise ValueError(f"--vae-tiling {key}={value!r}: the value must be {rule}") from None
     return settings
 
 

@@ -218,6 +218,52 @@ class ImageTiling(VaeTiling):
         return self.vae.quant_conv(moments) if self.vae.config.use_quant_conv else moments
 
 
+class OverlapTiling(VaeTiling):
+    """AutoencoderKLHunyuanVideo15: tiles over height and width with their own sizes in pixels and in
+    latents and one overlap factor (0.25), each tile through the whole encoder or decoder (every frame
+    at once), no final crop."""
+
+    KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_latent_min_height", "tile_latent_min_width",
+            "tile_overlap_factor")  # fmt: skip
+
+    def __init__(self, vae: nn.Module, options: dict[str, Any]):
+        super().__init__(vae)
+        # enable_tiling's rule: a keyword given and not None replaces the default set in the VAE's __init__.
+        self.settings = {key: options.get(key) or getattr(vae, key) for key in self.KEYS}
+        overlap = self.settings["tile_overlap_factor"]
+        if not 0 <= overlap < 1:
+            raise ValueError(f"vae_tiling.tile_overlap_factor={overlap}: must be in [0, 1), the share of a tile its neighbour overlaps")
+        for key in self.KEYS[:4]:
+            value = self.settings[key]
+            if not isinstance(value, int) or int(value * (1 - overlap)) < 1:
+                raise ValueError(f"vae_tiling.{key}={value}: must be a whole number whose non-overlapping part, "
+                                 f"{key} x (1 - tile_overlap_factor), is at least 1")  # fmt: skip
+
+    def _grid(self, height: int, width: int, size: str, blended: str) -> TileGrid | None:
+        """diffusers' tiled_encode (size "sample", blended "latent") or tiled_decode (the other way round)."""
+        s, f = self.settings, self.settings["tile_overlap_factor"]
+        size_h, size_w = s[f"tile_{size}_min_height"], s[f"tile_{size}_min_width"]
+        if not (width > size_w or height > size_h):
+            return None  # diffusers' _encode / _decode: untiled
+        out_h, out_w = s[f"tile_{blended}_min_height"], s[f"tile_{blended}_min_width"]
+        blend = (int(out_h * f), int(out_w * f))
+        return TileGrid(_windows(height, int(size_h * (1 - f)), size_h), _windows(width, int(size_w * (1 - f)), size_w),
+                        blend, (out_h - blend[0], out_w - blend[1]), None)  # fmt: skip
+
+    def decode_grid(self, height: int, width: int) -> TileGrid | None:
+        return self._grid(height, width, "latent", "sample")
+
+    def decode_tile(self, z: torch.Tensor) -> torch.Tensor:
+        return self.vae.decoder(z)
+
+    def encode_grid(self, height: int, width: int) -> TileGrid | None:
+        return self._grid(height, width, "sample", "latent")
+
+    def encode_tile(self, x: torch.Tensor) -> torch.Tensor:
+        """One tile of the pixels [B, C, T, h, w] -> its moments (the encoder returns them whole)."""
+        return self.vae.encoder(x)
+
+
 def vae_tiling(vae: nn.Module, option: bool | dict[str, Any] | None) -> VaeTiling | None:
     """The tiling `option` asks of `vae` (None / False: none); ValueError names `vae_tiling` and the rule."""
     if option is None or option is False:
@@ -232,6 +278,8 @@ def vae_tiling(vae: nn.Module, option: bool | dict[str, Any] | None) -> VaeTilin
         raise ValueError(f"vae_tiling: {type(vae).__name__}.enable_tiling takes {takes}; unknown: {', '.join(unknown)}")
     if hasattr(vae, "tile_sample_stride_height") and hasattr(vae, "clear_cache"):
         return CausalVideoTiling(vae, options)
+    if hasattr(vae, "tile_latent_min_height"):
+        return OverlapTiling(vae, options)
     if hasattr(vae, "tile_latent_min_size"):
         return ImageTiling(vae, options)
     raise ValueError(f"vae_tiling: fvgraph does not tile a {type(vae).__name__}")
