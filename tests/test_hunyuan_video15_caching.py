@@ -1,6 +1,7 @@
 """Step caching on HunyuanVideo-1.5 through its denoiser sections (fvgraph/models/hunyuan_video15_sections.py):
 FBCache, TaylorSeer and MagCache on tiny-hunyuanvideo1.5 equal diffusers' own hooks on
-HunyuanVideo15Pipeline with the same weights (latents, and which denoiser calls ran their blocks);
+HunyuanVideo15Pipeline with the same weights (latents, and which denoiser calls ran their blocks),
+FBCache and MagCache on tiny-hunyuanvideo1.5-i2v the hooks on HunyuanVideo15ImageToVideoPipeline;
 the sections equal the plain step bit for bit; a cached request with a LoRA adapter equals the hook
 with the adapter loaded into the transformer; cached and uncached requests together equal each
 alone; the compiled caching steps equal eager.
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+import numpy as np
+from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15ImageToVideoPipeline, HunyuanVideo15Pipeline
 from diffusers.guiders import ClassifierFreeGuidance
 from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig, TaylorSeerCacheConfig
 from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
 from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15TransformerBlock
+from PIL import Image
 
 from fvgraph.adapters.slots import LoraSlots
 from fvgraph.caching.fb_cache_steps import AFTER_FIRST_KINDS
@@ -36,7 +39,9 @@ from cache_helpers import run_together_and_alone
 from lora_files import ATTENTION, peft_lora
 from reference_helpers import assert_matches_reference, assert_within_compiled_noise
 
-CARD = "tiny-hunyuanvideo1.5"
+CARD, I2V_CARD = "tiny-hunyuanvideo1.5", "tiny-hunyuanvideo1.5-i2v"
+# A 40 x 70 image: its bucket on the i2v card is SHAPE's 32 x 48, where the pipeline runs without a size.
+IMAGE = Image.fromarray(np.random.default_rng(3).integers(0, 256, (40, 70, 3), dtype=np.uint8))
 STEPS = 6
 SHAPE = dict(num_inference_steps=STEPS, num_frames=5, height=32, width=48)
 CFG = dict(prompt='a sign saying "hi" at night', negative_prompt="blurry", guidance_scale=4.0)
@@ -80,15 +85,21 @@ def _block_calls(transformer) -> tuple[list[bool], list]:
 
 
 def _reference(config, text: dict, lora: tuple[str, float] | None = None) -> tuple[torch.Tensor, list[bool]]:
-    """HunyuanVideo15Pipeline on a fresh copy of the seeded weights with diffusers' hook `config` (and
-    a LoRA file at a scale loaded into its transformer, when given)."""
-    card = get_card(CARD)
-    c = load_components(card, None, torch.device("cpu"))
+    """HunyuanVideo15Pipeline (HunyuanVideo15ImageToVideoPipeline when `text` has an image) on a fresh
+    copy of the seeded weights with diffusers' hook `config` (and a LoRA file at a scale loaded into
+    its transformer, when given)."""
     text = dict(text)
-    pipe = HunyuanVideo15Pipeline(transformer=c.transformer, vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer,
-                                  text_encoder_2=c.text_encoder_2, tokenizer_2=c.tokenizer_2,
-                                  scheduler=FlowMatchEulerDiscreteScheduler(**card.recipe.sampler.config),
-                                  guider=ClassifierFreeGuidance(guidance_scale=text.pop("guidance_scale")))  # fmt: skip
+    image = "image" in text
+    card = get_card(I2V_CARD if image else CARD)
+    c = load_components(card, None, torch.device("cpu"))
+    common = dict(transformer=c.transformer, vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer,
+                  text_encoder_2=c.text_encoder_2, tokenizer_2=c.tokenizer_2,
+                  scheduler=FlowMatchEulerDiscreteScheduler(**card.recipe.sampler.config),
+                  guider=ClassifierFreeGuidance(guidance_scale=text.pop("guidance_scale")))  # fmt: skip
+    if image:
+        pipe = HunyuanVideo15ImageToVideoPipeline(**common, image_encoder=c.image_encoder, feature_extractor=c.image_processor)
+    else:
+        pipe = HunyuanVideo15Pipeline(**common)
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:
         pipe.transformer.load_lora_adapter(str(lora[0]), adapter_name="x", prefix="transformer", use_safetensors=True)
@@ -96,7 +107,8 @@ def _reference(config, text: dict, lora: tuple[str, float] | None = None) -> tup
     pipe.transformer.enable_cache(config)
     calls, handles = _block_calls(pipe.transformer)
     try:
-        latents = pipe(generator=torch.Generator().manual_seed(5), output_type="latent", **text, **SHAPE).frames
+        shape = {k: v for k, v in SHAPE.items() if not image or k not in ("height", "width")}  # i2v: the image's bucket
+        latents = pipe(generator=torch.Generator().manual_seed(5), output_type="latent", **text, **shape).frames
     finally:
         for handle in handles:
             handle.remove()
@@ -156,6 +168,22 @@ def test_magcache_matches_diffusers_magcache(engine, text):
     assert not all(expected) and any(expected)
     branches = 2 if text["guidance_scale"] != 1 else 1
     assert ours == theirs == [step for step in expected for _ in range(branches)]  # the same calls ran their blocks
+    assert_matches_reference(result.latents, reference)
+
+
+@pytest.mark.parametrize("method", ["fbcache", "magcache"])
+def test_an_image_to_video_request_caches_as_the_hooks_on_the_image_to_video_pipeline(method):
+    """tiny-hunyuanvideo1.5-i2v: the sections take the image's latents and SigLIP tokens as the plain
+    step does, so the cached request equals HunyuanVideo15ImageToVideoPipeline under diffusers' hook."""
+    cache, config = {
+        "fbcache": ({"method": "fbcache", "threshold": 0.2}, FirstBlockCacheConfig(threshold=0.2)),
+        "magcache": ({"method": "magcache", "threshold": 0.06, **MAG}, MagCacheConfig(threshold=0.06, num_inference_steps=STEPS, **MAG)),
+    }[method]  # fmt: skip
+    text = {**CFG, "image": IMAGE}
+    reference, theirs = _reference(config, text)
+    result, ours = _ours(Engine.from_card(I2V_CARD, device="cpu"), cache, text)
+    assert len(theirs) == 2 * STEPS and 0 < sum(theirs) < 2 * STEPS
+    assert ours == theirs
     assert_matches_reference(result.latents, reference)
 
 

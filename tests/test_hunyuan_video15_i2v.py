@@ -201,7 +201,6 @@ def test_a_state_saved_before_or_after_its_image_encodes_resumes_bit_for_bit(tmp
         (dict(), "image", "generates video from an image"),
         (dict(image=_image(0), height=32), "width", "give both, or neither"),
         (dict(image=_image(0), height=1296, width=48), "height", "exceeds"),
-        (dict(image=_image(0), cache={"method": "fbcache", "threshold": 0.2}), "cache", "text-to-video cards only"),
         (dict(image=_image(0), rollout={"noise_level": 0.7}), "rollout", "single-expert text-to-video"),
     ],
 )

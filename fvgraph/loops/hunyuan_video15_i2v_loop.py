@@ -28,8 +28,6 @@ LOOP = "hunyuan_video15_i2v"
 # The text-to-video kinds with the image's two request constants.
 IMAGE_DENOISE_KINDS = {cfg: replace(kind, inputs={**kind.inputs, "condition": Role.CONSTANT, "image_embeds": Role.CONSTANT})
                        for cfg, kind in DENOISE_KINDS.items()}  # fmt: skip
-# The family's sections embed text-to-video's masked zero image tokens and zero condition channels.
-CACHING_REFUSED = "step caching runs on HunyuanVideo-1.5's text-to-video cards only: its sections carry no image conditioning yet"
 
 
 @dataclass
@@ -49,9 +47,10 @@ class HunyuanVideo15ImageToVideoLoop(DenoiseLoop):
                              "taken): build its engine with the text encoders (text_encoder=True)")  # fmt: skip
         card = card_for_weights(card, components)  # the folder's shift, guidance scale and default size
         self.target_size = int(components.transformer.config.target_size)
-        parts = FamilyParts(LOOP, HunyuanVideo15I2VState, HunyuanText(card, components), HunyuanDenoiser(card, IMAGE_DENOISE_KINDS),
-                            HunyuanLatents(card), DECODER, HunyuanFirstFrame(card, components),
-                            caching_refused=CACHING_REFUSED)  # fmt: skip
+        image = HunyuanFirstFrame(card, components)  # refuses a build without the image encoder
+        siglip = components.image_encoder.config  # SigLIP's tokens: the image stream every denoiser call carries
+        denoiser = HunyuanDenoiser(card, IMAGE_DENOISE_KINDS, image_tokens=(siglip.image_size // siglip.patch_size) ** 2)
+        parts = FamilyParts(LOOP, HunyuanVideo15I2VState, HunyuanText(card, components), denoiser, HunyuanLatents(card), DECODER, image)
         super().__init__(card, components, parts, config)
 
     def check_request(self, request: Request) -> Request:

@@ -41,7 +41,7 @@ from fvgraph.loops.loop_parts import Decoder, FamilyParts, LoopConfig
 from fvgraph.loops.samplers import SamplerPlan
 from fvgraph.loops.taps import TapPoints
 from fvgraph.models.components import Components
-from fvgraph.models.hunyuan_video15_forward import HunyuanVideo15TextToVideo
+from fvgraph.models.hunyuan_video15_forward import VISION_TOKENS, HunyuanVideo15TextToVideo
 from fvgraph.models.hunyuan_video15_sections import HunyuanVideo15Sections
 from fvgraph.request import Request, RequestRejected
 
@@ -167,9 +167,10 @@ class HunyuanDenoiser:
     reads: tuple[str, ...] = ()
     teacache_signal = HunyuanVideo15Sections.teacache_signal
 
-    def __init__(self, card: ModelCard, kinds: dict[bool, StepKind] = DENOISE_KINDS):
+    def __init__(self, card: ModelCard, kinds: dict[bool, StepKind] = DENOISE_KINDS, image_tokens: int = VISION_TOKENS):
         self.card = card
         self.kinds = kinds
+        self.image_tokens = image_tokens  # the image stream's length: SigLIP's tokens on an image-to-video card
         self.step_kinds = {kind.name: kind for kind in kinds.values()}
 
     def step(self, transformer: nn.Module, sampler: Any, cfg: bool, tap_points: TapPoints | None) -> nn.Module:
@@ -182,7 +183,7 @@ class HunyuanDenoiser:
         return {kind.name: HunyuanDenoiseStep(denoiser, sampler, cfg, taps) for cfg, kind in self.kinds.items()}
 
     def sections(self, transformer: nn.Module) -> DenoiserSections | None:
-        return HunyuanVideo15Sections(transformer, GLYPH_LEN)
+        return HunyuanVideo15Sections(transformer, GLYPH_LEN, self.image_tokens)
 
     def check(self, resolved: Request) -> None:
         if resolved.guidance_scale < 1:

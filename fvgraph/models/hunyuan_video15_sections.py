@@ -1,11 +1,12 @@
-"""HunyuanVideo-1.5's denoiser sections (fvgraph/contract/denoiser_sections.py): the text-to-video
-forward (fvgraph/models/hunyuan_video15_forward.py, diffusers' `HunyuanVideo15Transformer3DModel.forward`
-with its data-dependent token order made static) cut around its block loop, which step caching runs on.
+"""HunyuanVideo-1.5's denoiser sections (fvgraph/contract/denoiser_sections.py): the forward
+(fvgraph/models/hunyuan_video15_forward.py, diffusers' `HunyuanVideo15Transformer3DModel.forward` with
+its data-dependent token order made static) cut around its block loop, which step caching runs on.
 
-- `embed`: what the step does before the call (the latents with zero condition latents and a zero
-  mask on the channels, in the denoiser's dtype) and the forward's prologue: RoPE, the timestep
-  embedding, the patches, the three conditioning streams (the token refiner over the Qwen tokens,
-  ByT5's projection, the masked image tokens), each with its type embedding, valid tokens first;
+- `embed`: what the step does before the call (the latents with the condition latents and mask on the
+  channels, zeros for text-to-video, in the denoiser's dtype) and the forward's prologue: RoPE, the
+  timestep embedding, the patches, the three conditioning streams (the token refiner over the Qwen
+  tokens, ByT5's projection, the image tokens: SigLIP's for image-to-video, masked zeros for
+  text-to-video), each with its type embedding, valid tokens first;
 - the blocks: the dual-stream blocks, which pass the conditioning tokens and the latents' tokens;
   the sections carry them as one tensor, conditioning first ([B, N + S, D]: slicing and concatenating
   copy values exactly), and the latents' tokens are the `stream` the output section reads and
@@ -28,6 +29,7 @@ from fvgraph.models.hunyuan_video15_forward import VISION_TOKENS, attention_toke
 # Per CFG branch (cond, uncond): the step inputs holding its text's four tensors (the loop's names).
 TEXTS = tuple((slot, f"{slot}_mask", f"{slot}_2", f"{slot}_mask_2") for slot in ("prompt_embeds", "negative_prompt_embeds"))
 ARGUMENTS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2", "encoder_attention_mask_2")
+IMAGE_INPUTS = ("condition", "image_embeds")  # image-to-video's, the same in both branches
 
 
 class HunyuanTokens(NamedTuple):
@@ -40,34 +42,40 @@ class HunyuanTokens(NamedTuple):
 
 
 class HunyuanVideo15Sections(nn.Module):
-    """HunyuanVideo-1.5's DenoiserSections for text-to-video, bound to one transformer (no weight copy).
-    `glyph_tokens`: ByT5's padded length (the loop's), for the blocks' state shape."""
+    """HunyuanVideo-1.5's DenoiserSections, bound to one transformer (no weight copy). `glyph_tokens`:
+    ByT5's padded length (the loop's), `image_tokens`: the image stream's (SigLIP's token count on an
+    image-to-video card), for the blocks' state shape."""
 
     teacache_signal = "modulated_input"  # TeaCache's HunyuanVideo forward reads the first block's modulated input
 
-    def __init__(self, transformer: nn.Module, glyph_tokens: int):
+    def __init__(self, transformer: nn.Module, glyph_tokens: int, image_tokens: int = VISION_TOKENS):
         super().__init__()
         self.transformer = transformer
         self.glyph_tokens = glyph_tokens
+        self.image_tokens = image_tokens
 
     def conditions(self, inputs: Mapping[str, torch.Tensor], branch: int) -> dict[str, torch.Tensor]:
-        return {argument: inputs[name] for argument, name in zip(ARGUMENTS, TEXTS[branch])}
+        texts = {argument: inputs[name] for argument, name in zip(ARGUMENTS, TEXTS[branch])}
+        return {**texts, **{name: inputs[name] for name in IMAGE_INPUTS if inputs.get(name) is not None}}
 
     def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
               encoder_attention_mask: torch.Tensor, encoder_hidden_states_2: torch.Tensor,
-              encoder_attention_mask_2: torch.Tensor) -> HunyuanTokens:  # fmt: skip
+              encoder_attention_mask_2: torch.Tensor, condition: torch.Tensor | None = None,
+              image_embeds: torch.Tensor | None = None) -> HunyuanTokens:  # fmt: skip
         """The step's model input and the forward up to its block loop: latents [B, C, F, h, w] and the
-        timestep [B] (sigma x 1000) -> tokens and conditions."""
+        timestep [B] (sigma x 1000) -> tokens and conditions. Image-to-video: `condition` [B, C + 1, F, h, w]
+        the image's latents and mask, `image_embeds` SigLIP's tokens."""
         model = self.transformer
         dtype = encoder_hidden_states.dtype
         batch, _, frames, height, width = hidden_states.shape
         # the step's [latents, condition latents, mask] on the channels: zeros for text-to-video
-        hidden_states = torch.cat([hidden_states, torch.zeros_like(hidden_states),
-                                   hidden_states.new_zeros(batch, 1, frames, height, width)], dim=1).to(dtype)  # fmt: skip
+        if condition is None:
+            condition = torch.cat([torch.zeros_like(hidden_states), hidden_states.new_zeros(batch, 1, frames, height, width)], dim=1)
+        hidden_states = torch.cat([hidden_states, condition], dim=1).to(dtype)
         timestep = timestep.to(dtype)
         hidden_states, temb, rotary, tokens, mask = prologue(model, hidden_states, timestep, encoder_hidden_states,
                                                              encoder_attention_mask, encoder_hidden_states_2,
-                                                             encoder_attention_mask_2, None)  # fmt: skip
+                                                             encoder_attention_mask_2, image_embeds)  # fmt: skip
         grid = (batch, frames, height, width)
         return HunyuanTokens(torch.cat([tokens, hidden_states], dim=1), tokens.shape[1], temb, mask, rotary, grid)
 
@@ -103,12 +111,12 @@ class HunyuanVideo15Sections(nn.Module):
 
     def hidden_shape(self, latents: torch.Tensor, text_tokens: int, condition: torch.Tensor | None = None) -> tuple[int, int, int]:
         _, patches, dim = self.token_shape(latents)
-        return 1, VISION_TOKENS + self.glyph_tokens + text_tokens + patches, dim
+        return 1, self.image_tokens + self.glyph_tokens + text_tokens + patches, dim
 
     def attention_shape(self, inputs: dict[str, torch.Tensor]) -> tuple[int, int, torch.dtype]:
         """(tokens, head_dim, dtype) of the blocks' joint attention (fvgraph.kernels.attention)."""
         text = inputs["prompt_embeds"]
-        tokens = attention_tokens(self.transformer, inputs["latents"], text.shape[1], self.glyph_tokens)
+        tokens = attention_tokens(self.transformer, inputs["latents"], text.shape[1], self.glyph_tokens, self.image_tokens)
         return tokens, int(self.transformer.config.attention_head_dim), text.dtype
 
     @property
