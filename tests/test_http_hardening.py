@@ -188,14 +188,14 @@ def test_non_finite_numbers_are_refused(server):
 # -- what the card cannot serve is refused at once --------------------------------------------------
 
 
-def test_an_image_to_video_request_without_an_image_or_with_a_cache_is_a_400(i2v_server):
+def test_an_image_to_video_request_without_an_image_or_with_an_uncalibrated_cache_is_a_400(i2v_server):
     srv, url = i2v_server
     before = len(srv.store)
     error = _refused(url, "input_reference", data={"prompt": "x", "size": "32x32", **QUICK})
     assert "generates video from an image" in error["message"]
     files = {"input_reference": ("ref.png", _encoded("PNG", (32, 32)), "image/png")}
-    error = _refused(url, "cache", data={"prompt": "x", "size": "32x32", **QUICK, "cache": "teacache"}, files=files)
-    assert "step caching runs on single-expert text-to-video loops only" in error["message"]
+    error = _refused(url, "cache", data={"prompt": "x", "size": "32x32", **QUICK, "cache": "magcache"}, files=files)
+    assert error["message"].startswith("cache.mag_ratios: not given, and none calibrated for card 'tiny-wan-i2v'")
     assert len(srv.store) == before  # nothing was accepted
 
 

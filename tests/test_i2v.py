@@ -148,3 +148,39 @@ def test_warmup_and_serve_run_the_i2v_card_through_the_cli(tmp_path):
     assert served.exit_code == 0, served.output
     [result] = [json.loads(s) for s in served.output.splitlines() if s.startswith("{")]
     assert result["request_id"] == "fox" and result["status"] == "ok", result
+
+
+CACHE_STEPS = 8
+MAG = {"max_skip_steps": 3, "retention_ratio": 0.2, "mag_ratios": [1.0] + [0.99] * (CACHE_STEPS - 1)}
+
+
+@pytest.mark.parametrize("method", ["fbcache", "magcache"])
+def test_a_cached_request_equals_the_image_to_video_pipeline_under_diffusers_hook(i2v_checkpoint, method):
+    """The caching steps' sections take the image as the plain step does (its latents and mask on the
+    channels, its CLIP tokens beside the text): FBCache and MagCache on the released card equal
+    WanImageToVideoPipeline with `transformer.enable_cache(...)`, the same count of denoiser calls
+    running every block."""
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig
+
+    cache, config = {
+        "fbcache": ({"method": "fbcache", "threshold": 0.05}, FirstBlockCacheConfig(threshold=0.05)),
+        "magcache": ({"method": "magcache", "threshold": 0.06, **MAG}, MagCacheConfig(threshold=0.06, num_inference_steps=CACHE_STEPS, **MAG)),
+    }[method]  # fmt: skip
+    engine = Engine.from_card("wan2.1-i2v-14b-480p", checkpoint=i2v_checkpoint, device="cpu", dtype="fp32")
+    pipe = reference_pipeline(WanImageToVideoPipeline, i2v_checkpoint, scheduler=diffusers_scheduler(engine.card.recipe.sampler))
+    pipe.transformer.enable_cache(config)
+    ran: list[bool] = []  # per denoiser call: whether its last block ran
+    pipe.transformer.blocks[0].register_forward_pre_hook(lambda m, a: ran.append(False))
+    pipe.transformer.blocks[-1].attn1.register_forward_pre_hook(lambda m, a: ran.__setitem__(-1, True))
+    g = torch.Generator().manual_seed(21)
+    positive, negative = (torch.randn(1, engine.card.shapes.text_len, engine.facts.text_dim, generator=g) for _ in range(2))
+    shape = {**SHAPE, "num_inference_steps": CACHE_STEPS}
+    image = _image(1)
+    reference = pipe(image=image, prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=5.0,
+                     generator=torch.Generator().manual_seed(5), output_type="latent", **shape).frames  # fmt: skip
+    [result] = engine.generate([Request(image=image, prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=5.0,
+                                        seed=5, output_type="latent", cache=cache, **shape)])  # fmt: skip
+    assert result.ok, result.error
+    assert len(ran) == 2 * CACHE_STEPS and 0 < sum(ran) < 2 * CACHE_STEPS
+    assert (result.cache["computed"], result.cache["reused"]) == (sum(ran), 2 * CACHE_STEPS - sum(ran))
+    assert_matches_reference(result.latents, reference)

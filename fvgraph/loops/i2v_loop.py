@@ -37,7 +37,7 @@ IMAGE_ENCODE = "image_encode"
 IMAGE_ENCODE_KIND = StepKind(IMAGE_ENCODE, component="image_encoder", phase="image_encode",
                              inputs={"pixel_values": Role.STEP}, outputs={"image_embeds": Role.RESULT})  # fmt: skip
 STEP_KINDS = {**T2V_STEP_KINDS, IMAGE_ENCODE: IMAGE_ENCODE_KIND, VAE_ENCODE: VAE_ENCODE_KIND}
-CACHING_REFUSED = "step caching runs on single-expert text-to-video loops only"
+CACHING_REFUSED = "step caching runs on the single-expert Wan loops (t2v, i2v), not on two-expert or TI2V ones"
 
 
 @dataclass
@@ -124,7 +124,7 @@ class FirstFrameImage:
 def i2v_parts(loop_id: str, state_type: type, card: ModelCard, components: Components, two_experts: bool = False) -> FamilyParts:
     return FamilyParts(loop_id, state_type, WanText(card, components), WanDenoiser(card, components, two_experts, ConcatCondition()),
                        VideoLatents(), WAN_DECODER, FirstFrameImage(card, components),
-                       caching_refused=f"card {card.card_id!r} runs loop {loop_id!r}; {CACHING_REFUSED}",
+                       caching_refused=f"card {card.card_id!r} runs loop {loop_id!r}; {CACHING_REFUSED}" if two_experts else None,
                        # Wan 2.1 I2V's cross-attention input is a per-step concat with the image tokens: no layout.
                        projection_layout=None if components.facts.image_dim is not None else apply_projection_cache)  # fmt: skip
 

@@ -172,7 +172,7 @@ class WanDenoiser:
                 for transformer, kinds in experts for cfg, kind in kinds.items()}  # fmt: skip
 
     def sections(self, transformer: nn.Module) -> DenoiserSections:
-        return WanSections(transformer)
+        return WanSections(transformer, self.media)
 
     def check(self, resolved: Request) -> None:
         pass

@@ -16,7 +16,7 @@ functions of their inputs: running `embed` again in a later launch gives the sam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -82,20 +82,27 @@ def project_out(transformer: nn.Module, hidden_states: torch.Tensor, tokens: Wan
 
 
 class WanSections(nn.Module):
-    """Wan's DenoiserSections: the functions above, bound to one transformer (no weight copy)."""
+    """Wan's DenoiserSections: the functions above, bound to one transformer (no weight copy). `media`:
+    how a request's image enters the step (fvgraph/loops/steps.py's ConcatCondition for I2V), as the
+    plain step takes it; its inputs are conditions of both CFG branches."""
 
     teacache_signal = "timestep"  # TeaCache4Wan2.1 reads the timestep embedding: planned before the run
 
-    def __init__(self, transformer: nn.Module):
+    def __init__(self, transformer: nn.Module, media: Callable | None = None):
         super().__init__()
         self.transformer = transformer
+        self.media = media
 
     def conditions(self, inputs: Mapping[str, torch.Tensor], branch: int) -> dict[str, torch.Tensor]:
-        return {"encoder_hidden_states": inputs[TEXTS[branch]]}
+        media = () if self.media is None else self.media.inputs
+        return {"encoder_hidden_states": inputs[TEXTS[branch]], **{name: inputs[name] for name in media if inputs.get(name) is not None}}
 
     def embed(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-              encoder_hidden_states_image: torch.Tensor | None = None) -> WanTokens:  # fmt: skip
-        return embed(self.transformer, hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
+              **media: torch.Tensor) -> WanTokens:  # fmt: skip
+        side = {}
+        if self.media is not None:  # the model input and the image tokens, as the plain step makes them
+            hidden_states, timestep, side = self.media(hidden_states, timestep, **media)
+        return embed(self.transformer, hidden_states, timestep, encoder_hidden_states, side.get("encoder_hidden_states_image"))
 
     def first_block(self, hidden: torch.Tensor, tokens: WanTokens) -> torch.Tensor:
         return self.transformer.blocks[0](hidden, tokens.encoder_hidden_states, tokens.timestep_proj, tokens.rotary_emb)
