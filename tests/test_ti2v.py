@@ -163,3 +163,41 @@ def test_cuda_graphs_replay_text_and_image_requests_after_a_text_only_warmup():
     for a, b in zip(eager, replayed):
         assert b.ok, b.error
         torch.testing.assert_close(b.latents, a.latents, atol=tol.atol, rtol=tol.rtol)
+
+
+CACHE_STEPS = 8
+MAG = {"max_skip_steps": 3, "retention_ratio": 0.2, "mag_ratios": [1.0] + [0.99] * (CACHE_STEPS - 1)}
+
+
+@pytest.mark.parametrize("with_image", [False, True], ids=["text", "text+image"])
+@pytest.mark.parametrize("method", ["fbcache", "magcache"])
+def test_a_cached_request_equals_the_pipelines_under_diffusers_hook(released, ti2v_checkpoint, method, with_image):
+    """The caching steps' sections take the given frame as the plain step does (its latents in place of
+    the noise, those tokens at timestep 0): FBCache and MagCache equal WanPipeline (text) and
+    WanImageToVideoPipeline (a first frame), both with expand_timesteps, under `transformer.enable_cache(...)`,
+    the same count of denoiser calls running every block."""
+    from diffusers.hooks import FirstBlockCacheConfig, MagCacheConfig
+
+    cache, config = {
+        "fbcache": ({"method": "fbcache", "threshold": 0.05}, FirstBlockCacheConfig(threshold=0.05)),
+        "magcache": ({"method": "magcache", "threshold": 0.06, **MAG}, MagCacheConfig(threshold=0.06, num_inference_steps=CACHE_STEPS, **MAG)),
+    }[method]  # fmt: skip
+    pipe = reference_pipeline(WanPipeline, ti2v_checkpoint, scheduler=diffusers_scheduler(released.card.recipe.sampler))
+    if with_image:
+        pipe = WanImageToVideoPipeline(**pipe.components, expand_timesteps=pipe.config.expand_timesteps)
+    pipe.transformer.enable_cache(config)
+    ran: list[bool] = []  # per denoiser call: whether its last block ran
+    pipe.transformer.blocks[0].register_forward_pre_hook(lambda m, a: ran.append(False))
+    pipe.transformer.blocks[-1].attn1.register_forward_pre_hook(lambda m, a: ran.__setitem__(-1, True))
+    image = {"image": _image(1)} if with_image else {}
+    g = torch.Generator().manual_seed(21)
+    positive, negative = (torch.randn(1, released.card.shapes.text_len, released.facts.text_dim, generator=g) for _ in range(2))
+    shape = {**SHAPE, "num_inference_steps": CACHE_STEPS}
+    reference = pipe(prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=5.0,
+                     generator=torch.Generator().manual_seed(5), output_type="latent", **image, **shape).frames  # fmt: skip
+    [result] = released.generate([Request(prompt_embeds=positive, negative_prompt_embeds=negative, guidance_scale=5.0, seed=5,
+                                          output_type="latent", cache=cache, **image, **shape)])  # fmt: skip
+    assert result.ok, result.error
+    assert len(ran) == 2 * CACHE_STEPS and 0 < sum(ran) < 2 * CACHE_STEPS
+    assert (result.cache["computed"], result.cache["reused"]) == (sum(ran), 2 * CACHE_STEPS - sum(ran))
+    assert_matches_reference(result.latents, reference)

@@ -37,7 +37,7 @@ IMAGE_ENCODE = "image_encode"
 IMAGE_ENCODE_KIND = StepKind(IMAGE_ENCODE, component="image_encoder", phase="image_encode",
                              inputs={"pixel_values": Role.STEP}, outputs={"image_embeds": Role.RESULT})  # fmt: skip
 STEP_KINDS = {**T2V_STEP_KINDS, IMAGE_ENCODE: IMAGE_ENCODE_KIND, VAE_ENCODE: VAE_ENCODE_KIND}
-CACHING_REFUSED = "step caching runs on the single-expert Wan loops (t2v, i2v), not on two-expert or TI2V ones"
+CACHING_REFUSED = "step caching runs on single-expert loops only: the denoiser sections it runs on are one transformer's"
 
 
 @dataclass

@@ -26,7 +26,6 @@ from fvgraph.contract.phase import Phase
 from fvgraph.contract.plan import StepResult, WorkPlan
 from fvgraph.loops.denoise_loop import DenoiseLoop
 from fvgraph.loops.denoise_state import DenoiseState
-from fvgraph.loops.i2v_loop import CACHING_REFUSED
 from fvgraph.loops.tiled_coding import VAE_ENCODE, VAE_ENCODE_KIND
 from fvgraph.loops.i2v_loop import STEP_KINDS as I2V_STEP_KINDS
 from fvgraph.loops.i2v_steps import FirstFrameEncodeStep
@@ -136,7 +135,5 @@ class TextImageToVideoLoop(DenoiseLoop):
     def __init__(self, card: ModelCard, components: Components, config: LoopConfig | None = None):
         media = GivenFrames(components.transformer.config.patch_size)
         parts = FamilyParts("ti2v", TI2VState, WanText(card, components), WanDenoiser(card, components, media=media), VideoLatents(),
-                            WAN_DECODER, OptionalFirstFrame(card, components),
-                            caching_refused=f"card {card.card_id!r} runs loop 'ti2v'; {CACHING_REFUSED}",
-                            projection_layout=apply_projection_cache)  # fmt: skip
+                            WAN_DECODER, OptionalFirstFrame(card, components), projection_layout=apply_projection_cache)  # fmt: skip
         super().__init__(card, components, parts, config)
