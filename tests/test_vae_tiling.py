@@ -108,10 +108,9 @@ def test_a_tiled_decode_runs_one_step_per_tile_and_matches_the_wan_pipeline(tile
     assert np.abs(frames.astype(float) - expected).max() <= 1  # a uint8 step covers the denoise loop's fp32 noise
 
 
-@pytest.mark.parametrize("card, tiles", [("tiny-wan-i2v", WAN_TILES), ("tiny-wan2.2-ti2v", TI2V_TILES)])
-def test_tiled_encode_equals_diffusers_tiled_encode(card, tiles):
-    from diffusers.video_processor import VideoProcessor
-
+def _encoded_in_tiles(card: str, tiles: dict) -> tuple[Engine, Image.Image, object, list[str]]:
+    """A 64 x 96 image-to-video request on `card` tiled as `tiles`, run up to its first denoise step:
+    the engine, the image, the state and the step kinds that ran (the encode in tiles, then its end)."""
     engine = Engine.from_card(card, device="cpu", vae_tiling=tiles)
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8))
     state = engine.start(Request(prompt="a fox", image=image, seed=1, **SHAPE))
@@ -119,7 +118,16 @@ def test_tiled_encode_equals_diffusers_tiled_encode(card, tiles):
     while state.phase != Phase.DENOISE:
         kinds.append(engine.loop.next(state).kind)
         engine.step(state)
-    assert kinds.count("vae_encode_tile") > 1 and kinds[-1] == "vae_encode_end" and "vae_encode" not in kinds
+    assert kinds[-1] == "vae_encode_end" and "vae_encode" not in kinds
+    return engine, image, state, kinds
+
+
+@pytest.mark.parametrize("card, tiles", [("tiny-wan-i2v", WAN_TILES), ("tiny-wan2.2-ti2v", TI2V_TILES)])
+def test_tiled_encode_equals_diffusers_tiled_encode(card, tiles):
+    from diffusers.video_processor import VideoProcessor
+
+    engine, image, state, kinds = _encoded_in_tiles(card, tiles)
+    assert kinds.count("vae_encode_tile") > 1
     vae = load_components(get_card(card), None, torch.device("cpu")).vae
     pixels = VideoProcessor(vae_scale_factor=engine.facts.vae_spatial).preprocess(image, height=64, width=96).float()
     frames = SHAPE["num_frames"] if card == "tiny-wan-i2v" else 1  # Wan 2.1 I2V encodes the image then zero frames
@@ -144,14 +152,8 @@ def test_hunyuan_video15_tiled_encode_equals_diffusers_tiled_encode():
     from fvgraph.loops.hunyuan_video15_image import image_processor
 
     card = "tiny-hunyuanvideo1.5-i2v"
-    engine = Engine.from_card(card, device="cpu", vae_tiling=HV15_TILES)
-    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8))
-    state = engine.start(Request(prompt="a fox", image=image, seed=1, **SHAPE))
-    kinds = []
-    while state.phase != Phase.DENOISE:
-        kinds.append(engine.loop.next(state).kind)
-        engine.step(state)
-    assert kinds.count("vae_encode_tile") == 4 * 6 and kinds[-1] == "vae_encode_end" and "vae_encode" not in kinds
+    engine, image, state, kinds = _encoded_in_tiles(card, HV15_TILES)
+    assert kinds.count("vae_encode_tile") == 4 * 6
     vae = load_components(get_card(card), None, torch.device("cpu")).vae
     pixels = image_processor(engine.facts.vae_spatial).preprocess(image, height=64, width=96).float().unsqueeze(2)
 
