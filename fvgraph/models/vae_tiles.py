@@ -220,7 +220,7 @@ class ImageTiling(VaeTiling):
 
 class OverlapTiling(VaeTiling):
     """AutoencoderKLHunyuanVideo15: tiles over height and width with their own sizes in pixels and in
-    latents and one overlap factor (0.25), each tile through the whole encoder or decoder (every frame
+    latents and one overlap factor (diffusers' default 0.25), each tile through the whole encoder or decoder (every frame
     at once), no final crop."""
 
     KEYS = ("tile_sample_min_height", "tile_sample_min_width", "tile_latent_min_height", "tile_latent_min_width",

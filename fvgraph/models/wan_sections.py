@@ -83,8 +83,9 @@ def project_out(transformer: nn.Module, hidden_states: torch.Tensor, tokens: Wan
 
 class WanSections(nn.Module):
     """Wan's DenoiserSections: the functions above, bound to one transformer (no weight copy). `media`:
-    how a request's image enters the step (fvgraph/loops/steps.py's ConcatCondition for I2V), as the
-    plain step takes it; its inputs are conditions of both CFG branches."""
+    how a request's image enters the step, as the plain step takes it (fvgraph/loops/steps.py's
+    ConcatCondition for I2V, GivenFrames for TI2V: the model input, the timestep and any image
+    tokens); its inputs are conditions of both CFG branches."""
 
     teacache_signal = "timestep"  # TeaCache4Wan2.1 reads the timestep embedding: planned before the run
 
