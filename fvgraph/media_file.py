@@ -19,6 +19,9 @@ from PIL import Image
 VIDEO_SUFFIXES = (".gif", ".mp4")
 FASTSTART = {"movflags": "+faststart"}  # the mp4 muxer's option: moov before mdat
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+# The image formats a request may start from (the HTTP API's uploads, `generate --image`), opened by
+# these PIL plugins only: an input never reaches Ghostscript, TIFF or any other decoder.
+INPUT_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
 # libx264's settings for every mp4 fvgraph writes, stored or streamed (fvgraph/serving/fmp4_stream.py),
 # so the two hold the same bitstream. mbtree off: with it, on a CPU with AVX-512, libx264 encoded the
 # same 32x32 frames to different bitstreams from call to call in one process (one frame's decisions

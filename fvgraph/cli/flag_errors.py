@@ -43,7 +43,7 @@ def flag_error(err: BaseException, flags: dict[str, str] = REQUEST_FLAGS) -> str
         errors = err.errors(include_url=False)
         first = errors[0]
         field = str(first["loc"][0]) if first["loc"] else ""
-        name = flags.get(field) or MEDIA_FLAGS.get(field, field)
+        name = _flag(field, flags)
         if first["type"] in _RULES:
             key, sign = _RULES[first["type"]]
             rule = f"must be {sign} {first['ctx'][key]}"
@@ -53,5 +53,10 @@ def flag_error(err: BaseException, flags: dict[str, str] = REQUEST_FLAGS) -> str
         return f"{name}: {rule}{more}" if name else f"{rule}{more}"
     if isinstance(err, RequestRejected):
         message = str(err).removeprefix(f"{err.field}: ")
-        return f"{flags.get(err.field) or MEDIA_FLAGS.get(err.field, err.field)}: {in_flag_words(message, flags)}"
+        return f"{_flag(err.field, flags)}: {in_flag_words(message, flags)}"
     return str(err)
+
+
+def _flag(field: str, flags: dict[str, str]) -> str:
+    """The flag that sets `field` (the field's own name where none does)."""
+    return flags.get(field) or MEDIA_FLAGS.get(field, field)

@@ -11,7 +11,7 @@ from typing import Optional
 import av
 from PIL import Image, UnidentifiedImageError
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # what the HTTP API's input_reference takes too
+from fvgraph.media_file import INPUT_IMAGE_FORMATS
 
 
 def read_image(path: Optional[Path]) -> Optional[Image.Image]:
@@ -19,7 +19,7 @@ def read_image(path: Optional[Path]) -> Optional[Image.Image]:
     if path is None:
         return None
     try:
-        with Image.open(path, formats=IMAGE_FORMATS) as image:
+        with Image.open(path, formats=INPUT_IMAGE_FORMATS) as image:
             return image.convert("RGB")
     except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as err:
         raise ValueError(f"--image {path}: not a readable PNG, JPEG or WebP image ({err})") from None

@@ -20,7 +20,7 @@ from fvgraph.contract.denoise_update import guided, sampler_update
 from fvgraph.contract.markers import mark_request_constant
 from fvgraph.loops.samplers import FlowEulerSampler
 from fvgraph.loops.taps import TapPoints
-from fvgraph.models.hunyuan_video15_forward import HunyuanVideo15TextToVideo, attention_tokens
+from fvgraph.models.hunyuan_video15_forward import HunyuanVideo15TextToVideo, attention_tokens, denoiser_input
 
 TEMPLATE_PREFIX = 108  # HunyuanVideo15Pipeline.prompt_template_encode_start_idx: the tokens dropped from the front
 HIDDEN_STATE = -3  # the pipeline's num_hidden_layers_to_skip=2: hidden_states[-(2 + 1)]
@@ -79,10 +79,7 @@ class HunyuanDenoiseStep(nn.Module):
     ) -> dict[str, torch.Tensor]:
         dtype = prompt_embeds.dtype
         # 1. [latents, condition latents, mask] on the channels, in the denoiser's dtype: zeros for text-to-video
-        batch, _, frames, h, w = latents.shape
-        if condition is None:
-            condition = torch.cat([torch.zeros_like(latents), latents.new_zeros(batch, 1, frames, h, w)], dim=1)
-        model_input = torch.cat([latents, condition], dim=1).to(dtype)
+        model_input = denoiser_input(latents, condition, dtype)
         image = {} if image_embeds is None else {"image_embeds": mark_request_constant(image_embeds)}
         t = timestep.to(dtype)
         texts = {"cond": (prompt_embeds, prompt_embeds_mask, prompt_embeds_2, prompt_embeds_mask_2)}

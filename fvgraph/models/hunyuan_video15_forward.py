@@ -62,6 +62,15 @@ class HunyuanVideo15TextToVideo(nn.Module):
         return (hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3),)
 
 
+def denoiser_input(latents: torch.Tensor, condition: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The denoiser's input [B, 2 C + 1, F, h, w]: the latents, then the condition latents and mask on
+    the channels (image-to-video's `condition`; zeros for text-to-video, as the pipeline's), in `dtype`."""
+    if condition is None:
+        batch, _, frames, h, w = latents.shape
+        condition = torch.cat([torch.zeros_like(latents), latents.new_zeros(batch, 1, frames, h, w)], dim=1)
+    return torch.cat([latents, condition], dim=1).to(dtype)
+
+
 def prologue(model: nn.Module, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
              encoder_attention_mask: torch.Tensor, encoder_hidden_states_2: torch.Tensor, encoder_attention_mask_2: torch.Tensor,
              image_embeds: torch.Tensor | None) -> tuple[torch.Tensor, ...]:  # fmt: skip

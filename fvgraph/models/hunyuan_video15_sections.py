@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fvgraph.models.hunyuan_video15_forward import VISION_TOKENS, attention_tokens, prologue
+from fvgraph.models.hunyuan_video15_forward import VISION_TOKENS, attention_tokens, denoiser_input, prologue
 
 # Per CFG branch (cond, uncond): the step inputs holding its text's four tensors (the loop's names).
 TEXTS = tuple((slot, f"{slot}_mask", f"{slot}_2", f"{slot}_mask_2") for slot in ("prompt_embeds", "negative_prompt_embeds"))
@@ -68,10 +68,7 @@ class HunyuanVideo15Sections(nn.Module):
         model = self.transformer
         dtype = encoder_hidden_states.dtype
         batch, _, frames, height, width = hidden_states.shape
-        # the step's [latents, condition latents, mask] on the channels: zeros for text-to-video
-        if condition is None:
-            condition = torch.cat([torch.zeros_like(hidden_states), hidden_states.new_zeros(batch, 1, frames, height, width)], dim=1)
-        hidden_states = torch.cat([hidden_states, condition], dim=1).to(dtype)
+        hidden_states = denoiser_input(hidden_states, condition, dtype)  # the step's, as the plain step makes it
         timestep = timestep.to(dtype)
         hidden_states, temb, rotary, tokens, mask = prologue(model, hidden_states, timestep, encoder_hidden_states,
                                                              encoder_attention_mask, encoder_hidden_states_2,

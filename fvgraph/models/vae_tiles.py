@@ -50,6 +50,18 @@ def _windows(extent: int, stride: int, size: int, scale: int = 1) -> tuple[slice
     return tuple(slice(i * scale, (i + size) * scale) for i in range(0, extent, stride))
 
 
+def _overlap_grid(height: int, width: int, size: tuple[int, int], out: tuple[int, int], overlap: float) -> TileGrid | None:
+    """The grid of diffusers' overlap-factor tiling (AutoencoderKL, AutoencoderKLHunyuanVideo15): input
+    windows of `size` (height, width) every (1 - overlap) of it; each tile comes out `out` large and
+    blends `overlap` of it with the tile before, no final crop. None below one tile (diffusers then
+    encodes or decodes untiled)."""
+    if not (width > size[1] or height > size[0]):
+        return None
+    blend = (int(out[0] * overlap), int(out[1] * overlap))
+    return TileGrid(_windows(height, int(size[0] * (1 - overlap)), size[0]), _windows(width, int(size[1] * (1 - overlap)), size[1]),
+                    blend, (out[0] - blend[0], out[1] - blend[1]), None)  # fmt: skip
+
+
 class VaeTiling(abc.ABC):
     """What tiling means for one VAE class; `settings` are its enable_tiling keywords in effect."""
 
@@ -187,13 +199,8 @@ class ImageTiling(VaeTiling):
 
     def decode_grid(self, height: int, width: int) -> TileGrid | None:
         vae = self.vae
-        size = vae.tile_latent_min_size
-        if not (width > size or height > size):
-            return None
-        stride = int(size * (1 - vae.tile_overlap_factor))
-        blend = int(vae.tile_sample_min_size * vae.tile_overlap_factor)
-        keep = vae.tile_sample_min_size - blend
-        return TileGrid(_windows(height, stride, size), _windows(width, stride, size), (blend, blend), (keep, keep), None)
+        latent, sample = (vae.tile_latent_min_size,) * 2, (vae.tile_sample_min_size,) * 2
+        return _overlap_grid(height, width, latent, sample, vae.tile_overlap_factor)
 
     def decode_tile(self, z: torch.Tensor) -> torch.Tensor:
         if self.vae.config.use_post_quant_conv:
@@ -204,13 +211,8 @@ class ImageTiling(VaeTiling):
         """AutoencoderKL's `_tiled_encode`: pixel windows of `tile_sample_min_size` every (1 - overlap)
         of it, blended and kept in latent units, no final crop."""
         vae = self.vae
-        size = vae.tile_sample_min_size
-        if not (width > size or height > size):
-            return None  # diffusers' _encode: untiled
-        stride = int(size * (1 - vae.tile_overlap_factor))
-        blend = int(vae.tile_latent_min_size * vae.tile_overlap_factor)
-        keep = vae.tile_latent_min_size - blend
-        return TileGrid(_windows(height, stride, size), _windows(width, stride, size), (blend, blend), (keep, keep), None)
+        sample, latent = (vae.tile_sample_min_size,) * 2, (vae.tile_latent_min_size,) * 2
+        return _overlap_grid(height, width, sample, latent, vae.tile_overlap_factor)
 
     def encode_tile(self, x: torch.Tensor) -> torch.Tensor:
         """One tile of the image [B, 3, h, w] -> its moments [B, 2 z, h', w']."""
@@ -241,14 +243,9 @@ class OverlapTiling(VaeTiling):
 
     def _grid(self, height: int, width: int, size: str, blended: str) -> TileGrid | None:
         """diffusers' tiled_encode (size "sample", blended "latent") or tiled_decode (the other way round)."""
-        s, f = self.settings, self.settings["tile_overlap_factor"]
-        size_h, size_w = s[f"tile_{size}_min_height"], s[f"tile_{size}_min_width"]
-        if not (width > size_w or height > size_h):
-            return None  # diffusers' _encode / _decode: untiled
-        out_h, out_w = s[f"tile_{blended}_min_height"], s[f"tile_{blended}_min_width"]
-        blend = (int(out_h * f), int(out_w * f))
-        return TileGrid(_windows(height, int(size_h * (1 - f)), size_h), _windows(width, int(size_w * (1 - f)), size_w),
-                        blend, (out_h - blend[0], out_w - blend[1]), None)  # fmt: skip
+        s = self.settings
+        return _overlap_grid(height, width, (s[f"tile_{size}_min_height"], s[f"tile_{size}_min_width"]),
+                             (s[f"tile_{blended}_min_height"], s[f"tile_{blended}_min_width"]), s["tile_overlap_factor"])  # fmt: skip
 
     def decode_grid(self, height: int, width: int) -> TileGrid | None:
         return self._grid(height, width, "latent", "sample")

@@ -25,6 +25,7 @@ from PIL import Image, UnidentifiedImageError
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator
 
 from fvgraph.card import ModelCard
+from fvgraph.media_file import INPUT_IMAGE_FORMATS
 from fvgraph.request import Request, RequestRejected, refuse_boolean
 from fvgraph.serving.client_fields import (IMAGE_EXTENSIONS, VIDEO_EXTENSIONS, SentAs, fold_extra_params, named_as_sent,
                                            nearest_frame_count, pixel_size, refuse_deploy_time)  # fmt: skip
@@ -32,10 +33,8 @@ from fvgraph.serving.media_encode import MAX_FPS, MIN_FPS, mp4_rate
 
 DEFAULT_FPS = 16.0  # Wan 2.1 is trained at 16 frames per second
 SEED_RANGE = 2**63  # seeds are 0 <= seed < 2**63; image i of n gets (seed + i) modulo this
-# input_reference: the formats the API documents, opened by these PIL plugins only (an upload never
-# reaches Ghostscript, TIFF or any other decoder), and at most this many pixels, checked from the
-# header before any pixel is decoded.
-REFERENCE_FORMATS = ("PNG", "JPEG", "WEBP")
+# input_reference: the formats the API documents (INPUT_IMAGE_FORMATS), and at most this many pixels,
+# checked from the header before any pixel is decoded.
 MAX_REFERENCE_PIXELS = 4096 * 4096
 MAX_JSON_DEPTH = 32  # how deeply a JSON field may nest; a real one nests 2 (cache settings holding mag_ratios)
 
@@ -364,7 +363,7 @@ def check_input_reference(data: bytes, card: ModelCard, takes_image: bool, field
         raise RequestRejected(field, f"card {card.card_id!r} generates from text only and takes no image; "
                                      f"serve {serve} to use {field}")  # fmt: skip
     try:
-        image = Image.open(io.BytesIO(data), formats=REFERENCE_FORMATS)  # reads the header only
+        image = Image.open(io.BytesIO(data), formats=INPUT_IMAGE_FORMATS)  # reads the header only
         if image.width * image.height <= MAX_REFERENCE_PIXELS:
             image.load()
             return image.convert("RGB")
